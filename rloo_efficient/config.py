@@ -1,0 +1,75 @@
+from dataclasses import dataclass, field
+
+import trl
+
+
+EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
+
+
+@dataclass
+class RLOOConfig(trl.RLOOConfig):
+    r"""
+    Configuration for [`rloo_efficient.RLOOTrainer`]: every field of [`trl.RLOOConfig`], plus the ones below. With
+    `share_prompt_prefix=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
+
+    Parameters:
+        share_prompt_prefix (`bool`, *optional*, defaults to `True`):
+            Process each unique prompt once per micro-batch: prompts are tokenized once per unique string, and the
+            policy, reference and training forwards pack a prompt with its completions in one row, each completion
+            attending to the prompt's keys and values (a 4-D attention mask). Exact: same log-probs and gradients
+            as the stock forward, to floating-point tolerance. Models where it cannot be exact (absolute position
+            embeddings, active dropout, a sliding window shorter than the sequence, multimodal inputs, attention
+            kernels that take no 4-D mask) use the stock path, with one warning naming the reason.
+        shuffle_groups (`bool`, *optional*, defaults to `False`):
+            When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
+            rows, so a group's completions share a micro-batch (and so its prompt) wherever the batch sizes allow.
+            Consumes the random generator exactly as the row shuffle does. It changes which completions share a
+            micro-batch, so when `steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1` the
+            trajectory is no longer stock TRL's, and the per-micro-batch `entropy` average differs; leave it off
+            for a run that must match stock TRL step for step.
+        empty_cache_policy (`str`, *optional*, defaults to `"none"`):
+            When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per
+            generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
+            the reward, the training forward/backward and the optimizer step). On an accelerator this is
+            `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
+            `time/cache_release_s`. The default follows our measurement on the default workload (see README).
+        profile_memory (`bool`, *optional*, defaults to `True`):
+            Record each phase's peak memory and time (`memory/<phase>/<stat>` and `time/<phase>_s` in the logs) and
+            write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary.
+    """
+
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={"help": "Process each unique prompt once per micro-batch (packed shared-prefix forward)."},
+    )
+    shuffle_groups: bool = field(
+        default=False,
+        metadata={"help": "Shuffle whole prompt groups, not rows, into micro-batches (changes micro-batch makeup)."},
+    )
+    empty_cache_policy: str = field(
+        default="none",
+        metadata={
+            "help": "When to release cached allocator memory.",
+            "choices": list(EMPTY_CACHE_POLICIES),
+        },
+    )
+    profile_memory: bool = field(
+        default=True,
+        metadata={"help": "Record per-phase peak memory and time in the logs and in `memory_report.json`."},
+    )
+
+    @classmethod
+    def from_stock(cls, args: trl.RLOOConfig) -> "RLOOConfig":
+        """A copy of an already validated stock config, with our fields at their defaults."""
+        config = cls.__new__(cls)
+        config.__dict__.update(args.__dict__)
+        for name in set(cls.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__):
+            setattr(config, name, cls.__dataclass_fields__[name].default)
+        return config
+
+    def __post_init__(self):
+        if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
+            raise ValueError(
+                f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."
+            )
+        super().__post_init__()

@@ -1,0 +1,206 @@
+import warnings
+from typing import Any
+
+import torch
+import trl
+from datasets import Dataset
+from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict
+from trl.trainer.utils import unsplit_pixel_values_by_grid
+
+from .config import RLOOConfig
+from .prefix_sharing import group_ids_for, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
+from .prefix_sharing import unsupported_reason
+from .profiling import MemoryProfilingMixin
+
+
+class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
+    """The prefix-sharing overrides; [`RLOOTrainer`] adds profiling around them."""
+
+    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, *positional, **kwargs):
+        if args is not None and not isinstance(args, RLOOConfig):
+            args = RLOOConfig.from_stock(args)
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = RLOOConfig(f"{str(name).split('/')[-1]}-RLOO")
+        self._group_ids: torch.Tensor | None = None  # prompt groups of the rows being scored / trained on
+        self._prefix_warned: set[str] = set()
+        self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._share_prefix = args.share_prompt_prefix
+        if self._share_prefix:
+            reason = unsupported_reason(self.accelerator.unwrap_model(self.model))
+            if reason is None and self.aux_loss_enabled:
+                reason = "the MoE load-balancing loss counts every token of every row"
+            if reason is not None:
+                self._fall_back(reason)
+        self._check_prompt_lengths(self.train_dataset)
+
+    def _check_prompt_lengths(self, dataset) -> None:
+        """Fails before training when a prompt is longer than the model's context; warns when prompt + completion is."""
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        if context is None or not isinstance(dataset, Dataset) or self._is_vlm or "prompt" not in dataset.column_names:
+            return
+        unique = {prompt_key(p): p for p in dataset["prompt"]}
+        longest = max((len(ids) for ids in self._tokenize_prompts(list(unique.values()))[0]), default=0)
+        if longest > context:
+            raise ValueError(
+                f"The longest prompt in train_dataset has {longest} tokens, more than the model's context "
+                f"(max_position_embeddings={context}). Shorten or filter the prompts, or use a model with a longer context."
+            )
+        if longest + self.max_completion_length > context:
+            warnings.warn(
+                f"The longest prompt ({longest} tokens) plus max_completion_length ({self.max_completion_length}) exceeds "
+                f"the model's context (max_position_embeddings={context}); positions beyond it are extrapolated.",
+                stacklevel=3,
+            )
+
+    def _fall_back(self, reason: str, permanent: bool = True) -> None:
+        if permanent:
+            self._share_prefix = False
+        if reason not in self._prefix_warned:
+            self._prefix_warned.add(reason)
+            warnings.warn(
+                f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, using stock "
+                f"TRL's forward: {reason}.",
+                stacklevel=3,
+            )
+
+    # -- string-level batching ---------------------------------------------------------------------------------------
+    def _tokenize_prompts(self, prompts: list):
+        if not self.args.share_prompt_prefix or self._is_vlm:
+            return super()._tokenize_prompts(prompts)
+        keys = [prompt_key(p) for p in prompts]
+        unique_index: dict[str, int] = {}
+        unique_prompts = []
+        for key, prompt in zip(keys, prompts, strict=True):
+            if key not in unique_index:
+                unique_index[key] = len(unique_prompts)
+                unique_prompts.append(prompt)
+        unique_ids, images, multimodal_fields = super()._tokenize_prompts(unique_prompts)
+        # Each of a group's rows refers to its prompt's single token list
+        return [unique_ids[unique_index[key]] for key in keys], images, multimodal_fields
+
+    # -- group structure -----------------------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        group_ids = group_ids_for([x["prompt"] for x in inputs]).to(self.accelerator.device)
+        self._group_ids = group_ids
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._group_ids = None
+        output["group_ids"] = group_ids
+        return output
+
+    def _compute_loss(self, model, inputs):
+        self._group_ids = inputs.get("group_ids")
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._group_ids = None
+
+    # Adapted from trl 1.16 RLOOTrainer._prepare_inputs; changes marked "# prefix sharing:"
+    def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:
+                generation_batch = self._generate_and_score_completions(generation_batch)
+                generation_batch = split_pixel_values_by_grid(generation_batch)
+                # prefix sharing: keep each group's rows together when asked to
+                if self.args.shuffle_groups:
+                    generation_batch = shuffle_groups_dict(generation_batch, generation_batch["group_ids"].cpu())
+                else:
+                    generation_batch = shuffle_sequence_dict(generation_batch)
+                generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in generation_batches]
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        else:
+            inputs = self._generate_and_score_completions(generation_batch)
+        return inputs
+
+    # -- the shared-prefix forward ---------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal_kwargs,
+    ):
+        group_ids = self._group_ids
+        use_stock = (
+            not self._share_prefix
+            or group_ids is None
+            or compute_aux_loss
+            or any(value is not None for value in multimodal_kwargs.values())
+        )
+        if not use_stock:
+            longest = int(attention_mask.sum(1).max())
+            reason = sliding_window_exceeded(self.accelerator.unwrap_model(model), longest)
+            if reason is not None:
+                self._fall_back(reason, permanent=False)
+                use_stock = True
+        if use_stock:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal_kwargs,
+            )  # fmt: skip
+        return self._packed_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, group_ids, batch_size, compute_entropy
+        )
+
+    def _packed_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, group_ids, batch_size, compute_entropy
+    ):
+        """Stock TRL's micro-batch chunking, with each chunk packed one prompt group per row."""
+        batch_size = batch_size or input_ids.size(0)
+        unwrapped = self.accelerator.unwrap_model(model)
+        attn = unwrapped.config.get_text_config()._attn_implementation
+        mask_dtype = None if attn == "sdpa" else next(unwrapped.parameters()).dtype
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            packed = pack_groups(
+                input_ids[start:end],
+                attention_mask[start:end],
+                logits_to_keep,
+                group_ids[start:end],
+                self._tokenizer.pad_token_id,
+            )
+            self.packed_forward_tokens += packed.num_tokens
+            with self.accelerator.autocast():
+                outputs = model(
+                    input_ids=packed.input_ids,
+                    attention_mask=packed.attention_mask(mask_dtype),
+                    position_ids=packed.position_ids,
+                    shift_labels=packed.shift_labels,
+                    fused_lm_head=True,
+                )
+            all_logps.append(packed.unpack(outputs.log_probs))
+            if compute_entropy:
+                all_entropies.append(packed.unpack(outputs.entropy))
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return logps, entropies, None
+
+
+class RLOOTrainer(MemoryProfilingMixin, _SharedPrefixRLOOTrainer):
+    """
+    A drop-in replacement for [`trl.RLOOTrainer`] (same constructor, same results) that processes each prompt once
+    per group, profiles memory per phase, and can release cached memory at phase boundaries. See [`RLOOConfig`] for
+    the switches; with all of them off, training is stock TRL's.
+
+    TRL methods overridden, and why:
+    - `_tokenize_prompts`: tokenize each unique prompt string once; its `k` rows share the token list.
+    - `_generate_and_score_completions`: wraps the stock method to make the batch's prompt groups known to the
+      scoring passes, and adds them to the batch (`group_ids`) so later phases never rediscover them.
+    - `_get_per_token_logps_and_entropies`: the packed shared-prefix forward (see [`prefix_sharing`]) for the
+      policy, reference and training passes; the stock forward where packing would not be exact.
+    - `_compute_loss`: makes the micro-batch's `group_ids` known to the forward, then runs stock TRL's loss.
+    - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True`.
+    - From [`MemoryProfilingMixin`]: `_generate`, `_calculate_rewards`, `training_step`, `log` (phase boundaries,
+      memory metrics), each a thin wrapper around `super()`.
+    """

@@ -1,0 +1,200 @@
+"""
+The offline default workload that tests, scripts and benchmarks share: a tiny causal LM with random weights, a
+byte-level tokenizer built in code, a dataset of long "summarize this report" prompts, and a programmatic reward.
+Nothing comes from the Hub.
+
+The tokenizer maps each byte to one token, so a prompt of `n` ASCII characters is exactly `n` tokens: prompt lengths
+are set in tokens directly.
+"""
+
+import hashlib
+import json
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+PROMPT_HEADER = "Summarize the following report:\n"
+# A minimal chat template for conversational prompts: role tags are plain bytes for the byte-level tokenizer
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass
+class WorkloadConfig:
+    """The offline workload: a tiny model built from a config, a tokenizer built in code, long prompts, a reward."""
+
+    prompt_length: int = field(default=512, metadata={"help": "Prompt length in tokens (1 token per character)."})
+    prompt_length_min: int | None = field(
+        default=None,
+        metadata={"help": "If set, prompt lengths are drawn uniformly from [prompt_length_min, prompt_length]."},
+    )
+    num_prompts: int = field(default=64, metadata={"help": "Number of distinct prompts in the dataset."})
+    conversational: bool = field(default=False, metadata={"help": "Chat-format prompts, rendered by a chat template."})
+    arch: str = field(default="llama", metadata={"help": "Tiny model architecture.", "choices": list(ARCHITECTURES)})
+    hidden_size: int = field(default=128, metadata={"help": "Tiny model hidden size."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "Tiny model layers."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Tiny model attention heads."})
+    num_key_value_heads: int = field(default=2, metadata={"help": "Tiny model key/value heads (GQA)."})
+    intermediate_size: int = field(default=256, metadata={"help": "Tiny model MLP size."})
+    max_position_embeddings: int = field(default=8192, metadata={"help": "Tiny model context length."})
+    model_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or float64."})
+    data_seed: int = field(default=0, metadata={"help": "Seed for the prompts and the model's random weights."})
+    cache_dir: str = field(
+        default=os.environ.get("RLOO_EFFICIENT_CACHE", str(Path.home() / ".cache" / "rloo_efficient")),
+        metadata={"help": "Where the tiny model is saved (stock TRL reloads the reference model from its path)."},
+    )
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"Unknown arch {self.arch!r}: use one of {', '.join(ARCHITECTURES)}.")
+        if self.model_dtype not in ("float32", "float64", "bfloat16"):
+            raise ValueError(f"Unknown model_dtype {self.model_dtype!r}: use float32, float64 or bfloat16.")
+        if self.prompt_length < len(PROMPT_HEADER) + 1:
+            raise ValueError(f"prompt_length must be at least {len(PROMPT_HEADER) + 1} (the header plus one token).")
+        if self.prompt_length_min is not None and not len(PROMPT_HEADER) < self.prompt_length_min <= self.prompt_length:
+            raise ValueError(
+                f"prompt_length_min must lie in ({len(PROMPT_HEADER)}, prompt_length={self.prompt_length}]."
+            )
+        if self.num_prompts < 1:
+            raise ValueError("num_prompts must be at least 1.")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "hidden_size must be divisible by num_attention_heads, and num_attention_heads by num_key_value_heads."
+            )
+
+    def check_fits(self, max_completion_length: int) -> None:
+        """Fails early when a prompt plus its completion cannot fit the model's context."""
+        longest = self.prompt_length + max_completion_length + (32 if self.conversational else 0)
+        if longest > self.max_position_embeddings:
+            raise ValueError(
+                f"prompt_length ({self.prompt_length}) + max_completion_length ({max_completion_length}) exceeds the "
+                f"model's context (max_position_embeddings={self.max_position_embeddings}). Shorten the prompt or "
+                f"completion, or raise max_position_embeddings."
+            )
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer: three special tokens, then one token per byte. Deterministic across processes."""
+    # ByteLevel.alphabet() returns a set-ordered list that changes from process to process: sort it
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        padding_side="left",
+        truncation_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _model_config(cfg: WorkloadConfig, tokenizer):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if cfg.arch == "qwen3":
+        kwargs["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    return config_class[cfg.arch](**kwargs)
+
+
+def build_model_dir(cfg: WorkloadConfig) -> str:
+    """
+    Builds the tiny model with seeded random weights and saves it, with the tokenizer, to a directory named after
+    its settings (reused when it exists). Returns the path: stock TRL re-creates the reference model from it.
+    """
+    model_keys = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "intermediate_size", "max_position_embeddings", "model_dtype", "data_seed")  # fmt: skip
+    settings = {key: getattr(cfg, key) for key in model_keys}
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    path = Path(cfg.cache_dir) / f"tiny-{cfg.arch}-{digest}"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return str(path)
+    tokenizer = build_tokenizer()
+    # The weights must not depend on the global RNG state of the caller
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.data_seed)
+        model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer), dtype=getattr(torch, cfg.model_dtype))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished first: theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "der", "pan", "tel", "gor", "shi", "bu", "fen")
+
+
+def _report_text(rng: random.Random, length: int) -> str:
+    words = []
+    total = 0
+    while total < length:
+        word = "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
+        if rng.random() < 0.1:
+            word += "."
+        words.append(word)
+        total += len(word) + 1
+    return " ".join(words)[:length]
+
+
+def build_dataset(cfg: WorkloadConfig) -> Dataset:
+    """`num_prompts` prompts of exactly `prompt_length` tokens (or lengths drawn from a range), seeded."""
+    rng = random.Random(cfg.data_seed)
+    prompts = []
+    for _ in range(cfg.num_prompts):
+        length = cfg.prompt_length if cfg.prompt_length_min is None else rng.randint(cfg.prompt_length_min,
+                                                                                     cfg.prompt_length)  # fmt: skip
+        text = PROMPT_HEADER + _report_text(rng, length - len(PROMPT_HEADER))
+        prompts.append([{"role": "user", "content": text}] if cfg.conversational else text)
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def completion_text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+def vowel_reward(completions, **kwargs) -> list[float]:
+    """Fraction of a completion's characters that are vowels: cheap, deterministic, and varies across samples."""
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion)
+        rewards.append(sum(ch in "aeiou" for ch in text) / max(len(text), 1))
+    return rewards
+
+
+def describe(cfg: WorkloadConfig) -> dict:
+    return asdict(cfg)

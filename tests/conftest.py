@@ -1,0 +1,96 @@
+import math
+import os
+import warnings
+
+import pytest
+import trl
+
+import rloo_efficient
+from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+METRICS = ("loss", "reward", "kl", "grad_norm", "entropy")
+
+
+def tiny_workload(tmp_cache, **overrides) -> WorkloadConfig:
+    settings = dict(
+        prompt_length=64,
+        prompt_length_min=40,  # prompts of different lengths in one batch exercise left padding
+        num_prompts=16,
+        hidden_size=32,  # tiny: the tests compare numbers, not quality
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA, as in the real models
+        intermediate_size=64,
+        max_position_embeddings=512,
+        model_dtype="float64",  # equivalence is checked at 1e-6 relative in float64
+        cache_dir=str(tmp_cache),
+    )
+    settings.update(overrides)
+    return WorkloadConfig(**settings)
+
+
+def training_args(output_dir, config_class=rloo_efficient.RLOOConfig, **overrides):
+    settings = dict(
+        output_dir=str(output_dir),
+        bf16=False,  # CPU
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,  # short completions keep each run to a second or two
+        max_steps=3,
+        logging_steps=1,  # every step's metrics are compared
+        learning_rate=1e-2,  # large enough that a wrong gradient moves later steps visibly
+        beta=0.1,
+        steps_per_generation=2,  # the second step reuses buffered generations: old_logps != logps, loss != 0
+        report_to=[],
+        save_strategy="no",
+        seed=1,
+        model_init_kwargs={"dtype": "auto"},  # load the saved float64 weights as float64 (TRL defaults to float32)
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+def step_metrics(trainer) -> list[dict]:
+    return [{key: entry.get(key) for key in METRICS} for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_metrics_close(stock: list[dict], ours: list[dict], rtol: float, atol: float) -> None:
+    assert len(stock) == len(ours) and stock
+    for step, (a, b) in enumerate(zip(stock, ours, strict=True)):
+        for key in METRICS:
+            if a[key] is None or (isinstance(a[key], float) and math.isnan(a[key])):
+                assert b[key] is None or math.isnan(b[key]), (step, key, a[key], b[key])
+                continue
+            assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), f"step {step} {key}: stock {a[key]} ours {b[key]}"
+
+
+def run(trainer_class, model_path, args, dataset, reward=vowel_reward, **kwargs):
+    trainer = trainer_class(
+        model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=build_tokenizer(),
+        **kwargs,
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def workload(model_cache):
+    cfg = tiny_workload(model_cache)
+    return cfg, build_model_dir(cfg), build_dataset(cfg)
+
+
+@pytest.fixture(scope="session")
+def stock_run(workload, tmp_path_factory):
+    """One stock TRL run on the shared workload, compared against by several tests."""
+    cfg, path, dataset = workload
+    args = training_args(tmp_path_factory.mktemp("stock"), config_class=trl.RLOOConfig)
+    return run(trl.RLOOTrainer, path, args, dataset)

@@ -1,0 +1,252 @@
+"""The shared-prefix contract: same completions and per-step metrics as stock TRL, same per-token log-probs and
+gradients as the unpacked forward, stock path (with one warning) where packing cannot be exact."""
+
+import warnings
+
+import pytest
+import torch
+import trl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from trl.trainer.utils import add_fused_lm_head
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.prefix_sharing import group_ids_for, pack_groups, shuffle_groups_dict, sliding_window_exceeded
+from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer
+
+from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
+
+
+# float64 weights; TRL's fused LM head returns float32 log-probs whatever the model's dtype, so quantities that are
+# differences of log-probs (kl, and the loss through exp(logps - old_logps)) carry float32 rounding: ~1e-8 absolute
+F64_RTOL, F64_ATOL = 1e-6, 1e-7
+
+LAYOUTS = {
+    "default": {},  # gradient checkpointing on (TRL's default), steps_per_generation=2, beta=0.1
+    "no_gradient_checkpointing": {"gradient_checkpointing": False},
+    "micro_batch_smaller_than_k": {"per_device_train_batch_size": 2},  # a group spans two micro-batches
+    "num_iterations_2": {"num_iterations": 2},
+    "beta_0": {"beta": 0.0},
+    # 48-token completions: some stop at EOS (asserted below); truncated ones are masked to zero completion tokens
+    "eos_and_masked_truncation": {"max_completion_length": 48, "mask_truncated_completions": True, "max_steps": 2},
+}
+
+
+def _compare(path, dataset, tmp_path, rtol=F64_RTOL, atol=F64_ATOL, run_kwargs=None, **overrides):
+    run_kwargs = run_kwargs or {}
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
+                dataset, **run_kwargs)  # fmt: skip
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **overrides), dataset, **run_kwargs)
+    assert ours._share_prefix and ours.packed_forward_tokens > 0  # the shared path really ran
+    assert list(ours._logs["prompt"]) == list(stock._logs["prompt"])
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol, atol)
+    return stock, ours
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_stock_trl(workload, tmp_path, layout):
+    cfg, path, dataset = workload
+    stock, ours = _compare(path, dataset, tmp_path, **LAYOUTS[layout])
+    if layout == "eos_and_masked_truncation":
+        lengths = [e["completions/min_length"] for e in stock.state.log_history if "completions/min_length" in e]
+        assert min(lengths) < 48, "no completion stopped at EOS: the case is not exercised"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])  # llama is the shared workload above
+def test_matches_stock_trl_across_architectures(model_cache, tmp_path, arch):
+    cfg = tiny_workload(model_cache, arch=arch)
+    _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path)
+
+
+# eager attention is tested in float32 only: transformers' eager path returns NaN logits for float64 models with
+# left padding, in stock TRL as in a plain forward (transformers 5.23)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_matches_stock_trl_in_float32(model_cache, tmp_path, attention):
+    cfg = tiny_workload(model_cache, model_dtype="float32")
+    # float32: packing changes matmul shapes and summation order; the tolerance is float32's
+    _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5,
+             model_init_kwargs={"attn_implementation": attention})  # fmt: skip
+
+
+def test_matches_stock_trl_with_peft_lora(workload, tmp_path):
+    from peft import LoraConfig
+
+    cfg, path, dataset = workload
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    # The reference is the base model with the adapter disabled; the adapter learns fast at this learning rate
+    _compare(path, dataset, tmp_path, run_kwargs={"peft_config": lora}, learning_rate=5e-2)
+
+
+def test_matches_stock_trl_with_a_chat_template(model_cache, tmp_path):
+    cfg = tiny_workload(model_cache, conversational=True)
+    _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path)
+
+
+def test_groups_are_tokenized_once(workload, tmp_path):
+    cfg, path, dataset = workload
+    trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=training_args(tmp_path), train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
+    calls = []
+    tokenizer_call = type(trainer.processing_class).__call__
+
+    def counting_call(self, *args, **kwargs):
+        calls.append(len(kwargs.get("text") or args[0]))
+        return tokenizer_call(self, *args, **kwargs)
+
+    prompts = [dataset[0]["prompt"]] * 4 + [dataset[1]["prompt"]] * 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(trainer.processing_class), "__call__", counting_call)
+        ids, _, _ = trainer._tokenize_prompts(prompts)
+    assert calls == [2]  # two unique strings, one tokenizer call
+    assert ids[0] is ids[3] and ids[4] is ids[7] and ids[0] != ids[4]
+
+
+# -- packed forward == unpacked forward, over random group layouts ----------------------------------------------------
+@pytest.fixture(scope="module")
+def scoring_model(workload):
+    cfg, path, dataset = workload
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+@st.composite
+def group_layouts(draw):
+    """Groups of 1-4 completions; prompts of 1-12 tokens (left-padded); completions of 0-6 scored tokens."""
+    groups = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+    prompt_lengths = [draw(st.integers(1, 12)) for _ in groups]
+    completion_lengths = [[draw(st.integers(0, 6)) for _ in range(size)] for size in groups]
+    seed = draw(st.integers(0, 2**16))
+    return prompt_lengths, completion_lengths, seed
+
+
+def _stock_batch(prompt_lengths, completion_lengths, seed, vocab=250):
+    generator = torch.Generator().manual_seed(seed)
+    width_p, width_c = max(prompt_lengths), max(max(c) for c in completion_lengths) or 1
+    rows_ids, rows_mask, group_ids = [], [], []
+    for gid, (p, lengths) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+        prompt = torch.randint(3, vocab, (p,), generator=generator)
+        for n in lengths:
+            completion = torch.randint(3, vocab, (width_c,), generator=generator)
+            ids = torch.cat([torch.zeros(width_p - p, dtype=torch.long), prompt, completion])
+            mask = torch.cat([torch.zeros(width_p - p), torch.ones(p), torch.ones(n), torch.zeros(width_c - n)])
+            rows_ids.append(ids)
+            rows_mask.append(mask.long())
+            group_ids.append(gid)
+    return torch.stack(rows_ids), torch.stack(rows_mask), width_c, torch.tensor(group_ids)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=group_layouts())
+def test_packed_forward_equals_unpacked(scoring_model, layout):
+    prompt_lengths, completion_lengths, seed = layout
+    input_ids, attention_mask, width_c, group_ids = _stock_batch(prompt_lengths, completion_lengths, seed)
+    model = scoring_model
+
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-width_c] = -100
+    model.zero_grad()
+    stock = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    stock_logps, stock_entropy = stock.log_probs[:, -width_c:], stock.entropy[:, -width_c:]
+    weights = torch.linspace(-1, 1, stock_logps.numel()).view_as(stock_logps)
+    ((stock_logps * weights).sum() + stock_entropy.sum()).backward()
+    stock_grads = [p.grad.clone() for p in model.parameters()]
+
+    packed = pack_groups(input_ids, attention_mask, width_c, group_ids, pad_token_id=0)
+    # Tokens forwarded: each prompt once (less its last token, which opens every segment), plus the scored tokens
+    assert packed.num_tokens == sum(p - 1 + sum(c) for p, c in zip(prompt_lengths, completion_lengths, strict=True))
+    model.zero_grad()
+    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(), position_ids=packed.position_ids,
+                shift_labels=packed.shift_labels, fused_lm_head=True)  # fmt: skip
+    logps, entropy = packed.unpack(out.log_probs), packed.unpack(out.entropy)
+    ((logps * weights).sum() + entropy.sum()).backward()
+
+    torch.testing.assert_close(logps, stock_logps, rtol=0, atol=1e-6)  # float32 outputs of a float64 model
+    torch.testing.assert_close(entropy, stock_entropy, rtol=0, atol=1e-6)
+    for p, expected in zip(model.parameters(), stock_grads, strict=True):
+        # TRL's fused head computes in float32: gradients carry float32 rounding relative to their own scale
+        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_grouping_that_lies_is_caught():
+    input_ids, attention_mask, width_c, _ = _stock_batch([5, 5], [[2], [3]], seed=0)
+    with pytest.raises(ValueError, match="prompts differ"):
+        pack_groups(input_ids, attention_mask, width_c, torch.tensor([0, 0]), pad_token_id=0)
+
+
+# -- group structure and shuffling -------------------------------------------------------------------------------------
+def test_group_ids_follow_prompt_strings():
+    chat = [{"role": "user", "content": "hi"}]
+    assert group_ids_for(["a", "b", "a", "c"]).tolist() == [0, 1, 0, 2]
+    assert group_ids_for([chat, chat, [{"role": "user", "content": "yo"}]]).tolist() == [0, 0, 1]
+
+
+def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
+    group_ids = torch.arange(4).repeat_interleave(3)
+    batch = {"group_ids": group_ids, "x": torch.arange(12) * 10, "names": [f"r{i}" for i in range(12)], "n": None}
+    torch.manual_seed(0)
+    shuffled = shuffle_groups_dict(batch, group_ids)
+    after_groups = torch.rand(1)
+    torch.manual_seed(0)
+    row_permutation = torch.randperm(12)
+    assert torch.equal(torch.rand(1), after_groups)  # the generator advanced exactly as for a row shuffle
+    order = shuffled["x"] // 10
+    assert torch.equal(shuffled["group_ids"], group_ids[order]) and shuffled["names"] == [f"r{i}" for i in order.tolist()]
+    runs = shuffled["group_ids"].view(4, 3)
+    assert (runs == runs[:, :1]).all()  # each group contiguous
+    first_seen = list(dict.fromkeys(group_ids[row_permutation].tolist()))
+    assert runs[:, 0].tolist() == first_seen
+
+
+def test_shuffle_groups_matches_stock_when_micro_batches_share_an_optimizer_step(workload, tmp_path):
+    cfg, path, dataset = workload
+    common = dict(gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "o", shuffle_groups=True, **common), dataset)
+    for batch in ours._buffered_inputs:
+        assert (batch["group_ids"] == batch["group_ids"][0]).all()  # one whole group per micro-batch
+    # Same rows in the same optimizer step: everything but the per-micro-batch entropy average is stock TRL's
+    for a, b in zip(step_metrics(stock), step_metrics(ours), strict=True):
+        for key in ("loss", "reward", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=F64_RTOL, abs=F64_ATOL), key
+
+
+# -- fallbacks -------------------------------------------------------------------------------------------------------
+def test_absolute_positions_fall_back_with_one_warning(model_cache, tmp_path):
+    cfg = tiny_workload(model_cache)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=512,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    dataset = build_dataset(cfg)
+    overrides = dict(max_steps=2, disable_dropout=True, model_init_kwargs=None)
+    stock = run(trl.RLOOTrainer, str(tmp_path / "gpt2"), training_args(tmp_path / "s", config_class=trl.RLOOConfig,
+                **overrides), dataset)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, str(tmp_path / "gpt2"), training_args(tmp_path / "o", **overrides), dataset)
+    messages = [str(w.message) for w in caught if "prompt-prefix sharing is off" in str(w.message)]
+    assert len(messages) == 1 and "rotary" in messages[0]
+    assert ours.packed_forward_tokens == 0
+    assert step_metrics(ours) == step_metrics(stock)
+
+
+def test_active_dropout_falls_back(model_cache, tmp_path):
+    cfg = tiny_workload(model_cache)
+    path = build_model_dir(cfg)
+    args = training_args(tmp_path, model_init_kwargs={"dtype": "auto", "attention_dropout": 0.1})
+    with pytest.warns(UserWarning, match="dropout is active"):
+        trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                              train_dataset=build_dataset(cfg), processing_class=build_tokenizer())  # fmt: skip
+    assert not trainer._share_prefix
+
+
+def test_sliding_window_shorter_than_the_sequence_is_detected(model_cache):
+    cfg = tiny_workload(model_cache, arch="mistral")
+    model = AutoModelForCausalLM.from_pretrained(build_model_dir(cfg))
+    model.config.sliding_window = 32
+    assert sliding_window_exceeded(model, 32) is None
+    assert "sliding window" in sliding_window_exceeded(model, 33)
