@@ -67,6 +67,13 @@ class RLOOConfig(trl.RLOOConfig):
             setattr(config, name, cls.__dataclass_fields__[name].default)
         return config
 
+    def to_stock(self) -> trl.RLOOConfig:
+        """The same settings as a stock [`trl.RLOOConfig`], without our fields (to run stock TRL side by side)."""
+        config = trl.RLOOConfig.__new__(trl.RLOOConfig)
+        ours = set(type(self).__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
+        config.__dict__.update({key: value for key, value in self.__dict__.items() if key not in ours})
+        return config
+
     def __post_init__(self):
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(

@@ -99,6 +99,25 @@ class PackedBatch:
             ~allowed, torch.finfo(dtype).min
         )
 
+    def model_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """
+        Keyword arguments for `model(..., fused_lm_head=True)`. The mask is additive in the model's dtype: SDPA would
+        convert a boolean mask to that form inside every layer and save each copy for backward, while one additive
+        mask is shared by all layers (L^2 elements once instead of once per layer). Under autocast the compute dtype
+        is not the weights', so the mask stays boolean there.
+        """
+        device_type = self.input_ids.device.type
+        if torch.is_autocast_enabled(device_type):
+            mask = self.attention_mask(None if _attn_implementation(model) == "sdpa" else torch.float32)
+        else:
+            mask = self.attention_mask(next(model.parameters()).dtype)
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": mask,
+            "position_ids": self.position_ids,
+            "shift_labels": self.shift_labels,
+        }
+
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """`(G, L)` per-position values (zero where unscored) -> `(B, C)` in stock TRL's layout, differentiably."""
         values = packed[self.shift_labels != -100]  # row-major, the order `rows`/`cols` were built in
@@ -184,6 +203,10 @@ def pack_groups(
     )
 
 
+def _attn_implementation(model: nn.Module) -> str:
+    return getattr(model.config.get_text_config(), "_attn_implementation", None) or "eager"
+
+
 # -- when packing is exact -------------------------------------------------------------------------------------------
 _MASKABLE_ATTENTION = ("sdpa", "eager")
 
@@ -202,7 +225,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
             f"{text_config.model_type} has no rotary position embeddings; with absolute positions, stock TRL's "
             f"left padding shifts every token's position, which a packed row cannot reproduce"
         )
-    attn = getattr(text_config, "_attn_implementation", None) or "eager"
+    attn = _attn_implementation(model)
     if attn not in _MASKABLE_ATTENTION:
         return f"attention implementation {attn!r} takes no custom 4-D mask (use 'sdpa' or 'eager')"
     for name, module in model.named_modules():

@@ -158,8 +158,6 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         """Stock TRL's micro-batch chunking, with each chunk packed one prompt group per row."""
         batch_size = batch_size or input_ids.size(0)
         unwrapped = self.accelerator.unwrap_model(model)
-        attn = unwrapped.config.get_text_config()._attn_implementation
-        mask_dtype = None if attn == "sdpa" else next(unwrapped.parameters()).dtype
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
@@ -172,13 +170,7 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
             )
             self.packed_forward_tokens += packed.num_tokens
             with self.accelerator.autocast():
-                outputs = model(
-                    input_ids=packed.input_ids,
-                    attention_mask=packed.attention_mask(mask_dtype),
-                    position_ids=packed.position_ids,
-                    shift_labels=packed.shift_labels,
-                    fused_lm_head=True,
-                )
+                outputs = model(**packed.model_inputs(unwrapped), fused_lm_head=True)
             all_logps.append(packed.unpack(outputs.log_probs))
             if compute_entropy:
                 all_entropies.append(packed.unpack(outputs.entropy))

@@ -49,8 +49,8 @@ class WorkloadConfig:
     intermediate_size: int = field(default=256, metadata={"help": "Tiny model MLP size."})
     max_position_embeddings: int = field(default=8192, metadata={"help": "Tiny model context length."})
     model_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or float64."})
-    data_seed: int = field(default=0, metadata={"help": "Seed for the prompts and the model's random weights."})
-    cache_dir: str = field(
+    workload_seed: int = field(default=0, metadata={"help": "Seed for the prompts and the model's random weights."})
+    model_cache_dir: str = field(
         default=os.environ.get("RLOO_EFFICIENT_CACHE", str(Path.home() / ".cache" / "rloo_efficient")),
         metadata={"help": "Where the tiny model is saved (stock TRL reloads the reference model from its path)."},
     )
@@ -132,16 +132,16 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     its settings (reused when it exists). Returns the path: stock TRL re-creates the reference model from it.
     """
     model_keys = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                  "intermediate_size", "max_position_embeddings", "model_dtype", "data_seed")  # fmt: skip
+                  "intermediate_size", "max_position_embeddings", "model_dtype", "workload_seed")  # fmt: skip
     settings = {key: getattr(cfg, key) for key in model_keys}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    path = Path(cfg.cache_dir) / f"tiny-{cfg.arch}-{digest}"
+    path = Path(cfg.model_cache_dir) / f"tiny-{cfg.arch}-{digest}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return str(path)
     tokenizer = build_tokenizer()
     # The weights must not depend on the global RNG state of the caller
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.data_seed)
+        torch.manual_seed(cfg.workload_seed)
         model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer), dtype=getattr(torch, cfg.model_dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -173,7 +173,7 @@ def _report_text(rng: random.Random, length: int) -> str:
 
 def build_dataset(cfg: WorkloadConfig) -> Dataset:
     """`num_prompts` prompts of exactly `prompt_length` tokens (or lengths drawn from a range), seeded."""
-    rng = random.Random(cfg.data_seed)
+    rng = random.Random(cfg.workload_seed)
     prompts = []
     for _ in range(cfg.num_prompts):
         length = cfg.prompt_length if cfg.prompt_length_min is None else rng.randint(cfg.prompt_length_min,

@@ -26,7 +26,7 @@ def tiny_workload(tmp_cache, **overrides) -> WorkloadConfig:
         intermediate_size=64,
         max_position_embeddings=512,
         model_dtype="float64",  # equivalence is checked at 1e-6 relative in float64
-        cache_dir=str(tmp_cache),
+        model_cache_dir=str(tmp_cache),
     )
     settings.update(overrides)
     return WorkloadConfig(**settings)

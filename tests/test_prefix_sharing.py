@@ -158,8 +158,7 @@ def test_packed_forward_equals_unpacked(scoring_model, layout):
     # Tokens forwarded: each prompt once (less its last token, which opens every segment), plus the scored tokens
     assert packed.num_tokens == sum(p - 1 + sum(c) for p, c in zip(prompt_lengths, completion_lengths, strict=True))
     model.zero_grad()
-    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask(), position_ids=packed.position_ids,
-                shift_labels=packed.shift_labels, fused_lm_head=True)  # fmt: skip
+    out = model(**packed.model_inputs(model), fused_lm_head=True)
     logps, entropy = packed.unpack(out.log_probs), packed.unpack(out.entropy)
     ((logps * weights).sum() + entropy.sum()).backward()
 

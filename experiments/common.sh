@@ -1,0 +1,34 @@
+# Shared by run_baseline.sh and run_improved.sh: the environment and the default workload.
+# The default workload: long prompts, 64-token completions, k = 2, 4, 8, on the offline tiny model.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+KS="${KS:-2 4 8}"
+PROMPT_LENGTH="${PROMPT_LENGTH:-2048}"
+COMPLETION_LENGTH="${COMPLETION_LENGTH:-64}"
+MAX_STEPS="${MAX_STEPS:-3}"
+RESULTS_DIR="${RESULTS_DIR:-results}"
+
+if [ ! -f "$VENV/.rloo_efficient_installed" ]; then
+    echo "[setup] no environment at $VENV: running setup_env.sh"
+    VENV="$VENV" "$ROOT/setup_env.sh"
+fi
+PY="$VENV/bin/python"
+export TOKENIZERS_PARALLELISM=false
+
+# run_one METHOD K [extra args...]: one training run through experiments/run_rloo.py
+run_one() {
+    local method="$1" k="$2"
+    shift 2
+    echo "[run] $method k=$k P=$PROMPT_LENGTH C=$COMPLETION_LENGTH steps=$MAX_STEPS"
+    "$PY" experiments/run_rloo.py --method "$method" \
+        --prompt_length "$PROMPT_LENGTH" --max_completion_length "$COMPLETION_LENGTH" \
+        --num_generations "$k" --per_device_train_batch_size "$k" --max_steps "$MAX_STEPS" \
+        --logging_steps 1 --save_strategy no --report_to none \
+        --results_file "$RESULTS_DIR/${method}_P${PROMPT_LENGTH}_C${COMPLETION_LENGTH}_k${k}.json" "$@"
+}
+
+compare() {
+    "$PY" experiments/compare.py --results_dir "$RESULTS_DIR"
+}

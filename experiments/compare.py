@@ -1,0 +1,83 @@
+"""
+Prints the side-by-side table of stock TRL and rloo_efficient from the results files that experiments/run_rloo.py
+wrote, and saves it as Markdown (results/comparison.md). Reads results only.
+
+    python experiments/compare.py --results_dir results
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PHASES = ("generation", "policy_logps", "reference_logps", "reward", "train", "optimizer")
+
+
+def load(results_dir: Path) -> dict:
+    runs = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            print(f"[compare] skipping unreadable {path}", file=sys.stderr)
+            continue
+        if "method" not in result or "k" not in result:
+            continue
+        key = (result["prompt_length"], result["completion_length"], result["k"], json.dumps(result["workload"], sort_keys=True))
+        runs.setdefault(key, {})[result["method"]] = result
+    return runs
+
+
+def table(runs: dict) -> str:
+    lines = [
+        "| P | C | k | phase | stock (GiB) | ours (GiB) | ours/stock |",
+        "|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for (p, c, k, _), pair in sorted(runs.items()):
+        if set(pair) != {"stock", "ours"}:
+            continue
+        stock, ours = pair["stock"], pair["ours"]
+        unit = "working" if stock["peak_stat"] == "peak_rss_gib" else "allocated"
+
+        def row(label, a, b, fmt="{:.3f}"):
+            ratio = f"{b / a:.2f}x" if a else "n/a"
+            lines.append(f"| {p} | {c} | {k} | {label} | {fmt.format(a)} | {fmt.format(b)} | {ratio} |")
+
+        for phase in PHASES:
+            if phase in stock["per_phase_peak_gib"] and phase in ours["per_phase_peak_gib"]:
+                # On CPU the peak RSS includes the loaded models: show memory above the after-load level
+                a = stock["per_phase_peak_gib"][phase] - (stock["memory_after_load_gib"] if unit == "working" else 0)
+                b = ours["per_phase_peak_gib"][phase] - (ours["memory_after_load_gib"] if unit == "working" else 0)
+                row(f"{phase} peak ({unit})", a, b)
+        row(f"**whole run, {unit}**", stock["working_gib"], ours["working_gib"])
+        row("median step time (s)", stock["median_step_time_s"], ours["median_step_time_s"], "{:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results_dir", default="results")
+    parser.add_argument("--output", default=None, help="Markdown file (default: <results_dir>/comparison.md)")
+    args = parser.parse_args(argv)
+    results_dir = Path(args.results_dir)
+    runs = load(results_dir)
+    paired = [key for key, pair in runs.items() if set(pair) == {"stock", "ours"}]
+    if not paired:
+        print(f"[compare] no stock/ours pair on the same workload in {results_dir}: run ./run_baseline.sh and "
+              f"./run_improved.sh first.")  # fmt: skip
+        return 1 if not runs else 0
+    any_run = next(iter(runs[paired[0]].values()))
+    env = any_run["environment"]
+    header = (f"Device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}; "
+              f"commit {str(env['git_commit'])[:10]}. Memory in GiB; on CPU, peak resident set minus the resident set "
+              f"after the models were loaded.")  # fmt: skip
+    text = header + "\n\n" + table(runs)
+    print(text)
+    output = Path(args.output or results_dir / "comparison.md")
+    output.write_text(text + "\n")
+    print(f"\n[compare] table written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

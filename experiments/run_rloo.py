@@ -1,0 +1,140 @@
+"""
+Runs stock `trl.RLOOTrainer` or ours on one workload and writes a self-describing results file: per-phase peak
+memory, step times, the whole-run peak, config, versions, device and git commit.
+
+    python experiments/run_rloo.py --method ours --prompt_length 2048 --max_completion_length 64 \
+        --num_generations 8 --per_device_train_batch_size 8 --max_steps 3
+
+Every `RLOOConfig` (TRL's plus ours) and `WorkloadConfig` field is a flag: `--help` lists them. With
+`--model_name_or_path` / `--dataset_name` it trains a Hub model on a Hub dataset instead of the offline workload.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import trl
+from trl import TrlParser
+
+from rloo_efficient import RLOOConfig, RLOOTrainer
+from rloo_efficient.profiling import MemoryProfilingMixin, environment_info, write_json_atomic
+from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+
+
+# The settings that make two runs the same workload, beside the WorkloadConfig
+SAME_RUN_KEYS = ("num_generations", "max_completion_length", "max_steps", "per_device_train_batch_size",
+                 "steps_per_generation", "gradient_accumulation_steps", "beta", "seed", "learning_rate",
+                 "gradient_checkpointing", "bf16")  # fmt: skip
+
+
+class ProfiledStockRLOOTrainer(MemoryProfilingMixin, trl.RLOOTrainer):
+    """Stock TRL's trainer with the same per-phase profiling as ours, and nothing else."""
+
+
+@dataclass
+class ExperimentArgs:
+    method: str = field(default="ours", metadata={"help": "Which trainer runs.", "choices": ["stock", "ours"]})
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A Hub model or local path instead of the offline tiny model."}
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A Hub dataset with a `prompt` column instead of the offline prompts."}
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of --dataset_name."})
+    results_file: str | None = field(
+        default=None, metadata={"help": "Where the results JSON goes (default: results/<method>_<workload>.json)."}
+    )
+    skip_existing: bool = field(
+        default=False, metadata={"help": "Do nothing when the results file for this workload already exists."}
+    )
+
+
+def workload_name(workload: WorkloadConfig, config: RLOOConfig, exp: ExperimentArgs) -> str:
+    model = Path(exp.model_name_or_path).name if exp.model_name_or_path else f"tiny-{workload.arch}-h{workload.hidden_size}"
+    data = Path(exp.dataset_name).name if exp.dataset_name else f"P{workload.prompt_length}"
+    return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}"
+
+
+def parse(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not torch.cuda.is_available() and not any(arg.startswith("--bf16") for arg in argv):
+        argv += ["--bf16", "false"]  # TRL defaults to bf16, which fails on a machine without an accelerator
+    parser = TrlParser((ExperimentArgs, WorkloadConfig, RLOOConfig))
+    return parser.parse_args_and_config(args=argv)
+
+
+def main(argv=None) -> dict:
+    exp, workload, config = parse(argv)[:3]
+    workload.check_fits(config.max_completion_length)  # before any model is loaded
+    name = workload_name(workload, config, exp)
+    results_file = Path(exp.results_file or f"results/{exp.method}_{name}.json")
+    if exp.skip_existing and results_file.exists():
+        existing = json.loads(results_file.read_text())
+        same = existing.get("workload") == (None if exp.model_name_or_path else asdict(workload)) and all(
+            existing["config"].get(key) == getattr(config, key) for key in SAME_RUN_KEYS
+        )
+        if same:
+            print(f"[run_rloo] {results_file} holds this workload already: skipping {exp.method} {name}")
+            return existing
+        print(f"[run_rloo] {results_file} is for another workload: running {exp.method} {name} again")
+    if config.output_dir in (None, "trainer_output") or config.output_dir.endswith("trainer_output"):
+        config.output_dir = str(Path("outputs") / f"{exp.method}_{name}")
+
+    if exp.model_name_or_path:
+        model, tokenizer = exp.model_name_or_path, None
+    else:
+        model, tokenizer = build_model_dir(workload), build_tokenizer()
+    if exp.dataset_name:
+        from datasets import load_dataset
+
+        dataset = load_dataset(exp.dataset_name, split=exp.dataset_split)
+    else:
+        dataset = build_dataset(workload)
+
+    trainer_class, args = (RLOOTrainer, config) if exp.method == "ours" else (ProfiledStockRLOOTrainer, config.to_stock())
+    trainer = trainer_class(model=model, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+                            processing_class=tokenizer)  # fmt: skip
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+
+    report = trainer.memory_report()
+    step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
+    summary = report["summary"]
+    peak_key = "peak_allocated_gib" if "peak_allocated_gib" in summary["overall"] else "peak_rss_gib"
+    results = {
+        "method": exp.method,
+        "workload_name": name,
+        "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "experiments/run_rloo.py", *argv]),
+        "workload": asdict(workload) if not exp.model_name_or_path else None,
+        "k": config.num_generations,
+        "prompt_length": workload.prompt_length,
+        "completion_length": config.max_completion_length,
+        "environment": environment_info(trainer.accelerator.device),
+        "time_of_run": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "peak_stat": peak_key,
+        "memory_after_load_gib": report["memory_after_load_gib"],
+        "peak_gib": summary["overall"][peak_key],
+        "working_gib": summary["overall"][peak_key] - report["memory_after_load_gib"],
+        "per_phase_peak_gib": {phase: stats[peak_key] for phase, stats in summary["per_phase"].items()},
+        "step_times_s": step_times,
+        # The first step pays one-time costs (allocator warm-up, lazy init): the median leaves it out when it can
+        "median_step_time_s": statistics.median(step_times[1:] or step_times) if step_times else None,
+        "train_wall_s": wall,
+        "steps": report["steps"],
+        "config": {key: value for key, value in args.to_dict().items() if key in RLOOConfig.__dataclass_fields__},
+    }
+    write_json_atomic(results_file, results)
+    print(f"[run_rloo] {exp.method} {name}: peak {results['peak_gib']:.3f} GiB ({peak_key}), working "
+          f"{results['working_gib']:.3f} GiB, median step {results['median_step_time_s']:.2f}s -> {results_file}")  # fmt: skip
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
