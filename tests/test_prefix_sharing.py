@@ -164,9 +164,10 @@ def test_packed_forward_equals_unpacked(scoring_model, layout):
 
     torch.testing.assert_close(logps, stock_logps, rtol=0, atol=1e-6)  # float32 outputs of a float64 model
     torch.testing.assert_close(entropy, stock_entropy, rtol=0, atol=1e-6)
+    # TRL's fused head computes in float32: gradients carry float32 rounding relative to the gradient's scale
+    scale = max(g.abs().max().item() for g in stock_grads)
     for p, expected in zip(model.parameters(), stock_grads, strict=True):
-        # TRL's fused head computes in float32: gradients carry float32 rounding relative to their own scale
-        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6 * scale + 1e-12)
 
 
 def test_grouping_that_lies_is_caught():
