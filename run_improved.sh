@@ -8,3 +8,4 @@ for k in $KS; do
     run_one ours "$k" "$@"
 done
 compare
+plots

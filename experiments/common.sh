@@ -32,3 +32,9 @@ run_one() {
 compare() {
     "$PY" experiments/compare.py --results_dir "$RESULTS_DIR"
 }
+
+plots() {
+    if [ -f "$RESULTS_DIR/results.csv" ]; then
+        "$PY" experiments/plot_results.py --csv "$RESULTS_DIR/results.csv"
+    fi
+}

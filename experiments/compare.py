@@ -76,6 +76,18 @@ def main(argv=None) -> int:
     output = Path(args.output or results_dir / "comparison.md")
     output.write_text(text + "\n")
     print(f"\n[compare] table written to {output}")
+    # The same runs as a tidy CSV, for experiments/plot_results.py and the notebook
+    from sweep import tidy_rows, COLUMNS  # noqa: PLC0415
+    import csv
+
+    csv_path = results_dir / "results.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for key in paired:
+            for method, result in runs[key].items():
+                writer.writerows(tidy_rows(f"{method}_P{key[0]}_C{key[1]}_k{key[2]}", result))
+    print(f"[compare] rows written to {csv_path}")
     return 0
 
 

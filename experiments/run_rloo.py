@@ -127,6 +127,7 @@ def main(argv=None) -> dict:
         "median_step_time_s": statistics.median(step_times[1:] or step_times) if step_times else None,
         "train_wall_s": wall,
         "steps": report["steps"],
+        "timeline": report["timeline"],
         "config": {key: value for key, value in args.to_dict().items() if key in RLOOConfig.__dataclass_fields__},
     }
     write_json_atomic(results_file, results)

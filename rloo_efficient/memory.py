@@ -110,6 +110,14 @@ def current_memory_gib(device: torch.device) -> float:
     return current_rss_gib()
 
 
+def current_memory_stats(device: torch.device) -> dict[str, float]:
+    """Memory in use now, in GiB: `allocated_gib` and `reserved_gib` on an accelerator, `rss_gib` on CPU."""
+    if is_accelerator(device):
+        api = _device_memory_api(device)
+        return {"allocated_gib": api.memory_allocated(device) / GIB, "reserved_gib": api.memory_reserved(device) / GIB}
+    return {"rss_gib": current_rss_gib()}
+
+
 def release_cached_memory(device: torch.device) -> None:
     """
     Returns cached, unused memory to the system: `empty_cache()` on an accelerator; on CPU with glibc,

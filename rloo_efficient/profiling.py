@@ -15,6 +15,7 @@ from transformers import TrainerCallback
 
 from .memory import (
     current_memory_gib,
+    current_memory_stats,
     device_description,
     get_memory_stats,
     is_accelerator,
@@ -46,6 +47,8 @@ class PhaseProfiler:
         self.baseline_gib = current_memory_gib(device)  # memory right after the models were loaded
         self.steps: list[dict] = []  # one record per optimizer step
         self.release_boundaries: list[str] = []  # phases after which memory was released, in order (for tests)
+        self.timeline: list[dict] = []  # one entry per closed segment: when, which phase, its peak, memory at its end
+        self._t0 = time.perf_counter()
         self._stack: list[str] = []
         self._segment_start = 0.0
         self._current: dict[str, dict[str, float]] = defaultdict(dict)
@@ -56,9 +59,13 @@ class PhaseProfiler:
         now = time.perf_counter()
         if self._stack:
             record = self._current[self._stack[-1]]
-            for name, value in get_memory_stats(self.device).items():
+            stats = get_memory_stats(self.device)
+            for name, value in stats.items():
                 record[name] = max(record.get(name, 0.0), value)
             record["time_s"] = record.get("time_s", 0.0) + now - self._segment_start
+            self.timeline.append({"start_s": self._segment_start - self._t0, "end_s": now - self._t0,
+                                  "phase": self._stack[-1], "step": len(self.steps) + 1, **stats,
+                                  **current_memory_stats(self.device)})  # fmt: skip
         else:
             reset_peak_memory(self.device)
         self._segment_start = time.perf_counter()
@@ -279,6 +286,7 @@ class MemoryProfilingMixin:
             "empty_cache_policy": profiler.empty_cache_policy,
             "summary": profiler.summary(),
             "steps": profiler.steps,
+            "timeline": profiler.timeline,
             "config": config,
         }
 
