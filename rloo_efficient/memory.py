@@ -105,9 +105,8 @@ def get_memory_stats(device: torch.device, reset: bool = True) -> dict[str, floa
 
 def current_memory_gib(device: torch.device) -> float:
     """Memory in use now: allocated tensors on an accelerator, the resident set on CPU."""
-    if is_accelerator(device):
-        return _device_memory_api(device).memory_allocated(device) / GIB
-    return current_rss_gib()
+    stats = current_memory_stats(device)
+    return stats.get("allocated_gib", stats.get("rss_gib"))
 
 
 def current_memory_stats(device: torch.device) -> dict[str, float]:
