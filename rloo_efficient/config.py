@@ -10,7 +10,8 @@ EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
 class RLOOConfig(trl.RLOOConfig):
     r"""
     Configuration for [`rloo_efficient.RLOOTrainer`]: every field of [`trl.RLOOConfig`], plus the ones below. With
-    `share_prompt_prefix=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
+    `share_prompt_prefix=False`, `share_generation_prefill=False`, `shuffle_groups=False` and
+    `empty_cache_policy="none"`, training is stock TRL's.
 
     Parameters:
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):
@@ -20,6 +21,13 @@ class RLOOConfig(trl.RLOOConfig):
             as the stock forward, to floating-point tolerance. Models where it cannot be exact (absolute position
             embeddings, active dropout, a sliding window shorter than the sequence, multimodal inputs, attention
             kernels that take no 4-D mask) use the stock path, with one warning naming the reason.
+        share_generation_prefill (`bool`, *optional*, defaults to `True`):
+            In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
+            to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
+            TRL's `generate` does, so the same seed gives the same completions. Models where it cannot be exact
+            (encoder-decoder, multimodal, active dropout, caches that are not per-row keys and values, a
+            `cache_implementation` other than dynamic) use stock generation, with one warning naming the reason. vLLM
+            and continuous batching are untouched (they share prefixes already).
         shuffle_groups (`bool`, *optional*, defaults to `False`):
             When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
             rows, so a group's completions share a micro-batch (and so its prompt) wherever the batch sizes allow.
@@ -42,6 +50,10 @@ class RLOOConfig(trl.RLOOConfig):
     share_prompt_prefix: bool = field(
         default=True,
         metadata={"help": "Process each unique prompt once per micro-batch (packed shared-prefix forward)."},
+    )
+    share_generation_prefill: bool = field(
+        default=True,
+        metadata={"help": "Prefill each distinct prompt once in generate and fan its KV cache out to its k rows."},
     )
     shuffle_groups: bool = field(
         default=False,

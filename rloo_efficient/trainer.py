@@ -4,6 +4,9 @@ from typing import Any
 import torch
 import trl
 from datasets import Dataset
+from trl.models import unwrap_model_for_generation
+from trl.extras.profiling import profiling_context
+from trl.trainer.utils import pad
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict
 from trl.trainer.utils import unsplit_pixel_values_by_grid
 
@@ -11,6 +14,7 @@ from .config import RLOOConfig
 from .prefix_sharing import group_ids_for, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
 from .prefix_sharing import unsupported_reason
 from .profiling import MemoryProfilingMixin
+from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 
 class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
@@ -25,6 +29,7 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         self._group_ids: torch.Tensor | None = None  # prompt groups of the rows being scored / trained on
         self._prefix_warned: set[str] = set()
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
+        self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
         self._share_prefix = args.share_prompt_prefix
         if self._share_prefix:
@@ -33,6 +38,15 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 reason = "the MoE load-balancing loss counts every token of every row"
             if reason is not None:
                 self._fall_back(reason)
+        self._share_prefill = args.share_generation_prefill and not (self.use_vllm or self.use_transformers_continuous_batching)
+        if self._share_prefill:
+            reason = generation_unsupported_reason(self.accelerator.unwrap_model(self.model), self.generation_config)
+            if reason is not None:
+                self._share_prefill = False
+                warnings.warn(
+                    f"rloo_efficient: the shared generation prefill is off, using stock TRL's generate: {reason}.",
+                    stacklevel=2,
+                )
         self._check_prompt_lengths(self.train_dataset)
 
     def _check_prompt_lengths(self, dataset) -> None:
@@ -117,6 +131,64 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         else:
             inputs = self._generate_and_score_completions(generation_batch)
         return inputs
+
+    # -- the shared prefill in generation --------------------------------------------------------------------------
+    # Adapted from trl 1.16 RLOOTrainer._generate_single_turn, its regular transformers branch (vLLM and continuous
+    # batching go to stock TRL unchanged); changes marked "# shared prefill:"
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        if not self._share_prefill or images is not None or multimodal_fields:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        device = self.accelerator.device
+
+        # Regular generation path: left-pad token IDs into tensors
+        prompt_tensors = [torch.tensor(ids) for ids in prompt_ids]
+        padded_ids = pad(
+            prompt_tensors,
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        attention_mask = pad(
+            [torch.ones_like(t) for t in prompt_tensors],
+            padding_value=0,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        generate_inputs = {"input_ids": padded_ids, "attention_mask": attention_mask}
+        generate_inputs = super(trl.RLOOTrainer, self)._prepare_inputs(generate_inputs)
+
+        with (
+            profiling_context(self, "transformers.generate"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,  # Override model.generation_config with generation_kwargs to fix transformers#42762
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            # shared prefill: each distinct prompt row's first W - 1 tokens once, its cache fanned out to its rows;
+            # generate then forwards the last prompt column and samples exactly as it would have
+            prompt_completion_ids, prefill_tokens = generate_with_shared_prefill(
+                unwrapped_model, **generate_inputs, generation_config=self.generation_config
+            )
+            self.shared_prefill_tokens += prefill_tokens
+        # Compute prompt length and extract completion ids
+        prompt_length = generate_inputs["input_ids"].size(1)
+        completion_ids = prompt_completion_ids[:, prompt_length:]
+
+        # Mask everything after the first EOS token
+        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=device))
+        eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=device)
+        eos_idx[is_eos.any(dim=1)] = is_eos.int().argmax(dim=1)[is_eos.any(dim=1)]
+        sequence_indices = torch.arange(is_eos.size(1), device=device).expand(is_eos.size(0), -1)
+        completion_mask = (sequence_indices <= eos_idx.unsqueeze(1)).int()
+        completion_ids = [
+            c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
+        ]
+        return completion_ids
 
     # -- the shared-prefix forward ---------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(

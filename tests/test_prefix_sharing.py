@@ -39,6 +39,7 @@ def _compare(path, dataset, tmp_path, rtol=F64_RTOL, atol=F64_ATOL, run_kwargs=N
                 dataset, **run_kwargs)  # fmt: skip
     ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **overrides), dataset, **run_kwargs)
     assert ours._share_prefix and ours.packed_forward_tokens > 0  # the shared path really ran
+    assert ours._share_prefill and ours.shared_prefill_tokens > 0  # and so did the shared generation prefill
     assert list(ours._logs["prompt"]) == list(stock._logs["prompt"])
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol, atol)

@@ -1,0 +1,170 @@
+"""The shared generation prefill: `generate` from a once-per-prompt prefill gives the stock call's logits and samples,
+forwards exactly the tokens it should, and stock generation runs (with one warning) where it cannot be exact."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+
+from .conftest import run, training_args
+
+
+PAD = 0
+VOCAB = 64  # tiny vocabulary: the logits compared per step are (B, 64)
+SMALL = dict(vocab_size=VOCAB, max_position_embeddings=256)  # tiny: the tests compare numbers, not quality
+
+
+def build(arch: str, dtype=torch.float64, attention="sdpa"):
+    torch.manual_seed(0)
+    if arch == "gpt2":  # absolute positions: the prefix's position ids must be generate's own
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=256, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = GPT2LMHeadModel(config)
+    elif arch == "mistral_sliding":  # a window shorter than the prompts: sliding cache layers are fanned out too
+        config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, sliding_window=8, **SMALL)  # fmt: skip
+        model = MistralForCausalLM(config)
+    else:
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, **SMALL)  # GQA, as in the real models  # fmt: skip
+        model = LlamaForCausalLM(config)
+    model.config._attn_implementation = attention
+    return model.to(dtype).eval()
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def prompts_for(layout: str) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (20, 13, 1))
+    return {
+        "equal_lengths": [a] * 3 + [a[::-1]] * 3,  # no padding: the mask is dropped, attention is causal
+        "mixed_lengths": [a] * 2 + [b] * 2 + [c] * 2,  # left padding; a one-token prompt's prefix is all padding
+        "interleaved": [a, b, a, b, a],  # a prompt's rows need not be adjacent nor equally many
+    }[layout]
+
+
+def generation_config(**overrides):
+    settings = dict(max_new_tokens=6, do_sample=True, pad_token_id=PAD, eos_token_id=1, top_k=0)
+    settings.update(overrides)
+    return GenerationConfig(**settings)
+
+
+def stock_and_ours(model, ids, mask, config):
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
+    torch.manual_seed(123)
+    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    torch.manual_seed(123)
+    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, **kwargs)
+    return stock, ours, prefill_tokens
+
+
+@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral_sliding"])
+def test_same_logits_and_samples_as_generate(arch, layout):
+    model = build(arch)
+    ids, mask = left_pad(prompts_for(layout))
+    stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config())
+    assert prefill_tokens > 0
+    assert torch.equal(ours.sequences, stock.sequences)
+    assert len(ours.logits) == len(stock.logits)
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
+        # generate hands out float32 logits whatever the model's dtype: float32's tolerance
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+
+
+def test_same_logits_in_float32_eager():
+    model = build("llama", dtype=torch.float32, attention="eager")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    stock, ours, _ = stock_and_ours(model, ids, mask, generation_config())
+    assert torch.equal(ours.sequences, stock.sequences)
+    for a, b in zip(stock.logits, ours.logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # float32, different matmul shapes
+
+
+def count_tokens(model):
+    counts = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda module, args: counts.append(args[0].numel()))
+    return counts, hook
+
+
+@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths"])
+def test_each_prompt_is_prefilled_once(layout):
+    model = build("llama")
+    prompts = prompts_for(layout)
+    ids, mask = left_pad(prompts)
+    rows, width = ids.shape
+    distinct = len({tuple(p) for p in prompts})
+    config = generation_config(eos_token_id=None)  # no early stop: every call runs max_new_tokens steps
+    steps = config.max_new_tokens
+    counts, hook = count_tokens(model)
+    torch.manual_seed(0)
+    model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    stock = sum(counts)
+    counts.clear()
+    torch.manual_seed(0)
+    generate_with_shared_prefill(model, ids, mask, generation_config=config)
+    hook.remove()
+    # stock: B prompts of W tokens, then B tokens for each later step; ours: each distinct prompt's W - 1 tokens once,
+    # then the last prompt column, then the same decoding
+    assert stock == rows * width + rows * (steps - 1)
+    assert sum(counts) == distinct * (width - 1) + rows * steps
+
+
+def test_nothing_to_share_is_plain_generate():
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths")[::2])  # three distinct prompts, one row each
+    stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config())
+    assert prefill_tokens == 0 and torch.equal(ours.sequences, stock.sequences)
+
+
+@pytest.mark.parametrize(
+    "config_overrides, model_overrides, reason",
+    [
+        ({"cache_implementation": "static"}, {}, "cache_implementation='static'"),
+        ({"num_beams": 2, "do_sample": False}, {}, "beam search"),
+        ({"use_cache": False}, {}, "use_cache=False"),
+        ({}, {"attention_dropout": 0.1}, "dropout is active"),
+    ],
+)
+def test_unsupported_reasons(config_overrides, model_overrides, reason):
+    model = build("llama")
+    for key, value in model_overrides.items():
+        setattr(model.config, key, value)
+    assert reason in generation_unsupported_reason(model, generation_config(**config_overrides))
+
+
+def test_supported_models_have_no_reason():
+    for arch in ("llama", "gpt2", "mistral_sliding"):
+        assert generation_unsupported_reason(build(arch), generation_config()) is None
+
+
+def test_trainer_falls_back_with_one_warning(workload, stock_run, tmp_path):
+    cfg, path, dataset = workload
+    args = training_args(tmp_path, cache_implementation="static")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, path, args, dataset)
+    messages = [str(w.message) for w in caught if "shared generation prefill is off" in str(w.message)]
+    assert len(messages) == 1 and "cache_implementation='static'" in messages[0]
+    assert ours.shared_prefill_tokens == 0
+
+
+def test_trainer_switch_off(workload, stock_run, tmp_path):
+    cfg, path, dataset = workload
+    counts = {}
+    for flag in (True, False):
+        ours = run(RLOOTrainer, path, training_args(tmp_path / str(flag), share_generation_prefill=flag), dataset)
+        assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
+        counts[flag] = ours.shared_prefill_tokens
+    assert counts[True] > 0 and counts[False] == 0
