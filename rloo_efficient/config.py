@@ -28,6 +28,11 @@ class RLOOConfig(trl.RLOOConfig):
             (encoder-decoder, multimodal, active dropout, caches that are not per-row keys and values, a
             `cache_implementation` other than dynamic) use stock generation, with one warning naming the reason. vLLM
             and continuous batching are untouched (they share prefixes already).
+        share_prompt_kv_cache (`bool`, *optional*, defaults to `True`):
+            With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
+            instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
+            tokens and merged exactly (log-sum-exp, as in Hydragen). For Llama, Mistral, Qwen2 and Qwen3 attention
+            without a sliding window; other models fan the cache out, with one warning naming the reason.
         shuffle_groups (`bool`, *optional*, defaults to `False`):
             When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
             rows, so a group's completions share a micro-batch (and so its prompt) wherever the batch sizes allow.
@@ -54,6 +59,10 @@ class RLOOConfig(trl.RLOOConfig):
     share_generation_prefill: bool = field(
         default=True,
         metadata={"help": "Prefill each distinct prompt once in generate and fan its KV cache out to its k rows."},
+    )
+    share_prompt_kv_cache: bool = field(
+        default=True,
+        metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill)."},
     )
     shuffle_groups: bool = field(
         default=False,

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from .prefix_cache import PrefixCache, prefix_attention
 from .prefix_sharing import dropout_reason
 
 
@@ -106,15 +107,28 @@ def fan_out(cache: DynamicCache, inverse: torch.Tensor) -> DynamicCache:
     return cache
 
 
-def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs):
+def generate_with_shared_prefill(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_cache_once: bool = False, **kwargs
+):
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
-    prefilled once. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
-    to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned.
+    prefilled once. With `prompt_cache_once` (see [`prefix_cache`]; the caller checks
+    [`prefix_attention_unsupported_reason`]) the prompt's keys and values also stay once per distinct row during
+    decoding; otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the shared
+    prefill forwarded)`. A batch with nothing to share (all rows distinct, or one-token prompts) goes straight to
+    `generate`, and 0 is returned.
     """
     first, inverse = unique_rows(input_ids, attention_mask)
     if input_ids.size(1) < 2 or first.numel() == inverse.numel():
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
-    cache = fan_out(prefill_prompts(model, input_ids, attention_mask, first), inverse)
+    prefilled = prefill_prompts(model, input_ids, attention_mask, first)
+    prefill_tokens = first.numel() * (input_ids.size(1) - 1)
+    if prompt_cache_once:
+        cache = PrefixCache(prefilled, inverse)
+        del prefilled
+        with prefix_attention(model, cache):
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+        return output, prefill_tokens
+    cache = fan_out(prefilled, inverse)
     output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    return output, first.numel() * (input_ids.size(1) - 1)
+    return output, prefill_tokens

@@ -13,6 +13,7 @@ from trl.trainer.utils import unsplit_pixel_values_by_grid
 from .config import RLOOConfig
 from .prefix_sharing import group_ids_for, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
 from .prefix_sharing import unsupported_reason
+from .prefix_cache import prefix_attention_unsupported_reason
 from .profiling import MemoryProfilingMixin
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
@@ -45,6 +46,16 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 self._share_prefill = False
                 warnings.warn(
                     f"rloo_efficient: the shared generation prefill is off, using stock TRL's generate: {reason}.",
+                    stacklevel=2,
+                )
+        self._prompt_cache_once = self._share_prefill and args.share_prompt_kv_cache
+        if self._prompt_cache_once:
+            reason = prefix_attention_unsupported_reason(self.accelerator.unwrap_model(self.model))
+            if reason is not None:
+                self._prompt_cache_once = False
+                warnings.warn(
+                    f"rloo_efficient: the prompt's KV cache is fanned out to every completion while decoding (the "
+                    f"prefill is still shared): {reason}.",
                     stacklevel=2,
                 )
         self._check_prompt_lengths(self.train_dataset)
@@ -172,8 +183,9 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
             # shared prefill: each distinct prompt row's first W - 1 tokens once, its cache fanned out to its rows;
             # generate then forwards the last prompt column and samples exactly as it would have
             prompt_completion_ids, prefill_tokens = generate_with_shared_prefill(
-                unwrapped_model, **generate_inputs, generation_config=self.generation_config
-            )
+                unwrapped_model, **generate_inputs, prompt_cache_once=self._prompt_cache_once,
+                generation_config=self.generation_config,
+            )  # fmt: skip
             self.shared_prefill_tokens += prefill_tokens
         # Compute prompt length and extract completion ids
         prompt_length = generate_inputs["input_ids"].size(1)
@@ -263,6 +275,9 @@ class RLOOTrainer(MemoryProfilingMixin, _SharedPrefixRLOOTrainer):
       scoring passes, and adds them to the batch (`group_ids`) so later phases never rediscover them.
     - `_get_per_token_logps_and_entropies`: the packed shared-prefix forward (see [`prefix_sharing`]) for the
       policy, reference and training passes; the stock forward where packing would not be exact.
+    - `_generate_single_turn`: copied from TRL's regular transformers branch to prefill each distinct prompt once and,
+      for supported attention, keep its KV cache once per group while decoding (see [`shared_generation`],
+      [`prefix_cache`]); vLLM, continuous batching and multimodal inputs go to stock TRL.
     - `_compute_loss`: makes the micro-batch's `group_ids` known to the forward, then runs stock TRL's loss.
     - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True`.
     - From [`MemoryProfilingMixin`]: `_generate`, `_calculate_rewards`, `training_step`, `log` (phase boundaries,

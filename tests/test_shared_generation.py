@@ -6,9 +6,10 @@ import warnings
 import pytest
 import torch
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient import RLOOTrainer
+from rloo_efficient.prefix_cache import prefix_attention_unsupported_reason
 from rloo_efficient.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 from .conftest import run, training_args
@@ -16,7 +17,10 @@ from .conftest import run, training_args
 
 PAD = 0
 VOCAB = 64  # tiny vocabulary: the logits compared per step are (B, 64)
-SMALL = dict(vocab_size=VOCAB, max_position_embeddings=256)  # tiny: the tests compare numbers, not quality
+# tiny: the tests compare numbers, not quality. 6 query heads on 2 key/value heads: GQA with rep (3) != kv heads (2),
+# so a query head mapped to the wrong key head is caught
+SMALL = dict(vocab_size=VOCAB, max_position_embeddings=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=6, num_key_value_heads=2)  # fmt: skip
 
 
 def build(arch: str, dtype=torch.float64, attention="sdpa"):
@@ -26,12 +30,13 @@ def build(arch: str, dtype=torch.float64, attention="sdpa"):
                             embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         model = GPT2LMHeadModel(config)
     elif arch == "mistral_sliding":  # a window shorter than the prompts: sliding cache layers are fanned out too
-        config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, sliding_window=8, **SMALL)  # fmt: skip
+        config = MistralConfig(sliding_window=8, **SMALL)
         model = MistralForCausalLM(config)
+    elif arch == "qwen3":  # per-head q/k norms before the cache
+        config = Qwen3Config(head_dim=8, **SMALL)
+        model = Qwen3ForCausalLM(config)
     else:
-        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, **SMALL)  # GQA, as in the real models  # fmt: skip
+        config = LlamaConfig(**SMALL)
         model = LlamaForCausalLM(config)
     model.config._attn_implementation = attention
     return model.to(dtype).eval()
@@ -60,21 +65,25 @@ def generation_config(**overrides):
     return GenerationConfig(**settings)
 
 
-def stock_and_ours(model, ids, mask, config):
+def stock_and_ours(model, ids, mask, config, once=False):
     kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     torch.manual_seed(123)
-    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, **kwargs)
+    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=once, **kwargs)
     return stock, ours, prefill_tokens
 
 
+# once=False: the prompt's cache fanned out to its rows; once=True: kept once per prompt, attention split and merged
+CASES = [("llama", False), ("gpt2", False), ("mistral_sliding", False), ("llama", True), ("qwen3", True)]
+
+
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved"])
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral_sliding"])
-def test_same_logits_and_samples_as_generate(arch, layout):
+@pytest.mark.parametrize("arch, once", CASES)
+def test_same_logits_and_samples_as_generate(arch, once, layout):
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
-    stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config())
+    stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config(), once)
     assert prefill_tokens > 0
     assert torch.equal(ours.sequences, stock.sequences)
     assert len(ours.logits) == len(stock.logits)
@@ -83,10 +92,11 @@ def test_same_logits_and_samples_as_generate(arch, layout):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=f"step {step}")
 
 
-def test_same_logits_in_float32_eager():
+@pytest.mark.parametrize("once", [False, True])
+def test_same_logits_in_float32_eager(once):
     model = build("llama", dtype=torch.float32, attention="eager")
     ids, mask = left_pad(prompts_for("mixed_lengths"))
-    stock, ours, _ = stock_and_ours(model, ids, mask, generation_config())
+    stock, ours, _ = stock_and_ours(model, ids, mask, generation_config(), once)
     assert torch.equal(ours.sequences, stock.sequences)
     for a, b in zip(stock.logits, ours.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)  # float32, different matmul shapes
@@ -98,8 +108,9 @@ def count_tokens(model):
     return counts, hook
 
 
+@pytest.mark.parametrize("once", [False, True])
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths"])
-def test_each_prompt_is_prefilled_once(layout):
+def test_each_prompt_is_prefilled_once(layout, once):
     model = build("llama")
     prompts = prompts_for(layout)
     ids, mask = left_pad(prompts)
@@ -113,7 +124,7 @@ def test_each_prompt_is_prefilled_once(layout):
     stock = sum(counts)
     counts.clear()
     torch.manual_seed(0)
-    generate_with_shared_prefill(model, ids, mask, generation_config=config)
+    generate_with_shared_prefill(model, ids, mask, prompt_cache_once=once, generation_config=config)
     hook.remove()
     # stock: B prompts of W tokens, then B tokens for each later step; ours: each distinct prompt's W - 1 tokens once,
     # then the last prompt column, then the same decoding
@@ -145,8 +156,30 @@ def test_unsupported_reasons(config_overrides, model_overrides, reason):
 
 
 def test_supported_models_have_no_reason():
-    for arch in ("llama", "gpt2", "mistral_sliding"):
+    for arch in ("llama", "gpt2", "mistral_sliding", "qwen3"):
         assert generation_unsupported_reason(build(arch), generation_config()) is None
+    for arch in ("llama", "qwen3"):
+        assert prefix_attention_unsupported_reason(build(arch)) is None
+    assert "only verified" in prefix_attention_unsupported_reason(build("gpt2"))
+    assert "sliding window" in prefix_attention_unsupported_reason(build("mistral_sliding"))
+
+
+def test_prompt_cache_once_keeps_one_copy_and_restores_attention():
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))  # 3 prompts, 2 rows each
+    seen = {}
+
+    def record_cache(module, args, kwargs, output):
+        cache = output.past_key_values
+        if module.config._attn_implementation != "sdpa":  # inside prefix_attention
+            seen["prefix_rows"] = cache.layers[0].prefix_keys.shape[0]
+            seen["rows"] = cache.layers[0].keys.shape[0]
+
+    hook = model.model.register_forward_hook(record_cache, with_kwargs=True)
+    generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=generation_config())
+    hook.remove()
+    assert seen == {"prefix_rows": 3, "rows": 6}
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_trainer_falls_back_with_one_warning(workload, stock_run, tmp_path):
@@ -160,11 +193,11 @@ def test_trainer_falls_back_with_one_warning(workload, stock_run, tmp_path):
     assert ours.shared_prefill_tokens == 0
 
 
-def test_trainer_switch_off(workload, stock_run, tmp_path):
+@pytest.mark.parametrize("prefill, once", [(True, True), (True, False), (False, True)])
+def test_trainer_switches(workload, stock_run, tmp_path, prefill, once):
     cfg, path, dataset = workload
-    counts = {}
-    for flag in (True, False):
-        ours = run(RLOOTrainer, path, training_args(tmp_path / str(flag), share_generation_prefill=flag), dataset)
-        assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
-        counts[flag] = ours.shared_prefill_tokens
-    assert counts[True] > 0 and counts[False] == 0
+    args = training_args(tmp_path, share_generation_prefill=prefill, share_prompt_kv_cache=once)
+    ours = run(RLOOTrainer, path, args, dataset)
+    assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
+    assert (ours.shared_prefill_tokens > 0) == prefill
+    assert ours._prompt_cache_once == (prefill and once)
