@@ -96,9 +96,11 @@ def prefix_attention_unsupported_reason(model: nn.Module) -> str | None:
 def _softmax_parts(scores: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
     """(attention output, logsumexp) of `scores` (..., M, L) over `values` (..., L, D), normalized in `dtype`."""
     scores = scores.to(dtype)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(weights.to(values.dtype), values).to(dtype), lse
+    peak = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - peak)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.matmul(weights.to(values.dtype), values).to(dtype) / total
+    return out, (peak + torch.log(total)).squeeze(-1)
 
 
 def shared_prefix_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
