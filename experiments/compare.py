@@ -7,6 +7,7 @@ wrote, and saves it as Markdown (results/comparison.md). Reads results only.
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +27,11 @@ def load(results_dir: Path) -> dict:
         key = (result["prompt_length"], result["completion_length"], result["k"], json.dumps(result["workload"], sort_keys=True))
         runs.setdefault(key, {})[result["method"]] = result
     return runs
+
+
+def median_phase_time(result: dict, phase: str) -> float | None:
+    times = [step["phases"][phase]["time_s"] for step in result.get("steps", []) if phase in step["phases"]]
+    return statistics.median(times) if times else None
 
 
 def table(runs: dict) -> str:
@@ -51,6 +57,9 @@ def table(runs: dict) -> str:
                 row(f"{phase} peak ({unit})", a, b)
         row(f"**whole run, {unit}**", stock["working_gib"], ours["working_gib"])
         row("median step time (s)", stock["median_step_time_s"], ours["median_step_time_s"], "{:.2f}")
+        generation = median_phase_time(stock, "generation"), median_phase_time(ours, "generation")
+        if None not in generation:
+            row("median generation time (s)", *generation, "{:.2f}")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import trl
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -201,3 +202,14 @@ def test_trainer_switches(workload, stock_run, tmp_path, prefill, once):
     assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
     assert (ours.shared_prefill_tokens > 0) == prefill
     assert ours._prompt_cache_once == (prefill and once)
+
+
+def test_continuous_batching_is_left_to_stock_trl(workload, tmp_path, monkeypatch):
+    cfg, path, dataset = workload
+    args = training_args(tmp_path, use_transformers_continuous_batching=True)
+    trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=dataset)  # fmt: skip
+    assert not trainer._share_prefill and not trainer._prompt_cache_once
+    sentinel = [[7]]
+    monkeypatch.setattr(trl.RLOOTrainer, "_generate_single_turn", lambda self, *args: sentinel)
+    assert trainer._generate_single_turn([[1, 2, 3]] * 2, None, {}) is sentinel
