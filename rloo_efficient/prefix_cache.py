@@ -84,7 +84,8 @@ def prefix_attention_unsupported_reason(model: nn.Module) -> str | None:
     """Why the once-per-group prompt cache cannot be exact for `model`, or None."""
     text_config = model.config.get_text_config()
     if text_config.model_type not in PREFIX_ATTENTION_MODEL_TYPES:
-        return f"its attention is only verified for {', '.join(PREFIX_ATTENTION_MODEL_TYPES)}, not {text_config.model_type}"
+        verified = ", ".join(PREFIX_ATTENTION_MODEL_TYPES)
+        return f"its attention is only verified for {verified}, not {text_config.model_type}"
     layer_types = getattr(text_config, "layer_types", None) or ()
     if getattr(text_config, "sliding_window", None) is not None and (
         not layer_types or "sliding_attention" in layer_types

@@ -235,7 +235,10 @@ def dropout_reason(model: nn.Module) -> str | None:
     """Active dropout draws a mask per token: a shared forward would draw different ones than stock TRL."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
-            return f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks (set disable_dropout=True)"
+            return (
+                f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
+                f"(set disable_dropout=True)"
+            )
     text_config = model.config.get_text_config()
     for key in ("attention_dropout", "hidden_dropout", "dropout"):
         if (getattr(text_config, key, 0.0) or 0.0) > 0:

@@ -38,7 +38,9 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
     if text_config is not config or getattr(config, "vision_config", None) is not None:
         return f"{type(model).__name__} is multimodal; its image features enter in generate's own prefill"
     if generation_config.cache_implementation not in (None, "dynamic"):
-        return f"cache_implementation={generation_config.cache_implementation!r}; the shared prefill builds a dynamic cache"
+        return (
+            f"cache_implementation={generation_config.cache_implementation!r}; the shared prefill builds a dynamic cache"
+        )
     if generation_config.use_cache is False:
         return "use_cache=False in the generation config"
     if (generation_config.num_beams or 1) != 1 or (generation_config.num_return_sequences or 1) != 1:

@@ -39,7 +39,8 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 reason = "the MoE load-balancing loss counts every token of every row"
             if reason is not None:
                 self._fall_back(reason)
-        self._share_prefill = args.share_generation_prefill and not (self.use_vllm or self.use_transformers_continuous_batching)
+        other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
+        self._share_prefill = args.share_generation_prefill and not other_backend
         if self._share_prefill:
             reason = generation_unsupported_reason(self.accelerator.unwrap_model(self.model), self.generation_config)
             if reason is not None:
