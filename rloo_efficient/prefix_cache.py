@@ -24,6 +24,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from .prefix_sharing import sliding_window
+
 
 ATTENTION_NAME = "rloo_shared_prefix"
 # Architectures whose attention hands the interface plain scaled dot-product attention (no logit soft-capping, no
@@ -86,10 +88,7 @@ def prefix_attention_unsupported_reason(model: nn.Module) -> str | None:
     if text_config.model_type not in PREFIX_ATTENTION_MODEL_TYPES:
         verified = ", ".join(PREFIX_ATTENTION_MODEL_TYPES)
         return f"its attention is only verified for {verified}, not {text_config.model_type}"
-    layer_types = getattr(text_config, "layer_types", None) or ()
-    if getattr(text_config, "sliding_window", None) is not None and (
-        not layer_types or "sliding_attention" in layer_types
-    ) and getattr(text_config, "use_sliding_window", True):  # fmt: skip
+    if sliding_window(model) is not None:
         return "its layers use a sliding window, whose cache drops prompt tokens as decoding goes on"
     return None
 

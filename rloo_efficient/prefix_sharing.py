@@ -216,9 +216,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
     Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. Per-batch
     conditions (a sliding window shorter than the sequence) are checked by [`sliding_window_exceeded`].
     """
-    config = model.config
-    text_config = config.get_text_config()
-    if text_config is not config or getattr(config, "vision_config", None) is not None:
+    text_config = model.config.get_text_config()
+    if is_multimodal(model):
         return f"{type(model).__name__} is multimodal; its image tokens are not packed"
     if getattr(text_config, "rope_parameters", None) is None and getattr(text_config, "rope_theta", None) is None:
         return (
@@ -246,15 +245,25 @@ def dropout_reason(model: nn.Module) -> str | None:
     return None
 
 
-def sliding_window_exceeded(model: nn.Module, longest_sequence: int) -> str | None:
-    """The reason to use the stock path for a batch whose longest prompt + completion exceeds a sliding window."""
+def is_multimodal(model: nn.Module) -> bool:
+    config = model.config
+    return config.get_text_config() is not config or getattr(config, "vision_config", None) is not None
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The sliding window some of `model`'s attention layers apply, or None when none does."""
     text_config = model.config.get_text_config()
     window = getattr(text_config, "sliding_window", None)
     layer_types = getattr(text_config, "layer_types", None)
-    uses_window = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-    if getattr(text_config, "use_sliding_window", True) is False:
-        uses_window = False
-    if uses_window and longest_sequence > window:
+    if window is None or getattr(text_config, "use_sliding_window", True) is False:
+        return None
+    return window if layer_types is None or "sliding_attention" in layer_types else None
+
+
+def sliding_window_exceeded(model: nn.Module, longest_sequence: int) -> str | None:
+    """The reason to use the stock path for a batch whose longest prompt + completion exceeds a sliding window."""
+    window = sliding_window(model)
+    if window is not None and longest_sequence > window:
         return (
             f"a sequence of {longest_sequence} tokens exceeds the sliding window ({window}); the packed mask does not "
             f"reproduce the window"

@@ -14,6 +14,7 @@ the same 2-D padding mask (dropped when it is all ones, as `generate` drops it) 
 columns after it, so leaving out the last column changes nothing before it.
 """
 
+import contextlib
 import inspect
 
 import torch
@@ -22,7 +23,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_cache import PrefixCache, prefix_attention
-from .prefix_sharing import dropout_reason
+from .prefix_sharing import dropout_reason, is_multimodal
 
 
 # Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly
@@ -31,11 +32,9 @@ _FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 def generation_unsupported_reason(model: nn.Module, generation_config: GenerationConfig) -> str | None:
     """Why `generate` cannot start from a shared prefill for `model`, or None when it can."""
-    config = model.config
-    text_config = config.get_text_config()
-    if config.is_encoder_decoder:
+    if model.config.is_encoder_decoder:
         return f"{type(model).__name__} is an encoder-decoder model"
-    if text_config is not config or getattr(config, "vision_config", None) is not None:
+    if is_multimodal(model):
         return f"{type(model).__name__} is multimodal; its image features enter in generate's own prefill"
     if generation_config.cache_implementation not in (None, "dynamic"):
         return (
@@ -47,7 +46,7 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
         return "beam search or num_return_sequences > 1 rearranges the batch inside generate"
     if not getattr(model, "_supports_default_dynamic_cache", lambda: True)():
         return f"{type(model).__name__} does not use a DynamicCache"
-    layer_kinds = {type(layer) for layer in DynamicCache(config=text_config).layers}
+    layer_kinds = {type(layer) for layer in DynamicCache(config=model.config.get_text_config()).layers}
     if not layer_kinds <= set(_FANNABLE_LAYERS):
         names = ", ".join(sorted(kind.__name__ for kind in layer_kinds - set(_FANNABLE_LAYERS)))
         return f"its cache has layers ({names}) that are not plain per-row keys and values"
@@ -124,13 +123,12 @@ def generate_with_shared_prefill(
     if input_ids.size(1) < 2 or first.numel() == inverse.numel():
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
     prefilled = prefill_prompts(model, input_ids, attention_mask, first)
-    prefill_tokens = first.numel() * (input_ids.size(1) - 1)
     if prompt_cache_once:
         cache = PrefixCache(prefilled, inverse)
-        del prefilled
-        with prefix_attention(model, cache):
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-        return output, prefill_tokens
-    cache = fan_out(prefilled, inverse)
-    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    return output, prefill_tokens
+        attention = prefix_attention(model, cache)
+    else:
+        cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
+    del prefilled  # `cache` alone holds the prompt's keys and values now
+    with attention:
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+    return output, first.numel() * (input_ids.size(1) - 1)

@@ -18,6 +18,13 @@ from .profiling import MemoryProfilingMixin
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 
+def _supported(reason: str | None, consequence: str) -> bool:
+    """True when there is no `reason` against a feature; otherwise warns `consequence: reason` and returns False."""
+    if reason is not None:
+        warnings.warn(f"rloo_efficient: {consequence}: {reason}.", stacklevel=3)
+    return reason is None
+
+
 class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
     """The prefix-sharing overrides; [`RLOOTrainer`] adds profiling around them."""
 
@@ -39,26 +46,21 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 reason = "the MoE load-balancing loss counts every token of every row"
             if reason is not None:
                 self._fall_back(reason)
+        unwrapped = self.accelerator.unwrap_model(self.model)
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
-        self._share_prefill = args.share_generation_prefill and not other_backend
-        if self._share_prefill:
-            reason = generation_unsupported_reason(self.accelerator.unwrap_model(self.model), self.generation_config)
-            if reason is not None:
-                self._share_prefill = False
-                warnings.warn(
-                    f"rloo_efficient: the shared generation prefill is off, using stock TRL's generate: {reason}.",
-                    stacklevel=2,
-                )
-        self._prompt_cache_once = self._share_prefill and args.share_prompt_kv_cache
-        if self._prompt_cache_once:
-            reason = prefix_attention_unsupported_reason(self.accelerator.unwrap_model(self.model))
-            if reason is not None:
-                self._prompt_cache_once = False
-                warnings.warn(
-                    f"rloo_efficient: the prompt's KV cache is fanned out to every completion while decoding (the "
-                    f"prefill is still shared): {reason}.",
-                    stacklevel=2,
-                )
+        self._share_prefill = (
+            args.share_generation_prefill
+            and not other_backend
+            and _supported(generation_unsupported_reason(unwrapped, self.generation_config),
+                           "the shared generation prefill is off, using stock TRL's generate")
+        )  # fmt: skip
+        self._prompt_cache_once = (
+            self._share_prefill
+            and args.share_prompt_kv_cache
+            and _supported(prefix_attention_unsupported_reason(unwrapped),
+                           "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
+                           "still shared)")
+        )  # fmt: skip
         self._check_prompt_lengths(self.train_dataset)
 
     def _check_prompt_lengths(self, dataset) -> None:
