@@ -1,26 +1,37 @@
 """
-Each prompt once per group: grouping rows by prompt, and the packed shared-prefix forward.
+Each prompt once per group: the batch's group structure, and the packed shared-prefix forward.
 
 Stock TRL scores a batch as `B` rows `[left-padded prompt | completion | right padding]`, so a group of `k`
-completions carries `k` copies of its prompt through every forward. Here a group becomes one packed row
+completions carries `k` copies of its prompt through every forward. Here a micro-batch becomes one flat sequence
 
-    [prompt[:-1] | prompt[-1], c_1[:-1] | prompt[-1], c_2[:-1] | ... ]       (p - 1 + sum_j n_j tokens)
-     shared body  segment 1              segment 2
+    [body_1 | body_2 | ... | body_G | segment_1 | segment_2 | ... | segment_S]
+     each prompt less its last token,   each scored row: [prompt[-1], c[0], ..., c[n-2]]
+     right-padded to the longest body   right-padded to the longest segment
 
-where `n_j` is completion `j`'s number of scored tokens. Each segment starts with a copy of the prompt's last token:
-its hidden state is the one stock TRL reads at the prompt's last position to score the completion's first token,
-so each segment scores its own completion's tokens `c_j[0..n_j-1]` through `shift_labels`, with no position
-predicting two different labels. A completion's last token predicts nothing and is left out, as its logit is never
-read by stock TRL either. Position ids continue from the prompt (`p - 1, p, ...` in each segment), and a 4-D mask
-lets a token see the shared body and the earlier tokens of its own segment only. With rotary embeddings, attention
-depends on relative positions only, so every scored log-prob equals stock TRL's to floating-point tolerance.
+Each segment starts with a copy of its prompt's last token: its hidden state is the one stock TRL reads at the
+prompt's last position to score the completion's first token, so each segment scores its own completion's tokens
+`c[0..n-1]` through `shift_labels`, and no position predicts two labels. Every token keeps the position id it has in
+stock TRL's row (its column), so rotary embeddings see the same angles. The model call carries a
+[`prefix_attention.PackedLayout`]: prompt bodies attend causally within themselves; segment tokens attend to their
+group's body and their own earlier tokens (see [`prefix_attention`]). Rows with nothing to score (a masked truncated
+completion) are left out: stock TRL's log-probs for them are all zero, and so are ours.
+
+The structure (which rows share a prompt, prompt lengths, scored lengths) is known on the host from TRL's token lists
+once per generation batch ([`RowGroups`]); it travels with the batch as a small CPU tensor, and each micro-batch's
+index tensors are built from it with NumPy and sent to the device in one copy. Nothing reads a device value back.
 """
 
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
+
+from .prefix_attention import NO_MASK, LAYOUT_KWARG, PackedLayout, SplitLayout
+
+
+ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3) CPU tensor of [group id, prompt length, scored length] per row
 
 
 def prompt_key(prompt) -> str:
@@ -29,16 +40,29 @@ def prompt_key(prompt) -> str:
 
 
 def group_ids_for(prompts: list) -> torch.Tensor:
-    """`(B,)` long tensor: rows with the same prompt string get the same id, numbered by first appearance."""
-    index: dict[str, int] = {}
-    return torch.tensor([index.setdefault(prompt_key(p), len(index)) for p in prompts], dtype=torch.long)
+    """`(B,)` long tensor: rows with the same prompt (string, or token list) get the same id, by first appearance."""
+    index: dict = {}
+    keys = [tuple(p) if isinstance(p, list) and all(isinstance(t, int) for t in p) else prompt_key(p) for p in prompts]
+    return torch.tensor([index.setdefault(key, len(index)) for key in keys], dtype=torch.long)
+
+
+def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int]) -> torch.Tensor:
+    """
+    The `(B, 3)` CPU tensor of [group id, prompt length, scored completion length] per row: rows with the same prompt
+    tokens share a group. Built once per generation batch from TRL's token lists; it is shuffled and split with the
+    batch like any other field.
+    """
+    groups = group_ids_for([list(ids) for ids in prompt_ids])
+    lengths = torch.tensor([[len(ids), n] for ids, n in zip(prompt_ids, scored_lengths, strict=True)], dtype=torch.long)
+    return torch.cat([groups.unsqueeze(1), lengths.view(-1, 2)], dim=1)
 
 
 def shuffle_groups_dict(batch: dict, group_ids: torch.Tensor) -> dict:
     """
     Shuffles the rows of `batch` keeping each group's rows together, drawing the same `torch.randperm(B)` that
     TRL's `shuffle_sequence_dict` draws (so the random generator advances identically): groups are ordered by
-    their first row in that permutation, and rows within a group by their order in it.
+    their first row in that permutation, and rows within a group by their order in it. Values are permuted as
+    `shuffle_sequence_dict` permutes them: tensors along their first dimension, any other sequence into a list.
     """
     batch_size = len(group_ids)
     permutation = torch.randperm(batch_size)
@@ -51,171 +75,162 @@ def shuffle_groups_dict(batch: dict, group_ids: torch.Tensor) -> dict:
     order_t = torch.tensor(order, dtype=torch.long)
 
     def take(value):
-        if value is None:
-            return None
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            return value
         if isinstance(value, torch.Tensor):
-            return value if value.ndim == 0 else value[order_t.to(value.device)]
-        if isinstance(value, list):
-            return [value[i] for i in order]
-        return value
+            return value[order_t.to(value.device)]
+        return [value[i] for i in order]
 
     return {key: take(value) for key, value in batch.items()}
 
 
 @dataclass
 class PackedBatch:
-    """A micro-batch packed one prompt group per row, and where its scored log-probs go in the `(B, C)` layout."""
+    """A micro-batch packed as one flat sequence, and where its scored log-probs go in stock TRL's `(B, C)` layout."""
 
-    input_ids: torch.Tensor  # (G, L) packed tokens, G groups
-    position_ids: torch.Tensor  # (G, L)
-    segment_ids: torch.Tensor  # (G, L) 0: shared prompt body, s >= 1: completion segment s, -1: padding
-    shift_labels: torch.Tensor  # (G, L) the token each position predicts, -100 where none is scored
-    rows: torch.Tensor  # (N,) original row of each scored position (row-major over the packed batch)
-    cols: torch.Tensor  # (N,) completion column of each scored position
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    shift_labels: torch.Tensor  # (1, N) the token each position predicts, -100 where none is scored
+    unpack_index: torch.Tensor  # (B*C,) flat position of each (row, column) log-prob; N (a zero) where unscored
+    layout: PackedLayout
     num_rows: int  # B
     num_cols: int  # C, the padded completion width
+    num_real_tokens: int  # tokens that are not padding
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens the model processes."""
-        return int((self.segment_ids >= 0).sum())
+        """Tokens the model processes, padding included."""
+        return self.input_ids.shape[1]
 
-    def attention_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """
-        `(G, 1, L, L)` mask: query `i` sees key `j <= i` when `j` is in the shared body or in `i`'s segment. Padding
-        sees only itself (no fully masked row). Boolean (True = attend) when `dtype` is None, else additive
-        (0 or the dtype's minimum), for attention implementations that add the mask to the scores.
-        """
-        seg = self.segment_ids
-        length = seg.size(1)
-        causal = torch.ones(length, length, dtype=torch.bool, device=seg.device).tril()
-        seg_q, seg_k = seg.unsqueeze(2), seg.unsqueeze(1)  # (G, L, 1), (G, 1, L)
-        allowed = causal & (seg_q >= 0) & ((seg_k == 0) | (seg_k == seg_q))
-        allowed |= torch.eye(length, dtype=torch.bool, device=seg.device)
-        allowed = allowed.unsqueeze(1)
-        if dtype is None:
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
-
-    def model_inputs(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """
-        Keyword arguments for `model(..., fused_lm_head=True)`. The mask is additive in the model's dtype: SDPA would
-        convert a boolean mask to that form inside every layer and save each copy for backward, while one additive
-        mask is shared by all layers (L^2 elements once instead of once per layer). Under autocast the compute dtype
-        is not the weights', so the mask stays boolean there.
-        """
-        device_type = self.input_ids.device.type
-        if torch.is_autocast_enabled(device_type):
-            mask = self.attention_mask(None if _attn_implementation(model) == "sdpa" else torch.float32)
-        else:
-            mask = self.attention_mask(next(model.parameters()).dtype)
+    def model_inputs(self) -> dict:
+        """Keyword arguments for `model(..., fused_lm_head=True)`."""
         return {
             "input_ids": self.input_ids,
-            "attention_mask": mask,
+            "attention_mask": NO_MASK,
             "position_ids": self.position_ids,
             "shift_labels": self.shift_labels,
+            LAYOUT_KWARG: self.layout,
         }
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """`(G, L)` per-position values (zero where unscored) -> `(B, C)` in stock TRL's layout, differentiably."""
-        values = packed[self.shift_labels != -100]  # row-major, the order `rows`/`cols` were built in
-        out = packed.new_zeros(self.num_rows, self.num_cols)
-        return out.index_put((self.rows, self.cols), values)
+        """`(1, N)` per-position values (zero where unscored) -> `(B, C)` in stock TRL's layout, differentiably."""
+        values = torch.cat([packed.view(-1), packed.new_zeros(1)])
+        return values.index_select(0, self.unpack_index).view(self.num_rows, self.num_cols)
+
+
+def _split_layout(counts: np.ndarray, row_length: int) -> tuple[int | None, int, np.ndarray | None, np.ndarray | None]:
+    """(rows_per_group or None, slots, gather, scatter) of groups holding `counts` consecutive rows of `row_length`."""
+    groups = len(counts)
+    if (counts == counts[0]).all():
+        return int(counts[0]), int(counts[0]) * row_length, None, None
+    slots = int(counts.max()) * row_length
+    queries = counts * row_length  # each group's flat queries, consecutive
+    starts = np.cumsum(queries) - queries
+    slot = np.arange(slots)
+    gather = np.where(slot[None, :] < queries[:, None], starts[:, None] + slot[None, :], int(queries.sum()))
+    group_of_query = np.repeat(np.arange(groups), queries)
+    scatter = group_of_query * slots + (np.arange(int(queries.sum())) - np.repeat(starts, queries))
+    return None, slots, gather.reshape(-1), scatter
 
 
 def pack_groups(
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
     logits_to_keep: int,
-    group_ids: torch.Tensor,
-    pad_token_id: int,
-) -> PackedBatch:
+    rows: torch.Tensor,
+    dtype: torch.dtype,
+) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
-    `logits_to_keep` columns being the completion) one group per row. Rows with the same `group_ids` value must
-    share their prompt; this is checked, since sharing a prompt that differs would silently change the result.
+    `logits_to_keep` columns being the completion) by its `rows` ([`row_groups`], a CPU tensor). Returns the
+    [`PackedBatch`], or the reason the batch cannot be packed (then the stock forward runs). `dtype`: the attention's
+    compute dtype, for the padding bias.
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
     prompt_width = width - logits_to_keep
-    prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
-    prompt_mask, completion_mask = attention_mask[:, :prompt_width].bool(), attention_mask[:, prompt_width:].bool()
-    completion_lengths = completion_mask.sum(1).tolist()
+    group, plen, scored = (column.numpy() for column in rows.unbind(1))
+    row_index = np.flatnonzero(scored > 0)
+    if len(row_index) == 0:
+        return "no completion token is scored in this micro-batch"
+    # Scored rows grouped by prompt, groups in order of first appearance, rows in batch order within a group
+    _, first_seen, group_rank = np.unique(group[row_index], return_index=True, return_inverse=True)
+    group_rank = np.argsort(np.argsort(first_seen))[group_rank]
+    order = np.lexsort((row_index, group_rank))
+    row_index, group_rank = row_index[order], group_rank[order]
+    counts = np.bincount(group_rank)
+    first = row_index[np.cumsum(counts) - counts]  # one row per group
+    prompt_len = plen[first]
+    if (plen[row_index] != prompt_len[group_rank]).any():
+        raise ValueError("Rows grouped together have prompts of different lengths: the grouping is wrong.")
+    if (prompt_len == 0).any():
+        return "an empty prompt has no token to condition its completion on"
+    n = scored[row_index]
+    body = prompt_len - 1
+    body_width, row_length = int(body.max()), int(n.max())
+    groups, num_scored = len(first), len(row_index)
 
-    groups: dict[int, list[int]] = {}
-    for row, gid in enumerate(group_ids.tolist()):
-        groups.setdefault(gid, []).append(row)
+    # Flat index into input_ids (and, for labels, N_in = the -100 sentinel) of every packed position
+    flat_width = num_rows * width
+    j = np.arange(body_width)
+    in_body = j[None, :] < body[:, None]
+    body_col = np.where(in_body, prompt_width - prompt_len[:, None] + j[None, :], prompt_width - 1)
+    body_tokens = first[:, None] * width + body_col
+    body_pos = body_col
+    c = np.arange(row_length)
+    in_row = c[None, :] < n[:, None]
+    seg_col = prompt_width - 1 + c[None, :]  # [prompt[-1], c[0], ...] sit in these columns of stock's row
+    seg_tokens = row_index[:, None] * width + np.where(in_row, seg_col, prompt_width - 1)
+    seg_labels = np.where(in_row, row_index[:, None] * width + seg_col + 1, flat_width)
+    tokens = np.concatenate([body_tokens.reshape(-1), seg_tokens.reshape(-1)])
+    labels = np.concatenate([np.full(body_tokens.size, flat_width), seg_labels.reshape(-1)])
+    positions = np.concatenate([body_pos.reshape(-1), np.broadcast_to(seg_col, seg_tokens.shape).reshape(-1)])
+    total = tokens.size
+    # Where each (row, column) log-prob of stock's (B, C) layout is: its segment position, or the zero at N
+    unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
+    seg_start = groups * body_width + np.arange(num_scored)[:, None] * row_length
+    cols = np.broadcast_to(c, in_row.shape)
+    unpack[np.broadcast_to(row_index[:, None], in_row.shape)[in_row], cols[in_row]] = (seg_start + c[None, :])[in_row]
 
-    packed_tokens, packed_positions, packed_segments, packed_labels = [], [], [], []
-    rows, cols = [], []
-    for members in groups.values():
-        first = members[0]
-        for row in members[1:]:
-            if not (torch.equal(prompt_ids[row], prompt_ids[first]) and torch.equal(prompt_mask[row], prompt_mask[first])):
-                raise ValueError(f"Rows {first} and {row} are grouped together but their prompts differ.")
-        prompt = prompt_ids[first][prompt_mask[first]]
-        p = prompt.numel()
-        if p == 0:
-            raise ValueError(f"Row {first} has an empty prompt: there is no token to condition its completion on.")
-        tokens = [prompt[:-1]]
-        positions = [torch.arange(p - 1, device=device)]
-        segments = [torch.zeros(p - 1, dtype=torch.long, device=device)]
-        labels = [torch.full((p - 1,), -100, dtype=torch.long, device=device)]
-        segment = 0
-        for row in members:
-            n = completion_lengths[row]
-            if n == 0:  # nothing scored (masked truncated completion): stock TRL's log-probs are all zero
-                continue
-            if not completion_mask[row, :n].all():
-                raise ValueError(f"Row {row}'s completion mask is not a prefix of ones; cannot pack it.")
-            segment += 1
-            completion = completion_ids[row, :n]
-            tokens.append(torch.cat([prompt[-1:], completion[:-1]]))
-            positions.append(torch.arange(p - 1, p - 1 + n, device=device))
-            segments.append(torch.full((n,), segment, dtype=torch.long, device=device))
-            labels.append(completion)
-            rows.extend([row] * n)
-            cols.extend(range(n))
-        packed_tokens.append(torch.cat(tokens))
-        packed_positions.append(torch.cat(positions))
-        packed_segments.append(torch.cat(segments))
-        packed_labels.append(torch.cat(labels))
+    rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
+    parts = [tokens, labels, positions, unpack.reshape(-1)]
+    if gather is not None:
+        parts += [gather, scatter]
+    host = torch.from_numpy(np.concatenate(parts).astype(np.int64))
+    if device.type != "cpu":
+        host = host.pin_memory()
+    sizes = [part.size for part in parts]
+    on_device = host.to(device, non_blocking=True).split(sizes)
+    index, label_index, position_ids, unpack_index = on_device[:4]
+    ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
+    gathered = ids.index_select(0, torch.cat([index, label_index]))
 
-    length = max(1, max(t.numel() for t in packed_tokens))
-
-    def right_pad(seqs, value):
-        out = torch.full((len(seqs), length), value, dtype=torch.long, device=device)
-        for i, seq in enumerate(seqs):
-            out[i, : seq.numel()] = seq
-        return out
-
+    bias = None
+    if (body < body_width).any():  # prompts of different lengths: mask each body's padding for the segments
+        padding = np.where(in_body, 0.0, torch.finfo(dtype).min)
+        bias = torch.from_numpy(padding).to(device, dtype).view(groups, 1, 1, body_width)
+    split = SplitLayout(groups, rows_per_group, slots, on_device[4] if gather is not None else None,
+                        on_device[5] if gather is not None else None, bias)  # fmt: skip
+    layout = PackedLayout(split, body_width, num_scored, row_length, span=int((prompt_len[group_rank] + n).max()))
     return PackedBatch(
-        input_ids=right_pad(packed_tokens, pad_token_id),
-        position_ids=right_pad(packed_positions, 0),
-        segment_ids=right_pad(packed_segments, -1),
-        shift_labels=right_pad(packed_labels, -100),
-        rows=torch.tensor(rows, dtype=torch.long, device=device),
-        cols=torch.tensor(cols, dtype=torch.long, device=device),
+        input_ids=gathered[:total].view(1, total),
+        position_ids=position_ids.view(1, total),
+        shift_labels=gathered[total:].view(1, total),
+        unpack_index=unpack_index,
+        layout=layout,
         num_rows=num_rows,
         num_cols=logits_to_keep,
+        num_real_tokens=int(body.sum() + n.sum()),
     )
 
 
-def _attn_implementation(model: nn.Module) -> str:
-    return getattr(model.config.get_text_config(), "_attn_implementation", None) or "eager"
-
-
 # -- when packing is exact -------------------------------------------------------------------------------------------
-_MASKABLE_ATTENTION = ("sdpa", "eager")
-
-
 def unsupported_reason(model: nn.Module) -> str | None:
     """
     Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. Per-batch
     conditions (a sliding window shorter than the sequence) are checked by [`sliding_window_exceeded`].
     """
+    from .prefix_attention import unsupported_reason as attention_reason
+
     text_config = model.config.get_text_config()
     if is_multimodal(model):
         return f"{type(model).__name__} is multimodal; its image tokens are not packed"
@@ -224,10 +239,22 @@ def unsupported_reason(model: nn.Module) -> str | None:
             f"{text_config.model_type} has no rotary position embeddings; with absolute positions, stock TRL's "
             f"left padding shifts every token's position, which a packed row cannot reproduce"
         )
-    attn = _attn_implementation(model)
-    if attn not in _MASKABLE_ATTENTION:
-        return f"attention implementation {attn!r} takes no custom 4-D mask (use 'sdpa' or 'eager')"
-    return dropout_reason(model)
+    return attention_reason(model) or rope_reason(model) or dropout_reason(model)
+
+
+def rope_reason(model: nn.Module) -> str | None:
+    """
+    Rotary embeddings whose frequencies depend on the longest position in the call ("dynamic" NTK scaling, "longrope")
+    are not the same for a packed sequence (or a prefill one token shorter) as for stock TRL's padded rows.
+    """
+    text_config = model.config.get_text_config()
+    parameters = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
+    found = [parameters] if "rope_type" in parameters else [p for p in parameters.values() if isinstance(p, dict)]
+    for params in found:
+        rope_type = params.get("rope_type") or params.get("type") or ""
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return f"its rotary embedding ({rope_type!r}) changes with the longest position in each forward"
+    return None
 
 
 def dropout_reason(model: nn.Module) -> str | None:
@@ -265,7 +292,7 @@ def sliding_window_exceeded(model: nn.Module, longest_sequence: int) -> str | No
     window = sliding_window(model)
     if window is not None and longest_sequence > window:
         return (
-            f"a sequence of {longest_sequence} tokens exceeds the sliding window ({window}); the packed mask does not "
-            f"reproduce the window"
+            f"a sequence of {longest_sequence} tokens exceeds the sliding window ({window}); the packed layout does "
+            f"not reproduce the window"
         )
     return None

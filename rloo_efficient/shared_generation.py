@@ -22,8 +22,9 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .prefix_cache import PrefixCache, prefix_attention
-from .prefix_sharing import dropout_reason, is_multimodal
+from .prefix_attention import decoding_with, install
+from .prefix_cache import PrefixCache, window_allows
+from .prefix_sharing import dropout_reason, is_multimodal, rope_reason
 
 
 # Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly
@@ -50,24 +51,23 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
     if not layer_kinds <= set(_FANNABLE_LAYERS):
         names = ", ".join(sorted(kind.__name__ for kind in layer_kinds - set(_FANNABLE_LAYERS)))
         return f"its cache has layers ({names}) that are not plain per-row keys and values"
-    return dropout_reason(model)
+    return rope_reason(model) or dropout_reason(model)
 
 
-def unique_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unique_rows(prompt_ids: list[list[int]]) -> tuple[list[int], list[int]]:
     """
-    `(first, inverse)`: `first` (U,) indexes one row per distinct (tokens, mask) row of the batch, in order of first
-    appearance, and `inverse` (B,) gives each row's position in `first`.
+    `(first, inverse)` from the prompts' token lists, on the host: `first` (U,) indexes one row per distinct prompt, in
+    order of first appearance, and `inverse` (B,) gives each row's position in `first`.
     """
     index: dict[tuple, int] = {}
     first, inverse = [], []
-    for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.tolist(), strict=True)):
-        key = (tuple(ids), tuple(mask))
+    for row, ids in enumerate(prompt_ids):
+        key = tuple(ids)
         if key not in index:
             index[key] = len(first)
             first.append(row)
         inverse.append(index[key])
-    device = input_ids.device
-    return torch.tensor(first, dtype=torch.long, device=device), torch.tensor(inverse, dtype=torch.long, device=device)
+    return first, inverse
 
 
 def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -77,15 +77,15 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: torch.Tensor):
+def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: list[int],
+                    padded: bool):  # fmt: skip
     """
     Forwards the first `W - 1` columns of the rows `first` of the `(B, W)` prompt batch once, and returns the
-    filled [`~transformers.DynamicCache`] (one row per element of `first`).
+    filled [`~transformers.DynamicCache`] (one row per element of `first`). `padded`: whether any prompt is shorter
+    than `W` (known on the host from the token lists).
     """
     prefix_ids = input_ids[first, :-1]
     prefix_mask = attention_mask[first, :-1]
-    # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
-    full_mask = bool((attention_mask == 1).all())
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     kwargs = {}
     if "logits_to_keep" in inspect.signature(model.get_base_model().forward if hasattr(model, "get_base_model")
@@ -93,7 +93,8 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
     model(
         input_ids=prefix_ids,
-        attention_mask=None if full_mask else prefix_mask,
+        # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
+        attention_mask=prefix_mask if padded else None,
         position_ids=generation_position_ids(prefix_mask),
         past_key_values=cache,
         use_cache=True,
@@ -102,33 +103,48 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return cache
 
 
-def fan_out(cache: DynamicCache, inverse: torch.Tensor) -> DynamicCache:
+def fan_out(cache: DynamicCache, inverse: list[int]) -> DynamicCache:
     """Gives each of the `B` rows its prompt's keys and values: `cache` rows -> `cache[inverse]`, in place."""
-    cache.batch_select_indices(inverse)
+    device = cache.layers[0].keys.device
+    cache.batch_select_indices(torch.tensor(inverse, device=device))
     return cache
 
 
 def generate_with_shared_prefill(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_cache_once: bool = False, **kwargs
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_ids: list[list[int]] | None = None,
+    prompt_cache_once: bool = False,
+    **kwargs,
 ):
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
-    prefilled once. With `prompt_cache_once` (see [`prefix_cache`]; the caller checks
-    [`prefix_attention_unsupported_reason`]) the prompt's keys and values also stay once per distinct row during
-    decoding; otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the shared
-    prefill forwarded)`. A batch with nothing to share (all rows distinct, or one-token prompts) goes straight to
-    `generate`, and 0 is returned.
+    prefilled once. `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds
+    them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
+    [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
+    once per distinct row during decoding, where the model's sliding window (if any) allows; otherwise they are fanned
+    out to every row. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
+    to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned.
     """
-    first, inverse = unique_rows(input_ids, attention_mask)
-    if input_ids.size(1) < 2 or first.numel() == inverse.numel():
+    if prompt_ids is None:
+        prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
+                      zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
+    width = input_ids.size(1)
+    first, inverse = unique_rows(prompt_ids)
+    if width < 2 or len(first) == len(inverse):
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
-    prefilled = prefill_prompts(model, input_ids, attention_mask, first)
-    if prompt_cache_once:
-        cache = PrefixCache(prefilled, inverse)
-        attention = prefix_attention(model, cache)
+    padded = any(len(ids) < width for ids in prompt_ids)
+    prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded)
+    config = kwargs.get("generation_config") or model.generation_config
+    longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    if prompt_cache_once and window_allows(model, longest):
+        install(model)
+        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first])
+        attention = decoding_with(cache)
     else:
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     with attention:
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-    return output, first.numel() * (input_ids.size(1) - 1)
+    return output, len(first) * (width - 1)

@@ -3,19 +3,24 @@ from typing import Any
 
 import torch
 import trl
-from datasets import Dataset
 from trl.models import unwrap_model_for_generation
-from trl.extras.profiling import profiling_context
-from trl.trainer.utils import pad
+from trl.extras.profiling import profiling_context, profiling_decorator
+from trl.trainer.utils import get_config_model_id, pad
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, split_tensor_dict
 from trl.trainer.utils import unsplit_pixel_values_by_grid
 
+from . import prefix_attention
+from .batch_structure import GroupedBatchMixin
 from .config import RLOOConfig
-from .prefix_sharing import group_ids_for, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
+from .prefix_cache import prefix_cache_unsupported_reason
+from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
 from .prefix_sharing import unsupported_reason
-from .prefix_cache import prefix_attention_unsupported_reason
 from .profiling import MemoryProfilingMixin
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+
+
+# TRL's forward without its profiling timer: ours times the whole call once, whichever path it takes
+_stock_logps_and_entropies = trl.RLOOTrainer._get_per_token_logps_and_entropies.__wrapped__
 
 
 def _supported(reason: str | None, consequence: str) -> bool:
@@ -25,16 +30,15 @@ def _supported(reason: str | None, consequence: str) -> bool:
     return reason is None
 
 
-class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
+class _SharedPrefixRLOOTrainer(GroupedBatchMixin, trl.RLOOTrainer):
     """The prefix-sharing overrides; [`RLOOTrainer`] adds profiling around them."""
 
     def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, *positional, **kwargs):
         if args is not None and not isinstance(args, RLOOConfig):
             args = RLOOConfig.from_stock(args)
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = RLOOConfig(f"{str(name).split('/')[-1]}-RLOO")
-        self._group_ids: torch.Tensor | None = None  # prompt groups of the rows being scored / trained on
+        if args is None:  # TRL's own default
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = RLOOConfig(f"{name.split('/')[-1]}-RLOO")
         self._prefix_warned: set[str] = set()
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
         self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
@@ -57,30 +61,15 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         self._prompt_cache_once = (
             self._share_prefill
             and args.share_prompt_kv_cache
-            and _supported(prefix_attention_unsupported_reason(unwrapped),
+            and _supported(prefix_cache_unsupported_reason(unwrapped),
                            "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
                            "still shared)")
         )  # fmt: skip
-        self._check_prompt_lengths(self.train_dataset)
-
-    def _check_prompt_lengths(self, dataset) -> None:
-        """Fails before training when a prompt is longer than the model's context; warns when prompt + completion is."""
-        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        if context is None or not isinstance(dataset, Dataset) or self._is_vlm or "prompt" not in dataset.column_names:
-            return
-        unique = {prompt_key(p): p for p in dataset["prompt"]}
-        longest = max((len(ids) for ids in self._tokenize_prompts(list(unique.values()))[0]), default=0)
-        if longest > context:
-            raise ValueError(
-                f"The longest prompt in train_dataset has {longest} tokens, more than the model's context "
-                f"(max_position_embeddings={context}). Shorten or filter the prompts, or use a model with a longer context."
-            )
-        if longest + self.max_completion_length > context:
-            warnings.warn(
-                f"The longest prompt ({longest} tokens) plus max_completion_length ({self.max_completion_length}) exceeds "
-                f"the model's context (max_position_embeddings={context}); positions beyond it are extrapolated.",
-                stacklevel=3,
-            )
+        if self._share_prefix or self._prompt_cache_once:
+            # Our forwards pass a layout to the attention modules; without one they run the model's own attention
+            for model in (unwrapped, self.ref_model):
+                if model is not None:
+                    prefix_attention.install(model)
 
     def _fall_back(self, reason: str, permanent: bool = True) -> None:
         if permanent:
@@ -105,28 +94,11 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 unique_index[key] = len(unique_prompts)
                 unique_prompts.append(prompt)
         unique_ids, images, multimodal_fields = super()._tokenize_prompts(unique_prompts)
-        # Each of a group's rows refers to its prompt's single token list
-        return [unique_ids[unique_index[key]] for key in keys], images, multimodal_fields
-
-    # -- group structure -----------------------------------------------------------------------------------------------
-    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        group_ids = group_ids_for([x["prompt"] for x in inputs]).to(self.accelerator.device)
-        self._group_ids = group_ids
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._group_ids = None
-        output["group_ids"] = group_ids
-        return output
-
-    def _compute_loss(self, model, inputs):
-        self._group_ids = inputs.get("group_ids")
-        try:
-            return super()._compute_loss(model, inputs)
-        finally:
-            self._group_ids = None
+        # Each row gets its own copy of its prompt's tokens (a list later code may edit in place)
+        return [list(unique_ids[unique_index[key]]) for key in keys], images, multimodal_fields
 
     # Adapted from trl 1.16 RLOOTrainer._prepare_inputs; changes marked "# prefix sharing:"
+    @profiling_decorator
     def _prepare_inputs(self, generation_batch: dict[str, torch.Tensor | Any]) -> dict[str, torch.Tensor | Any]:
         mode = "train" if self.model.training else "eval"
         if mode == "train":
@@ -136,7 +108,7 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
                 generation_batch = split_pixel_values_by_grid(generation_batch)
                 # prefix sharing: keep each group's rows together when asked to
                 if self.args.shuffle_groups:
-                    generation_batch = shuffle_groups_dict(generation_batch, generation_batch["group_ids"].cpu())
+                    generation_batch = shuffle_groups_dict(generation_batch, generation_batch[ROWS_KEY][:, 0])
                 else:
                     generation_batch = shuffle_sequence_dict(generation_batch)
                 generation_batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
@@ -186,7 +158,7 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
             # shared prefill: each distinct prompt row's first W - 1 tokens once, its cache fanned out to its rows;
             # generate then forwards the last prompt column and samples exactly as it would have
             prompt_completion_ids, prefill_tokens = generate_with_shared_prefill(
-                unwrapped_model, **generate_inputs, prompt_cache_once=self._prompt_cache_once,
+                unwrapped_model, **generate_inputs, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
                 generation_config=self.generation_config,
             )  # fmt: skip
             self.shared_prefill_tokens += prefill_tokens
@@ -206,6 +178,7 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         return completion_ids
 
     # -- the shared-prefix forward ---------------------------------------------------------------------------------
+    @profiling_decorator
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -215,52 +188,55 @@ class _SharedPrefixRLOOTrainer(trl.RLOOTrainer):
         batch_size=None,
         compute_entropy=False,
         compute_aux_loss=False,
+        rows=None,
         **multimodal_kwargs,
     ):
-        group_ids = self._group_ids
+        """Stock TRL's forward, or the packed one when the batch's group structure `rows` came with it."""
         use_stock = (
             not self._share_prefix
-            or group_ids is None
+            or rows is None
             or compute_aux_loss
             or any(value is not None for value in multimodal_kwargs.values())
         )
-        if not use_stock:
-            longest = int(attention_mask.sum(1).max())
-            reason = sliding_window_exceeded(self.accelerator.unwrap_model(model), longest)
-            if reason is not None:
-                self._fall_back(reason, permanent=False)
-                use_stock = True
         if use_stock:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+            return _stock_logps_and_entropies(
+                self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal_kwargs,
             )  # fmt: skip
         return self._packed_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, group_ids, batch_size, compute_entropy
+            model, input_ids, attention_mask, logits_to_keep, rows, batch_size, compute_entropy
         )
 
     def _packed_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, group_ids, batch_size, compute_entropy
+        self, model, input_ids, attention_mask, logits_to_keep, rows, batch_size, compute_entropy
     ):
-        """Stock TRL's micro-batch chunking, with each chunk packed one prompt group per row."""
+        """Stock TRL's micro-batch chunking, each chunk packed as one flat sequence (the stock forward where it can't)."""
         batch_size = batch_size or input_ids.size(0)
         unwrapped = self.accelerator.unwrap_model(model)
+        prefix_attention.install(unwrapped)  # done at init; a model swapped in since (e.g. a synced reference) too
         all_logps, all_entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
-            packed = pack_groups(
-                input_ids[start:end],
-                attention_mask[start:end],
-                logits_to_keep,
-                group_ids[start:end],
-                self._tokenizer.pad_token_id,
-            )
-            self.packed_forward_tokens += packed.num_tokens
             with self.accelerator.autocast():
-                outputs = model(**packed.model_inputs(unwrapped), fused_lm_head=True)
-            all_logps.append(packed.unpack(outputs.log_probs))
+                device_type = input_ids.device.type
+                dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                         else unwrapped.dtype)  # fmt: skip
+                packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype)
+                reason = packed if isinstance(packed, str) else sliding_window_exceeded(unwrapped, packed.layout.span)
+                if reason is not None:
+                    self._fall_back(reason, permanent=False)
+                    logps, entropies, _ = _stock_logps_and_entropies(
+                        self, model, input_ids[start:end], attention_mask[start:end], logits_to_keep, end - start,
+                        compute_entropy,
+                    )  # fmt: skip
+                else:
+                    self.packed_forward_tokens += packed.num_tokens
+                    outputs = model(**packed.model_inputs(), fused_lm_head=True)
+                    logps = packed.unpack(outputs.log_probs)
+                    entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+            all_logps.append(logps)
             if compute_entropy:
-                all_entropies.append(packed.unpack(outputs.entropy))
+                all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         return logps, entropies, None
@@ -273,15 +249,16 @@ class RLOOTrainer(MemoryProfilingMixin, _SharedPrefixRLOOTrainer):
     the switches; with all of them off, training is stock TRL's.
 
     TRL methods overridden, and why:
-    - `_tokenize_prompts`: tokenize each unique prompt string once; its `k` rows share the token list.
-    - `_generate_and_score_completions`: wraps the stock method to make the batch's prompt groups known to the
-      scoring passes, and adds them to the batch (`group_ids`) so later phases never rediscover them.
-    - `_get_per_token_logps_and_entropies`: the packed shared-prefix forward (see [`prefix_sharing`]) for the
-      policy, reference and training passes; the stock forward where packing would not be exact.
+    - `_tokenize_prompts`: tokenize each unique prompt string once; each of its `k` rows gets a copy of the tokens.
+    - `_generate_and_score_completions` and `_compute_loss` (copied, see [`batch_structure`]): the batch's group
+      structure is computed once per generation batch from TRL's token lists, travels with the batch
+      (`rloo_rows`), and is passed to every log-prob forward in the call's arguments.
+    - `_get_per_token_logps_and_entropies`: the packed shared-prefix forward (see [`prefix_sharing`],
+      [`prefix_attention`]) for the policy, reference and training passes; the stock forward where packing would
+      not be exact.
     - `_generate_single_turn`: copied from TRL's regular transformers branch to prefill each distinct prompt once and,
       for supported attention, keep its KV cache once per group while decoding (see [`shared_generation`],
       [`prefix_cache`]); vLLM, continuous batching and multimodal inputs go to stock TRL.
-    - `_compute_loss`: makes the micro-batch's `group_ids` known to the forward, then runs stock TRL's loss.
     - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True`.
     - From [`MemoryProfilingMixin`]: `_generate`, `_calculate_rewards`, `training_step`, `log` (phase boundaries,
       memory metrics), each a thin wrapper around `super()`.

@@ -28,6 +28,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B
+# (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
+PRESETS = {
+    "qwen3-0.6b": dict(arch="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       max_position_embeddings=40960, model_dtype="bfloat16"),
+    "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
+                       max_position_embeddings=40960, model_dtype="bfloat16"),
+}  # fmt: skip
 
 
 @dataclass
@@ -48,6 +58,15 @@ class WorkloadConfig:
     num_key_value_heads: int = field(default=2, metadata={"help": "Tiny model key/value heads (GQA)."})
     intermediate_size: int = field(default=256, metadata={"help": "Tiny model MLP size."})
     max_position_embeddings: int = field(default=8192, metadata={"help": "Tiny model context length."})
+    head_dim: int | None = field(default=None, metadata={"help": "Attention head size (default hidden/heads)."})
+    vocab_size: int | None = field(
+        default=None,
+        metadata={"help": "Pad the byte tokenizer's vocabulary to this size with unused tokens (a real-size LM head)."},
+    )
+    preset: str | None = field(
+        default=None,
+        metadata={"help": "A model shape that overrides the size fields above.", "choices": [None, *PRESETS]},
+    )
     model_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or float64."})
     workload_seed: int = field(default=0, metadata={"help": "Seed for the prompts and the model's random weights."})
     model_cache_dir: str = field(
@@ -56,6 +75,13 @@ class WorkloadConfig:
     )
 
     def __post_init__(self):
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(f"Unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
+            for key, value in PRESETS[self.preset].items():
+                setattr(self, key, value)
+        if self.vocab_size is not None and self.vocab_size < BYTE_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte tokenizer's own tokens).")
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"Unknown arch {self.arch!r}: use one of {', '.join(ARCHITECTURES)}.")
         if self.model_dtype not in ("float32", "float64", "bfloat16"):
@@ -84,11 +110,19 @@ class WorkloadConfig:
             )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer: three special tokens, then one token per byte. Deterministic across processes."""
+BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+
+
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """
+    A byte-level tokenizer: three special tokens, then one token per byte. Deterministic across processes. With
+    `vocab_size`, unused tokens `<unused_i>` pad the vocabulary (never produced by encoding; a sampled one decodes to
+    its name).
+    """
     # ByteLevel.alphabet() returns a set-ordered list that changes from process to process: sort it
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    extra = [f"<unused_{i}>" for i in range((vocab_size or BYTE_VOCAB_SIZE) - BYTE_VOCAB_SIZE)]
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet, *extra])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -109,7 +143,7 @@ def _model_config(cfg: WorkloadConfig, tokenizer):
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
     kwargs = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer),  # the padded vocabulary with `vocab_size`
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -121,8 +155,8 @@ def _model_config(cfg: WorkloadConfig, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    if cfg.arch == "qwen3":
-        kwargs["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.arch == "qwen3" or cfg.head_dim is not None:
+        kwargs["head_dim"] = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
     return config_class[cfg.arch](**kwargs)
 
 
@@ -134,11 +168,12 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     model_keys = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "max_position_embeddings", "model_dtype", "workload_seed")  # fmt: skip
     settings = {key: getattr(cfg, key) for key in model_keys}
+    settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size") if getattr(cfg, key) is not None})
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    path = Path(cfg.model_cache_dir) / f"tiny-{cfg.arch}-{digest}"
+    path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return str(path)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(cfg.vocab_size)
     # The weights must not depend on the global RNG state of the caller
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.workload_seed)

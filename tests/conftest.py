@@ -94,3 +94,48 @@ def stock_run(workload, tmp_path_factory):
     cfg, path, dataset = workload
     args = training_args(tmp_path_factory.mktemp("stock"), config_class=trl.RLOOConfig)
     return run(trl.RLOOTrainer, path, args, dataset)
+
+
+class _ExactLogProbs:
+    """
+    Stand-in for TRL's fused log-prob head (`trl.trainer.utils._ChunkedLogProbFunction`) computing in the model's
+    dtype: TRL's computes in float32 even for a float64 model, which caps any float64 comparison at ~1e-7. Patched
+    identically into stock TRL and ours, so that both are compared at float64's resolution.
+    """
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        import torch
+
+        logits = hidden @ weight.T + (0 if bias is None else bias)
+        logits = logits * logit_scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        log_p = torch.log_softmax(logits / temperature, dim=-1)
+        log_probs = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        return log_probs, entropy, None, None, None
+
+
+def _exact_rms_norm(self, hidden_states):
+    """RMSNorm in the input's dtype: transformers' upcasts to float32 even for float64 models, rounding a gradient to
+    float32 once per row in stock TRL and once per group in ours."""
+    import torch
+
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def exact_head(monkeypatch):
+    """float64 all the way, for stock TRL and ours alike: TRL's fused head and transformers' RMSNorm otherwise round
+    to float32 (patched here, identically for both)."""
+    import trl.trainer.utils
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", _ExactLogProbs)
+    for norm in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
+        monkeypatch.setattr(norm, "forward", _exact_rms_norm)

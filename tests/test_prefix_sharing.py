@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.prefix_sharing import group_ids_for, pack_groups, shuffle_groups_dict, sliding_window_exceeded
+from rloo_efficient import prefix_attention
+from rloo_efficient.prefix_sharing import ROWS_KEY, group_ids_for, pack_groups, row_groups, shuffle_groups_dict
+from rloo_efficient.prefix_sharing import sliding_window_exceeded
 from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer
 
 from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
@@ -59,8 +61,8 @@ def test_matches_stock_trl(workload, tmp_path, layout):
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])  # llama is the shared workload above
 def test_matches_stock_trl_across_architectures(model_cache, tmp_path, arch):
     cfg = tiny_workload(model_cache, arch=arch)
-    # Mistral's default config has a sliding window (4096): its prompt cache is fanned out, not kept once
-    _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, cache_once=arch != "mistral")
+    # Mistral's default config has a sliding window (4096), longer than these sequences: the prompt's cache stays once
+    _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path)
 
 
 # eager attention is tested in float32 only: transformers' eager path returns NaN logits for float64 models with
@@ -103,7 +105,8 @@ def test_groups_are_tokenized_once(workload, tmp_path):
         mp.setattr(type(trainer.processing_class), "__call__", counting_call)
         ids, _, _ = trainer._tokenize_prompts(prompts)
     assert calls == [2]  # two unique strings, one tokenizer call
-    assert ids[0] is ids[3] and ids[4] is ids[7] and ids[0] != ids[4]
+    assert ids[0] == ids[3] and ids[4] == ids[7] and ids[0] != ids[4]
+    assert ids[0] is not ids[3]  # each row owns its list: an in-place edit of one row leaves the others alone
 
 
 # -- packed forward == unpacked forward, over random group layouts ----------------------------------------------------
@@ -112,6 +115,7 @@ def scoring_model(workload):
     cfg, path, dataset = workload
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)  # the packed layout is read by our attention function (the stock call passes none)
     return model
 
 
@@ -128,8 +132,8 @@ def group_layouts(draw):
 def _stock_batch(prompt_lengths, completion_lengths, seed, vocab=250):
     generator = torch.Generator().manual_seed(seed)
     width_p, width_c = max(prompt_lengths), max(max(c) for c in completion_lengths) or 1
-    rows_ids, rows_mask, group_ids = [], [], []
-    for gid, (p, lengths) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
+    rows_ids, rows_mask, prompts, scored = [], [], [], []
+    for p, lengths in zip(prompt_lengths, completion_lengths, strict=True):
         prompt = torch.randint(3, vocab, (p,), generator=generator)
         for n in lengths:
             completion = torch.randint(3, vocab, (width_c,), generator=generator)
@@ -137,15 +141,16 @@ def _stock_batch(prompt_lengths, completion_lengths, seed, vocab=250):
             mask = torch.cat([torch.zeros(width_p - p), torch.ones(p), torch.ones(n), torch.zeros(width_c - n)])
             rows_ids.append(ids)
             rows_mask.append(mask.long())
-            group_ids.append(gid)
-    return torch.stack(rows_ids), torch.stack(rows_mask), width_c, torch.tensor(group_ids)
+            prompts.append(prompt.tolist())
+            scored.append(n)
+    return torch.stack(rows_ids), torch.stack(rows_mask), width_c, row_groups(prompts, scored)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(layout=group_layouts())
 def test_packed_forward_equals_unpacked(scoring_model, layout):
     prompt_lengths, completion_lengths, seed = layout
-    input_ids, attention_mask, width_c, group_ids = _stock_batch(prompt_lengths, completion_lengths, seed)
+    input_ids, attention_mask, width_c, rows = _stock_batch(prompt_lengths, completion_lengths, seed)
     model = scoring_model
 
     labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -157,11 +162,19 @@ def test_packed_forward_equals_unpacked(scoring_model, layout):
     ((stock_logps * weights).sum() + stock_entropy.sum()).backward()
     stock_grads = [p.grad.clone() for p in model.parameters()]
 
-    packed = pack_groups(input_ids, attention_mask, width_c, group_ids, pad_token_id=0)
+    packed = pack_groups(input_ids, width_c, rows, torch.float64)
+    if sum(map(sum, completion_lengths)) == 0:
+        assert isinstance(packed, str)  # nothing to score: the stock forward runs
+        return
     # Tokens forwarded: each prompt once (less its last token, which opens every segment), plus the scored tokens
-    assert packed.num_tokens == sum(p - 1 + sum(c) for p, c in zip(prompt_lengths, completion_lengths, strict=True))
+    scored_groups = [(p, c) for p, c in zip(prompt_lengths, completion_lengths, strict=True) if sum(c)]
+    assert packed.num_real_tokens == sum(p - 1 + sum(c) for p, c in scored_groups)
+    # ... laid out as bodies padded to the longest and rows padded to the longest
+    rows_scored = sum(n > 0 for _, c in scored_groups for n in c)
+    assert packed.num_tokens == len(scored_groups) * max(p - 1 for p, _ in scored_groups) + rows_scored * max(
+        max(c) for _, c in scored_groups)
     model.zero_grad()
-    out = model(**packed.model_inputs(model), fused_lm_head=True)
+    out = model(**packed.model_inputs(), fused_lm_head=True)
     logps, entropy = packed.unpack(out.log_probs), packed.unpack(out.entropy)
     ((logps * weights).sum() + entropy.sum()).backward()
 
@@ -174,9 +187,10 @@ def test_packed_forward_equals_unpacked(scoring_model, layout):
 
 
 def test_grouping_that_lies_is_caught():
-    input_ids, attention_mask, width_c, _ = _stock_batch([5, 5], [[2], [3]], seed=0)
-    with pytest.raises(ValueError, match="prompts differ"):
-        pack_groups(input_ids, attention_mask, width_c, torch.tensor([0, 0]), pad_token_id=0)
+    input_ids, attention_mask, width_c, rows = _stock_batch([5, 4], [[2], [3]], seed=0)
+    rows[:, 0] = 0  # claim both rows share a prompt
+    with pytest.raises(ValueError, match="different lengths"):
+        pack_groups(input_ids, width_c, rows, torch.float64)
 
 
 # -- group structure and shuffling -------------------------------------------------------------------------------------
@@ -188,7 +202,8 @@ def test_group_ids_follow_prompt_strings():
 
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     group_ids = torch.arange(4).repeat_interleave(3)
-    batch = {"group_ids": group_ids, "x": torch.arange(12) * 10, "names": [f"r{i}" for i in range(12)], "n": None}
+    batch = {"group_ids": group_ids, "x": torch.arange(12) * 10, "names": [f"r{i}" for i in range(12)], "n": None,
+             "pairs": tuple((i, i) for i in range(12))}  # a non-list sequence: permuted into a list, as TRL does
     torch.manual_seed(0)
     shuffled = shuffle_groups_dict(batch, group_ids)
     after_groups = torch.rand(1)
@@ -197,6 +212,7 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     assert torch.equal(torch.rand(1), after_groups)  # the generator advanced exactly as for a row shuffle
     order = shuffled["x"] // 10
     assert torch.equal(shuffled["group_ids"], group_ids[order]) and shuffled["names"] == [f"r{i}" for i in order.tolist()]
+    assert shuffled["pairs"] == [(i, i) for i in order.tolist()] and shuffled["n"] is None
     runs = shuffled["group_ids"].view(4, 3)
     assert (runs == runs[:, :1]).all()  # each group contiguous
     first_seen = list(dict.fromkeys(group_ids[row_permutation].tolist()))
@@ -209,7 +225,7 @@ def test_shuffle_groups_matches_stock_when_micro_batches_share_an_optimizer_step
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
     ours = run(RLOOTrainer, path, training_args(tmp_path / "o", shuffle_groups=True, **common), dataset)
     for batch in ours._buffered_inputs:
-        assert (batch["group_ids"] == batch["group_ids"][0]).all()  # one whole group per micro-batch
+        assert (batch[ROWS_KEY][:, 0] == batch[ROWS_KEY][0, 0]).all()  # one whole group per micro-batch
     # Same rows in the same optimizer step: everything but the per-micro-batch entropy average is stock TRL's
     for a, b in zip(step_metrics(stock), step_metrics(ours), strict=True):
         for key in ("loss", "reward", "kl", "grad_norm"):

@@ -10,7 +10,8 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaCon
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.prefix_cache import prefix_attention_unsupported_reason
+from rloo_efficient import prefix_attention
+from rloo_efficient.prefix_cache import PrefixCache, prefix_cache_unsupported_reason, window_allows
 from rloo_efficient.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 from .conftest import run, training_args
@@ -32,6 +33,9 @@ def build(arch: str, dtype=torch.float64, attention="sdpa"):
         model = GPT2LMHeadModel(config)
     elif arch == "mistral_sliding":  # a window shorter than the prompts: sliding cache layers are fanned out too
         config = MistralConfig(sliding_window=8, **SMALL)
+        model = MistralForCausalLM(config)
+    elif arch == "mistral":  # a window (4096) longer than the sequences: the prompt's cache can stay once per group
+        config = MistralConfig(**SMALL)
         model = MistralForCausalLM(config)
     elif arch == "qwen3":  # per-head q/k norms before the cache
         config = Qwen3Config(head_dim=8, **SMALL)
@@ -76,7 +80,8 @@ def stock_and_ours(model, ids, mask, config, once=False):
 
 
 # once=False: the prompt's cache fanned out to its rows; once=True: kept once per prompt, attention split and merged
-CASES = [("llama", False), ("gpt2", False), ("mistral_sliding", False), ("llama", True), ("qwen3", True)]
+CASES = [("llama", False), ("gpt2", False), ("mistral_sliding", False), ("llama", True), ("qwen3", True),
+         ("mistral", True), ("mistral_sliding", True)]  # the last falls back to fanning out, per batch
 
 
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved"])
@@ -159,20 +164,23 @@ def test_unsupported_reasons(config_overrides, model_overrides, reason):
 def test_supported_models_have_no_reason():
     for arch in ("llama", "gpt2", "mistral_sliding", "qwen3"):
         assert generation_unsupported_reason(build(arch), generation_config()) is None
-    for arch in ("llama", "qwen3"):
-        assert prefix_attention_unsupported_reason(build(arch)) is None
-    assert "only verified" in prefix_attention_unsupported_reason(build("gpt2"))
-    assert "sliding window" in prefix_attention_unsupported_reason(build("mistral_sliding"))
+    for arch in ("llama", "qwen3", "mistral", "mistral_sliding"):
+        assert prefix_cache_unsupported_reason(build(arch)) is None
+    assert "only verified" in prefix_cache_unsupported_reason(build("gpt2"))
+    # A sliding window is checked per batch: the whole sequence must fit in it
+    assert window_allows(build("mistral_sliding"), 8) and not window_allows(build("mistral_sliding"), 9)
+    assert window_allows(build("llama"), 10**6)
 
 
-def test_prompt_cache_once_keeps_one_copy_and_restores_attention():
+def test_prompt_cache_once_keeps_one_copy_and_leaves_the_model_as_it_was():
     model = build("llama")
     ids, mask = left_pad(prompts_for("mixed_lengths"))  # 3 prompts, 2 rows each
+    reference = build("llama")
     seen = {}
 
     def record_cache(module, args, kwargs, output):
         cache = output.past_key_values
-        if module.config._attn_implementation != "sdpa":  # inside prefix_attention
+        if isinstance(cache, PrefixCache):
             seen["prefix_rows"] = cache.layers[0].prefix_keys.shape[0]
             seen["rows"] = cache.layers[0].keys.shape[0]
 
@@ -180,7 +188,10 @@ def test_prompt_cache_once_keeps_one_copy_and_restores_attention():
     generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=generation_config())
     hook.remove()
     assert seen == {"prefix_rows": 3, "rows": 6}
-    assert model.config._attn_implementation == "sdpa"
+    # The model's own config and attention are untouched: a plain forward is the model's own
+    assert model.config._attn_implementation == "sdpa" and prefix_attention.installed(model)
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                               reference(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)  # fmt: skip
 
 
 def test_trainer_falls_back_with_one_warning(workload, stock_run, tmp_path):

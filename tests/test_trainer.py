@@ -1,15 +1,17 @@
 """The drop-in contract: same constructor, same results as stock TRL with our options off; clear errors."""
 
 import json
+import warnings
 
 import pytest
+import torch
 import trl
 
 import rloo_efficient
 from rloo_efficient import RLOOConfig, RLOOTrainer
-from rloo_efficient.workload import WorkloadConfig
+from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
 
-from .conftest import run, step_metrics, training_args
+from .conftest import run, step_metrics, tiny_workload, training_args
 
 
 def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
@@ -55,12 +57,82 @@ def test_bad_settings_fail_in_the_config(tmp_path, overrides, message):
         training_args(tmp_path, **overrides)
 
 
-def test_prompt_longer_than_context_fails_before_training(workload, tmp_path):
+def test_construction_reads_no_prompt_and_trains_what_stock_trains(workload, tmp_path, monkeypatch):
+    """No look at the dataset at construction (a million prompts must not stall start-up), and a prompt longer than
+    the model's context is not refused: stock TRL trains on it (rotary positions extrapolate), so do we."""
     cfg, path, dataset = workload
-    long_prompt = dataset.select([0]).map(lambda row: {"prompt": row["prompt"] * 20})  # > 512 tokens
-    with pytest.raises(ValueError, match="max_position_embeddings"):
-        RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                    args=training_args(tmp_path), train_dataset=long_prompt)  # fmt: skip
+    long_prompt = dataset.select([0, 1]).map(lambda row: {"prompt": row["prompt"] * 12})  # > 512 tokens
+    calls = []
+    tokenizer = build_tokenizer()
+    original = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    args = training_args(tmp_path, max_steps=1, steps_per_generation=1)
+    trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=long_prompt, processing_class=tokenizer)  # fmt: skip
+    assert calls == []
+    trainer.train()
+    assert trainer.packed_forward_tokens > 0
+
+
+def test_default_output_dir_follows_trl(workload, monkeypatch):
+    """Without `args`, the run is named as TRL names it (the default config needs a GPU: capture the name only)."""
+    import trl.trainer.rloo_trainer as stock_module
+
+    import rloo_efficient.trainer as our_module
+
+    cfg, path, dataset = workload
+    names = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(output_dir, *args, **kwargs):
+        names.append(output_dir)
+        raise Captured
+
+    for module in (stock_module, our_module):
+        monkeypatch.setattr(module, "RLOOConfig", capture)
+    for trainer_class in (trl.RLOOTrainer, RLOOTrainer):
+        with pytest.raises(Captured):
+            trainer_class(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+    assert names[0] == names[1] == f"{path.split('/')[-1]}-RLOO"
+
+
+def test_reports_the_same_profiling_timers_as_stock(workload, tmp_path, monkeypatch):
+    """TRL times its methods for the trackers (`profiling/Time taken: <class>.<method>`); ours keeps every timer."""
+    from trl.extras.profiling import ProfilingContext
+
+    cfg, path, dataset = workload
+    timed = []
+    monkeypatch.setattr(ProfilingContext, "_log_metrics", lambda self, duration: timed.append(self.name))
+    run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, max_steps=1), dataset)
+    stock, timed[:] = set(timed), []
+    run(RLOOTrainer, path, training_args(tmp_path / "o", max_steps=1), dataset)
+    assert "RLOOTrainer._prepare_inputs" in stock and stock <= set(timed), stock - set(timed)
+
+
+def test_dynamic_rope_falls_back_to_stock(model_cache, tmp_path):
+    """Dynamic NTK scaling recomputes its frequencies from the longest position of each call, which a packed sequence
+    or a shorter prefill changes: such a model runs stock TRL's forward and generate, number for number."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_workload(model_cache)
+    model = AutoModelForCausalLM.from_pretrained(build_model_dir(cfg), dtype=torch.float64)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model.save_pretrained(tmp_path / "dynamic")
+    dataset = build_dataset(cfg)
+    overrides = dict(max_steps=2)
+    stock = run(trl.RLOOTrainer, str(tmp_path / "dynamic"), training_args(tmp_path / "s", config_class=trl.RLOOConfig,
+                **overrides), dataset)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, str(tmp_path / "dynamic"), training_args(tmp_path / "o", empty_cache_policy="none",
+                   **overrides), dataset)  # fmt: skip
+    messages = [str(w.message) for w in caught if "rloo_efficient" in str(w.message)]
+    assert any("'dynamic'" in m and "prefix sharing is off" in m for m in messages)
+    assert any("'dynamic'" in m and "generation prefill is off" in m for m in messages)
+    assert ours.packed_forward_tokens == 0 and ours.shared_prefill_tokens == 0
+    assert step_metrics(ours) == step_metrics(stock)
 
 
 def test_workload_rejects_a_prompt_that_cannot_fit_before_loading_anything():

@@ -1,0 +1,123 @@
+"""
+Stock TRL vs rloo_efficient on GPU-sized workloads: random-weight models shaped like Qwen3-0.6B and Qwen3-1.7B (their
+vocabulary size, untied), bf16, gradient checkpointing on, beta 0.05, one group per micro-batch, completions running
+to their maximum length. Each run is its own process (`experiments/run_rloo.py`, so one run's memory cannot lower
+another's peak), 3 steps; the table gives the median of the steady steps (2 and 3) per phase: time (the profiler
+synchronizes the device at phase boundaries), peak allocated and peak reserved.
+
+    python experiments/bench_gpu.py                       # the issue's workloads, on the GPU
+    python experiments/bench_gpu.py --workloads smoke     # a seconds-long check of this script, on any device
+    python experiments/bench_gpu.py --ablations           # also ours with each generation feature off
+
+A run that runs out of memory is reported as such.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# (name, preset, prompt length, completion length, k)
+WORKLOADS = {
+    "gpu": [
+        ("0.6B P=3072 C=256 k=8", "qwen3-0.6b", 3072, 256, 8),
+        ("0.6B P=3072 C=256 k=16", "qwen3-0.6b", 3072, 256, 16),
+        ("1.7B P=16384 C=128 k=8", "qwen3-1.7b", 16384, 128, 8),
+        ("1.7B P=16384 C=128 k=16", "qwen3-1.7b", 16384, 128, 16),
+    ],
+    "smoke": [("tiny P=256 C=16 k=4", None, 256, 16, 4)],
+}
+ABLATIONS = {"ours, share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
+             "ours, share_generation_prefill=False": ["--share_generation_prefill", "false"]}  # fmt: skip
+GIB = "gib"
+
+
+def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir: Path, device_args) -> dict | str:
+    results = out_dir / f"{method}_{len(list(out_dir.iterdir()))}.json"
+    command = [
+        sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--prompt_length", str(prompt_length),
+        "--max_completion_length", str(completion_length), "--num_generations", str(k),
+        "--per_device_train_batch_size", str(k), "--max_steps", "3", "--beta", "0.05",
+        "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": completion_length}),
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--results_file", str(results),
+        "--output_dir", str(out_dir / "trainer"), *(["--preset", preset] if preset else []), *device_args, *extra,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        if "OutOfMemoryError" in done.stderr or "out of memory" in done.stderr:
+            return "out of memory"
+        sys.stderr.write(done.stderr[-3000:])
+        return f"failed (exit {done.returncode})"
+    return json.loads(results.read_text())
+
+
+def steady(result: dict, phase: str | None, stat: str) -> float | None:
+    """Median over steps 2.. of a phase's stat (time_s or a peak), or of the whole step for phase None."""
+    steps = result["steps"][1:] or result["steps"]
+    if phase is None:
+        if stat == "time_s":
+            return statistics.median(result["step_times_s"][1:] or result["step_times_s"])
+        return max(max(record.get(stat, 0.0) for record in step["phases"].values()) for step in steps)
+    values = [step["phases"][phase][stat] for step in steps if phase in step["phases"]]
+    return statistics.median(values) if values else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", choices=list(WORKLOADS), default="gpu")
+    parser.add_argument("--ablations", action="store_true", help="also run ours with each generation feature off")
+    parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
+    args = parser.parse_args(argv)
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    device_args = ["--bf16", "true"] if on_gpu else ["--bf16", "false"]
+    peak = "peak_allocated_gib" if on_gpu else "peak_rss_gib"
+    reserved = "peak_reserved_gib" if on_gpu else None
+    device = torch.cuda.get_device_name() if on_gpu else "cpu"
+    lines = [
+        f"# python experiments/bench_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+        f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB",
+        f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
+        f"{'peak allocated' if on_gpu else 'peak resident'} | ratio | peak reserved |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines), flush=True)
+    for name, preset, p, c, k in WORKLOADS[args.workloads]:
+        methods = {"stock": ("stock", []), "ours": ("ours", [])}
+        if args.ablations:
+            methods.update({label: ("ours", extra) for label, extra in ABLATIONS.items()})
+        with tempfile.TemporaryDirectory() as tmp:
+            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args)
+                       for label, (method, extra) in methods.items()}  # fmt: skip
+        stock = results["stock"]
+        for label, result in results.items():
+            if isinstance(result, str):
+                line = f"| {name} | {label} | {result} | | | | | | | | |"
+            else:
+                cells = []
+                for phase, stat in [(None, "time_s"), ("generation", "time_s"), ("scoring", "time_s"), (None, peak)]:
+                    if phase == "scoring":  # the training forward/backward and the two log-prob passes
+                        value = sum(steady(result, ph, stat) or 0.0 for ph in ("train", "policy_logps",
+                                                                               "reference_logps"))  # fmt: skip
+                        base = None if isinstance(stock, str) else sum(
+                            steady(stock, ph, stat) or 0.0 for ph in ("train", "policy_logps", "reference_logps"))
+                    else:
+                        value = steady(result, phase, stat)
+                        base = None if isinstance(stock, str) else steady(stock, phase, stat)
+                    cells += [f"{value:.2f}", f"{value / base:.2f}x" if base else ""]
+                cells.append(f"{steady(result, None, reserved):.2f}" if reserved else "")
+                line = f"| {name} | {label} | " + " | ".join(cells) + " |"
+            lines.append(line)
+            print(line, flush=True)
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The private transformers internals rloo_efficient relies on, pinned in pyproject.toml (`transformers>=5.23,<5.24`):
+if an upgrade changes one of them, this says which, before any equivalence test fails in a less legible way."""
+
+import copy
+
+import torch
+import transformers
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from rloo_efficient import prefix_attention
+
+
+def tiny():
+    config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def test_the_pin_matches_what_is_installed():
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    assert (major, minor) == (5, 23), "re-run the suite and move the pin in pyproject.toml"
+
+
+def test_cache_layers_are_per_row_keys_and_values():
+    """The shared prefill fans a DynamicCache out by batch index and the prompt cache subclasses its layer."""
+    cache = DynamicCache(config=tiny().config)
+    assert all(type(layer) is DynamicLayer for layer in cache.layers)
+    layer = cache.layers[0]
+    keys = torch.randn(2, 2, 3, 4)
+    layer.update(keys, keys.clone())
+    layer.batch_select_indices(torch.tensor([1, 1, 0]))
+    assert layer.keys.shape == (3, 2, 3, 4) and torch.equal(layer.keys[2], keys[0]) and layer.get_seq_length() == 3
+
+
+def test_a_4d_mask_is_passed_through_untouched():
+    """The packed forward passes an empty 4-D placeholder so that no (L, L) mask is ever built."""
+    model = tiny()
+    embeds = torch.zeros(1, 7, 16)
+    mask = create_causal_mask(model.config, embeds, prefix_attention.NO_MASK, None, position_ids=torch.arange(7)[None])
+    assert mask is prefix_attention.NO_MASK
+
+
+def test_attention_dispatch_reads_the_module_config_and_forwards_call_kwargs():
+    """Attention modules look their function up by `self.config._attn_implementation` at call time, and the model
+    call's keyword arguments reach it; a config copy changes that module only."""
+    model = tiny()
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.layer_idx, module.num_key_value_groups, kwargs.get("probe"), kwargs.get("scaling")))
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("contract_spy", spy)
+    attention = model.model.layers[0].self_attn
+    proxy = copy.copy(attention.config)
+    proxy._attn_implementation_internal = "contract_spy"
+    attention.config = proxy
+    model(input_ids=torch.tensor([[1, 2, 3]]), probe="here")
+    assert seen == [(0, 2, "here", attention.scaling)] and model.config._attn_implementation == "sdpa"
