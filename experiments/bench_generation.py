@@ -35,7 +35,8 @@ def generate(method, model, input_ids, attention_mask, config):
     if method == "stock":
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     once = method == "cache_once"
-    return generate_with_shared_prefill(model, input_ids, attention_mask, once, generation_config=config)[0]
+    return generate_with_shared_prefill(model, input_ids, attention_mask, prompt_cache_once=once,
+                                        generation_config=config)[0]  # fmt: skip
 
 
 def peak_tensor_bytes(fn, device) -> int:

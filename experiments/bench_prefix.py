@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient.memory import get_memory_stats, is_accelerator
-from rloo_efficient.prefix_sharing import pack_groups
+from rloo_efficient import prefix_attention
+from rloo_efficient.prefix_sharing import pack_groups, row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
@@ -35,7 +36,7 @@ def forward(model, packed, input_ids, attention_mask, completion_length):
         labels[:, :-completion_length] = -100
         out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
         return out.log_probs[:, -completion_length:], out.entropy[:, -completion_length:]
-    out = model(**packed.model_inputs(model), fused_lm_head=True)
+    out = model(**packed.model_inputs(), fused_lm_head=True)
     return packed.unpack(out.log_probs), packed.unpack(out.entropy)
 
 
@@ -82,6 +83,7 @@ def main(argv=None):
     path = build_model_dir(WorkloadConfig())  # the default tiny model
     model = AutoModelForCausalLM.from_pretrained(path).to(device)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)  # the packed forward's layout is read by our attention function
     model.train()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -97,7 +99,8 @@ def main(argv=None):
     for p in args.prompt_lengths:
         for k in args.ks:
             input_ids, attention_mask = stock_inputs(p, c, k, vocab, device)
-            packed = pack_groups(input_ids, attention_mask, c, torch.zeros(k, dtype=torch.long), 0)
+            rows = row_groups([list(range(p))] * k, [c] * k)  # one group: k rows of one p-token prompt
+            packed = pack_groups(input_ids, c, rows, model.dtype)
             stock = measure(model, None, input_ids, attention_mask, c, args.repeats)
             ours = measure(model, packed, input_ids, attention_mask, c, args.repeats)
             base = get_memory_stats(device)  # peaks are absolute on CPU: report the ratio of increments over idle

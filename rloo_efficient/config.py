@@ -10,17 +10,20 @@ EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
 class RLOOConfig(trl.RLOOConfig):
     r"""
     Configuration for [`rloo_efficient.RLOOTrainer`]: every field of [`trl.RLOOConfig`], plus the ones below. With
-    `share_prompt_prefix=False`, `share_generation_prefill=False`, `shuffle_groups=False` and
-    `empty_cache_policy="none"`, training is stock TRL's.
+    `share_prompt_prefix=False`, `share_generation_prefill=False`, `share_reward_prefix=False`,
+    `hydra_reward_adapter=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
 
     Parameters:
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):
             Process each unique prompt once per micro-batch: prompts are tokenized once per unique string, and the
-            policy, reference and training forwards pack a prompt with its completions in one row, each completion
-            attending to the prompt's keys and values (a 4-D attention mask). Exact: same log-probs and gradients
-            as the stock forward, to floating-point tolerance. Models where it cannot be exact (absolute position
-            embeddings, active dropout, a sliding window shorter than the sequence, multimodal inputs, attention
-            kernels that take no 4-D mask) use the stock path, with one warning naming the reason.
+            policy, reference and training forwards pack a micro-batch as one flat sequence holding each prompt once
+            and its completions, each completion attending to its prompt's keys and values through rloo_efficient's
+            prefix-attention backend (fused kernels, no `(L, L)` mask; see `rloo_efficient.prefix_attention`),
+            whatever attention implementation the model was loaded with. Exact: same log-probs and gradients as the
+            stock forward, to floating-point tolerance. Models where it cannot be exact (architectures other than
+            Llama, Mistral, Qwen2 and Qwen3, absolute position embeddings, rotary embeddings that depend on the
+            sequence length, active dropout, a sliding window shorter than the sequence, multimodal inputs, a MoE
+            load-balancing loss) use the stock path, with one warning naming the reason.
         share_generation_prefill (`bool`, *optional*, defaults to `True`):
             In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
             to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
@@ -31,8 +34,21 @@ class RLOOConfig(trl.RLOOConfig):
         share_prompt_kv_cache (`bool`, *optional*, defaults to `True`):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
-            tokens and merged exactly (log-sum-exp, as in Hydragen). For Llama, Mistral, Qwen2 and Qwen3 attention
-            without a sliding window; other models fan the cache out, with one warning naming the reason.
+            tokens and merged exactly (log-sum-exp, as in Hydragen), two fused-kernel calls per layer and step for all
+            rows. For Llama, Mistral, Qwen2 and Qwen3 (a sliding window must hold the whole sequence, checked per
+            batch); other models fan the cache out, with one warning naming the reason.
+        share_reward_prefix (`bool`, *optional*, defaults to `True`):
+            Score reward models with each group's rows packed like the policy's forwards: the longest common token
+            prefix of the group's rows (in the reward model's own tokenization, chat template included) once, each
+            row's remainder attending to it; each row's score read where the model's pooling reads it. For Llama,
+            Mistral, Qwen2 and Qwen3 sequence classifiers; others are called as stock TRL calls them, with one warning.
+        hydra_reward_adapter (`bool`, *optional*, defaults to `True`):
+            When the policy is a PEFT LoRA model and a reward function is the directory of a PEFT sequence-
+            classification adapter on the same base (as TRL's `RewardTrainer` saves it), load it onto the policy's
+            base as a second, frozen adapter with its score head, instead of a second copy of the base model
+            (Hydra-RLHF). Rewards are computed with it active and the policy's adapter off, under no gradient. An
+            adapter on another base, or in another dtype or quantization than the policy's base, is loaded as its
+            own model as stock TRL loads it, with one warning.
         shuffle_groups (`bool`, *optional*, defaults to `False`):
             When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
             rows, so a group's completions share a micro-batch (and so its prompt) wherever the batch sizes allow.
@@ -63,6 +79,14 @@ class RLOOConfig(trl.RLOOConfig):
     share_prompt_kv_cache: bool = field(
         default=True,
         metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill)."},
+    )
+    share_reward_prefix: bool = field(
+        default=True,
+        metadata={"help": "Score reward models with each group's shared token prefix once (packed rows)."},
+    )
+    hydra_reward_adapter: bool = field(
+        default=True,
+        metadata={"help": "Load a reward LoRA adapter on the policy's own base instead of a second model copy."},
     )
     shuffle_groups: bool = field(
         default=False,

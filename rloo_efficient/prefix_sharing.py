@@ -133,6 +133,31 @@ def _split_layout(counts: np.ndarray, row_length: int) -> tuple[int | None, int,
     return None, slots, gather.reshape(-1), scatter
 
 
+def host_layout(counts: np.ndarray, body: np.ndarray, row_length: int, span: int, parts: list[np.ndarray], device,
+                dtype) -> tuple[PackedLayout, list[torch.Tensor]]:  # fmt: skip
+    """
+    The [`PackedLayout`] of `G = len(counts)` groups, group `g` a body of `body[g]` tokens (right-padded to the
+    longest) and `counts[g]` consecutive rows of `row_length` tokens; built on the host. The integer arrays `parts`
+    travel to `device` with the layout's own indices in one copy; returns the layout and the parts there.
+    """
+    groups, body_width = len(counts), int(body.max())
+    rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
+    extra = [] if gather is None else [gather, scatter]
+    host = torch.from_numpy(np.concatenate([*parts, *extra]).astype(np.int64))
+    if device.type != "cpu":
+        host = host.pin_memory()
+    on_device = list(host.to(device, non_blocking=True).split([part.size for part in [*parts, *extra]]))
+    if gather is not None:
+        scatter_t, gather_t = on_device.pop(), on_device.pop()
+    bias = None
+    if (body < body_width).any():  # bodies of different lengths: mask each body's padding for the rows
+        padding = np.where(np.arange(body_width)[None, :] < body[:, None], 0.0, torch.finfo(dtype).min)
+        bias = torch.from_numpy(padding).to(device, dtype).view(groups, 1, 1, body_width)
+    split = SplitLayout(groups, rows_per_group, slots, None if gather is None else gather_t,
+                        None if gather is None else scatter_t, bias)  # fmt: skip
+    return PackedLayout(split, body_width, int(counts.sum()), row_length, span), on_device
+
+
 def pack_groups(
     input_ids: torch.Tensor,
     logits_to_keep: int,
@@ -191,26 +216,11 @@ def pack_groups(
     cols = np.broadcast_to(c, in_row.shape)
     unpack[np.broadcast_to(row_index[:, None], in_row.shape)[in_row], cols[in_row]] = (seg_start + c[None, :])[in_row]
 
-    rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
-    parts = [tokens, labels, positions, unpack.reshape(-1)]
-    if gather is not None:
-        parts += [gather, scatter]
-    host = torch.from_numpy(np.concatenate(parts).astype(np.int64))
-    if device.type != "cpu":
-        host = host.pin_memory()
-    sizes = [part.size for part in parts]
-    on_device = host.to(device, non_blocking=True).split(sizes)
-    index, label_index, position_ids, unpack_index = on_device[:4]
+    layout, on_device = host_layout(counts, body, row_length, int((prompt_len[group_rank] + n).max()),
+                                    [tokens, labels, positions, unpack.reshape(-1)], device, dtype)  # fmt: skip
+    index, label_index, position_ids, unpack_index = on_device
     ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
     gathered = ids.index_select(0, torch.cat([index, label_index]))
-
-    bias = None
-    if (body < body_width).any():  # prompts of different lengths: mask each body's padding for the segments
-        padding = np.where(in_body, 0.0, torch.finfo(dtype).min)
-        bias = torch.from_numpy(padding).to(device, dtype).view(groups, 1, 1, body_width)
-    split = SplitLayout(groups, rows_per_group, slots, on_device[4] if gather is not None else None,
-                        on_device[5] if gather is not None else None, bias)  # fmt: skip
-    layout = PackedLayout(split, body_width, num_scored, row_length, span=int((prompt_len[group_rank] + n).max()))
     return PackedBatch(
         input_ids=gathered[:total].view(1, total),
         position_ids=position_ids.view(1, total),

@@ -1,8 +1,11 @@
+import inspect
 import warnings
 from typing import Any
 
 import torch
 import trl
+from accelerate.utils import is_peft_model
+from transformers import AutoTokenizer
 from trl.models import unwrap_model_for_generation
 from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.trainer.utils import get_config_model_id, pad
@@ -16,6 +19,7 @@ from .prefix_cache import prefix_cache_unsupported_reason
 from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
 from .prefix_sharing import unsupported_reason
 from .profiling import MemoryProfilingMixin
+from .reward_sharing import GroupedRewardMixin, HydraReward, reward_adapter_config, resolved_dtype, split_hydra_rewards
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 
@@ -30,7 +34,7 @@ def _supported(reason: str | None, consequence: str) -> bool:
     return reason is None
 
 
-class _SharedPrefixRLOOTrainer(GroupedBatchMixin, trl.RLOOTrainer):
+class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTrainer):
     """The prefix-sharing overrides; [`RLOOTrainer`] adds profiling around them."""
 
     def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, *positional, **kwargs):
@@ -42,7 +46,10 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, trl.RLOOTrainer):
         self._prefix_warned: set[str] = set()
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
         self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
+        self.reward_forward_tokens = 0  # tokens the packed reward forward processed (read by tests)
+        reward_funcs = self._hydra_reward_funcs(model, reward_funcs, args, positional, kwargs)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._attach_hydra_rewards()
         self._share_prefix = args.share_prompt_prefix
         if self._share_prefix:
             reason = unsupported_reason(self.accelerator.unwrap_model(self.model))
@@ -70,6 +77,38 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, trl.RLOOTrainer):
             for model in (unwrapped, self.ref_model):
                 if model is not None:
                     prefix_attention.install(model)
+
+    def _hydra_reward_funcs(self, model, reward_funcs, args, positional, kwargs) -> list:
+        """`reward_funcs` with each reward adapter that can share the policy's base replaced by a [`HydraReward`]."""
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not any(reward_adapter_config(func) for func in funcs):
+            return reward_funcs
+        bound = inspect.signature(trl.RLOOTrainer.__init__).bind(self, model, reward_funcs, args, *positional, **kwargs)
+        init_kwargs = args.model_init_kwargs or {}
+        base = dtype = quantization = None
+        if isinstance(model, str) and bound.arguments.get("peft_config") is not None:
+            # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
+            base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
+            quantization = init_kwargs.get("quantization_config")
+        elif is_peft_model(model):
+            policy_base = model.get_base_model()
+            base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
+            quantization = getattr(policy_base.config, "quantization_config", None)
+        return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, args.hydra_reward_adapter,
+                                   lambda message: warnings.warn(message, stacklevel=5))  # fmt: skip
+
+    def _attach_hydra_rewards(self) -> None:
+        """Loads each Hydra reward adapter onto the policy, and its tokenizer where none was given (as stock would)."""
+        for index, func in enumerate(self.reward_funcs):
+            if not isinstance(func, HydraReward):
+                continue
+            func.attach(self.accelerator.unwrap_model(self.model))
+            if self.reward_processing_classes[index] is None:
+                tokenizer = AutoTokenizer.from_pretrained(func.adapter["base_model_name_or_path"],
+                                                          trust_remote_code=self.args.trust_remote_code)  # fmt: skip
+                if tokenizer.pad_token_id is None:
+                    tokenizer.pad_token = tokenizer.eos_token
+                self.reward_processing_classes[index] = tokenizer
 
     def _fall_back(self, reason: str, permanent: bool = True) -> None:
         if permanent:

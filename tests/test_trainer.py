@@ -17,8 +17,8 @@ from .conftest import run, step_metrics, tiny_workload, training_args
 def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
     cfg, path, dataset = workload
     args = training_args(
-        tmp_path, share_prompt_prefix=False, share_generation_prefill=False, shuffle_groups=False,
-        empty_cache_policy="none",
+        tmp_path, share_prompt_prefix=False, share_generation_prefill=False, share_reward_prefix=False,
+        hydra_reward_adapter=False, shuffle_groups=False, empty_cache_policy="none",
     )
     ours = run(RLOOTrainer, path, args, dataset)
     # Same computation in the same order: the numbers are identical, not merely close
@@ -38,8 +38,8 @@ def test_config_is_a_stock_config_subclass():
     assert issubclass(RLOOConfig, trl.RLOOConfig) and issubclass(RLOOTrainer, trl.RLOOTrainer)
     ours = set(RLOOConfig.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
     assert ours == {
-        "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "shuffle_groups",
-        "empty_cache_policy", "profile_memory",
+        "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "share_reward_prefix",
+        "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy", "profile_memory",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 

@@ -1,0 +1,427 @@
+"""
+The reward phase inside the group: each group's shared prefix scored once, and Hydra reward adapters.
+
+Stock TRL scores completions with a reward model by rendering prompt + completion as text, tokenizing it with the
+reward model's tokenizer and running the model on the `B` rows: `k` copies of each prompt. Here the rows of a group
+(the same prompt) are tokenized as stock tokenizes them, their longest common token prefix is found (never assumed to
+be the prompt: a tokenizer may merge tokens across the prompt/completion boundary), and the batch is packed as the
+policy's forwards pack it ([`prefix_sharing`]): the common prefix less its last token once per group, then each row's
+remainder opened by a copy of that last token, attending through [`prefix_attention`]. Each row's score is read where
+stock's sequence-classification pooling reads it, at the row's last non-padding token, and the model's score head is
+applied there.
+
+Hydra (arXiv 2309.00754): when the policy is a PEFT LoRA model and a reward function is the directory of a PEFT
+sequence-classification adapter on the same base (as TRL's `RewardTrainer` saves it), the adapter is loaded onto the
+policy's own base as a second, frozen adapter, with its score head, instead of loading a second copy of the base.
+Rewards are computed with it active and the policy's adapter off, under no gradient, and the policy's adapter and
+every parameter's `requires_grad` are restored afterwards, also when the computation raises.
+"""
+
+import contextlib
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncio
+
+import numpy as np
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import gather
+from torch import nn
+from transformers import Trainer
+from trl.data_utils import apply_chat_template, is_conversational
+from trl.extras.profiling import profiling_context, profiling_decorator
+from trl.trainer.utils import is_async_callable
+
+from .prefix_attention import LAYOUT_KWARG, MODEL_TYPES, NO_MASK, PackedLayout, install
+from .prefix_sharing import group_ids_for, host_layout, is_multimodal, rope_reason
+
+
+logger = get_logger(__name__)
+
+
+# -- packing the reward batch ----------------------------------------------------------------------------------------
+@dataclass
+class RewardBatch:
+    """The rows of a reward batch packed as one flat sequence, and where each row's score is read."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    score_index: torch.Tensor  # (B,) flat position of each row's last non-padding token
+    layout: PackedLayout
+    shared_prefix_lengths: list[int]  # per group, the common token prefix of its rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """Length of the longest token prefix every row of `rows` starts with."""
+    first, length = rows[0], min(len(row) for row in rows)
+    for row in rows[1:]:
+        same = 0
+        while same < length and row[same] == first[same]:
+            same += 1
+        length = same
+    return length
+
+
+def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_id: int, device,
+                     dtype) -> RewardBatch | str:  # fmt: skip
+    """
+    Packs reward rows (each one's unpadded tokens) whose `prompt_groups` say which share a prompt, or returns why the
+    batch cannot be packed. A group whose rows share no first token is split into rows of their own.
+    """
+    if any(len(row) == 0 for row in rows):
+        return "a reward text has no token"
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(prompt_groups):
+        members.setdefault(group, []).append(row)
+    groups = []  # (rows, shared prefix length), in order of first appearance
+    for rows_of_group in members.values():
+        shared = common_prefix_length([rows[r] for r in rows_of_group])
+        groups += [(rows_of_group, shared)] if shared > 0 else [([r], len(rows[r])) for r in rows_of_group]
+    order = np.array([r for rows_of_group, _ in groups for r in rows_of_group])
+    counts = np.array([len(rows_of_group) for rows_of_group, _ in groups])
+    shared = np.array([length for _, length in groups])
+    body = shared - 1  # the shared prefix less its last token, which opens every row's segment
+    shared_of_row = np.repeat(shared, counts)
+    segment_lengths = np.array([len(rows[r]) for r in order]) - shared_of_row + 1
+    body_width, row_length = int(body.max()), int(segment_lengths.max())
+
+    tokens = np.full((len(groups) * body_width + len(order) * row_length,), pad_token_id, dtype=np.int64)
+    positions = np.zeros_like(tokens)
+    first = order[np.cumsum(counts) - counts]
+    for g, (r, length) in enumerate(zip(first, body, strict=True)):
+        tokens[g * body_width : g * body_width + length] = rows[r][:length]
+        positions[g * body_width : g * body_width + body_width] = np.arange(body_width)
+    start = len(groups) * body_width
+    score_index = np.empty(len(rows), dtype=np.int64)
+    for slot, (r, prefix) in enumerate(zip(order, shared_of_row, strict=True)):
+        segment = rows[r][prefix - 1 :]
+        offset = start + slot * row_length
+        tokens[offset : offset + len(segment)] = segment
+        positions[offset : offset + row_length] = np.arange(prefix - 1, prefix - 1 + row_length)
+        # Stock's pooling: the rightmost token that is not padding (the first position when there is none)
+        real = [i for i, token in enumerate(rows[r]) if token != pad_token_id]
+        last = real[-1] if real else 0
+        group = int(np.searchsorted(np.cumsum(counts), slot, side="right"))
+        score_index[r] = offset + last - (prefix - 1) if last >= prefix - 1 else group * body_width + last
+    layout, (tokens_t, positions_t, score_t) = host_layout(counts, body, row_length, max(len(row) for row in rows),
+                                                           [tokens, positions, score_index], device, dtype)  # fmt: skip
+    return RewardBatch(tokens_t.view(1, -1), positions_t.view(1, -1), score_t, layout, shared.tolist())
+
+
+def packed_scores(backbone: nn.Module, score: nn.Module, batch: RewardBatch) -> torch.Tensor:
+    """`(B,)` first score of each row: the backbone on the packed rows, the score head at each row's pooled token."""
+    outputs = backbone(input_ids=batch.input_ids, attention_mask=NO_MASK, position_ids=batch.position_ids,
+                       use_cache=False, **{LAYOUT_KWARG: batch.layout})  # fmt: skip
+    return score(outputs.last_hidden_state[0].index_select(0, batch.score_index))[:, 0]
+
+
+def padded_scores(backbone: nn.Module, score: nn.Module, input_ids, attention_mask, pad_token_id) -> torch.Tensor:
+    """What a transformers `...ForSequenceClassification` model returns for stock's padded batch, from its parts."""
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    indices = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
+    last = (indices * (input_ids != pad_token_id).to(torch.int32)).argmax(-1)
+    return score(hidden[torch.arange(input_ids.shape[0], device=hidden.device), last])[:, 0]
+
+
+def reward_model_reason(model: nn.Module) -> str | None:
+    """Why a reward model's scores cannot be computed exactly from packed rows, or None when they can."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "score") or not hasattr(model, getattr(model, "base_model_prefix", "")):
+        return f"{type(model).__name__} is not a transformers sequence-classification model"
+    if config.is_encoder_decoder or is_multimodal(model):
+        return f"{type(model).__name__} is not a decoder-only text model"
+    if config.get_text_config().model_type not in MODEL_TYPES:
+        return f"its attention is only verified for {', '.join(MODEL_TYPES)}, not {config.model_type}"
+    if config.get_text_config().pad_token_id is None:
+        return "it has no padding token, which stock's pooling needs"
+    return rope_reason(model)
+
+
+# -- Hydra: the reward adapter on the policy's own base --------------------------------------------------------------
+def reward_adapter_config(path) -> dict | None:
+    """The `adapter_config.json` of a PEFT sequence-classification adapter directory, or None for anything else."""
+    if not isinstance(path, (str, os.PathLike)) or not (Path(path) / "adapter_config.json").is_file():
+        return None
+    config = json.loads((Path(path) / "adapter_config.json").read_text())
+    return config if config.get("task_type") == "SEQ_CLS" else None
+
+
+def _same_model(a: str, b: str) -> bool:
+    if os.path.isdir(a) and os.path.isdir(b):
+        return os.path.realpath(a) == os.path.realpath(b)
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantization, model_init_kwargs) -> str | None:
+    """
+    Why the reward adapter `adapter` (its config) cannot run on the policy's base and give stock's rewards: stock
+    TRL loads it on its own copy of `adapter["base_model_name_or_path"]` with `model_init_kwargs`.
+    """
+    if adapter.get("peft_type") != "LORA":
+        return f"it is a {adapter.get('peft_type')} adapter, not LoRA"
+    base = adapter.get("base_model_name_or_path") or ""
+    if not _same_model(base, policy_base):
+        return f"its base ({base}) is not the policy's ({policy_base})"
+    quantization = (model_init_kwargs or {}).get("quantization_config")
+    if (quantization is None) != (policy_quantization is None):
+        return "the policy's base and the reward model stock TRL would load are not quantized alike"
+    dtype = resolved_dtype((model_init_kwargs or {}).get("dtype", "auto"), base)  # transformers' default: auto
+    if dtype != policy_dtype:
+        return f"stock TRL would load the reward model in {dtype}, the policy's base is {policy_dtype}"
+    return None
+
+
+def resolved_dtype(spec, path: str) -> torch.dtype:
+    """The dtype `from_pretrained(path, dtype=spec)` gives: `"auto"` reads the saved config."""
+    if spec in ("auto", None):
+        config = Path(path) / "config.json"
+        saved = json.loads(config.read_text()) if config.is_file() else {}
+        spec = saved.get("dtype") or saved.get("torch_dtype") or "float32"
+    return getattr(torch, spec) if isinstance(spec, str) else spec
+
+
+class HydraReward:
+    """
+    A reward adapter to be scored on the policy's base. It stands in for the adapter's path in `reward_funcs`, so
+    stock TRL's constructor neither loads a second model nor wraps it; [`attach`] loads it onto the policy.
+    """
+
+    def __init__(self, path: str, adapter: dict, name: str):
+        self.path, self.adapter, self.adapter_name = str(path), adapter, name
+        # Stock TRL names a reward model after its config's model id: the base's, for an adapter directory
+        self.__name__ = adapter["base_model_name_or_path"].rstrip("/").split("/")[-1]
+        self.policy = None
+        self.score: nn.Linear | None = None
+
+    def attach(self, policy) -> None:
+        """
+        Loads the adapter onto `policy` (a PEFT model on the same base), frozen, and its score head. A new adapter
+        draws initial weights from the global generator before the saved ones replace them: the generator is left
+        where stock TRL leaves it, or the completions would be sampled differently.
+        """
+        devices = [policy.device] if policy.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self._load(policy)
+
+    def _load(self, policy) -> None:
+        from peft import LoraConfig, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state_file = Path(self.path) / "adapter_model.safetensors"
+        state = load_file(state_file) if state_file.exists() else torch.load(Path(self.path) / "adapter_model.bin")
+        score_keys = [key for key in state if key.split(".")[-2] in ("score", "classifier") or ".score." in key]
+        score_weight = state[next(key for key in score_keys if key.endswith("weight"))]
+        for key in score_keys:
+            del state[key]
+        fields = {k: v for k, v in self.adapter.items() if k in LoraConfig.__dataclass_fields__}
+        config = LoraConfig(**{**fields, "modules_to_save": None, "task_type": "CAUSAL_LM", "inference_mode": True})
+        active = policy.active_adapter
+        flags = {name: parameter.requires_grad for name, parameter in policy.named_parameters()}
+        policy.add_adapter(self.adapter_name, config)
+        set_peft_model_state_dict(policy, state, adapter_name=self.adapter_name)
+        # Layers the policy's adapter does not target were created with the new adapter active: activate the
+        # policy's everywhere again, and leave every existing parameter as trainable as it was
+        policy.set_adapter(active)
+        for name, parameter in policy.named_parameters():
+            parameter.requires_grad_(flags.get(name, False))
+        base = policy.get_base_model()
+        self.score = nn.Linear(score_weight.shape[1], score_weight.shape[0], bias=False, device="meta")
+        self.score.weight = nn.Parameter(score_weight.to(device=base.device, dtype=base.dtype), requires_grad=False)
+        self.policy = policy
+
+    @contextlib.contextmanager
+    def active(self):
+        """The reward adapter active and the policy's off; everything as it was afterwards, whatever happens."""
+        policy = self.policy
+        previous = policy.active_adapter
+        flags = [(parameter, parameter.requires_grad) for parameter in policy.parameters()]
+        policy.set_adapter(self.adapter_name, inference_mode=True)
+        try:
+            yield policy.get_base_model()
+        finally:
+            policy.set_adapter(previous)
+            for parameter, flag in flags:
+                parameter.requires_grad_(flag)
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("A Hydra reward adapter is scored by rloo_efficient's RLOOTrainer, not called.")
+
+
+# -- the trainer's reward phase --------------------------------------------------------------------------------------
+class GroupedRewardMixin:
+    """Scores reward models (and Hydra adapters) with each group's shared prefix once; see the module docstring."""
+
+    # Adapted from trl 1.16 RLOOTrainer._calculate_rewards; changes marked "# prefix sharing:"
+    @profiling_decorator
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        device = self.accelerator.device
+        rewards_per_func = torch.zeros(len(prompts), len(self.reward_funcs), device=device)
+
+        # Repeat all input columns (but "prompt", "completion", and "completion_ids") to match the num of generations
+        keys = [key for key in inputs[0] if key not in ["prompt", "completion", "completion_ids"]]
+        reward_kwargs = {key: [example[key] for example in inputs] for key in keys}
+
+        # This allows for dynamic reward shaping based on training progress.
+        reward_kwargs["trainer_state"] = self.state
+
+        # Allow reward functions to log extra columns to the completions table.
+        reward_kwargs["log_extra"] = self._log_completion_extra
+
+        # Allow reward functions to log additional scalar metrics.
+        reward_kwargs["log_metric"] = self._log_metric
+
+        async_funcs_info = []  # async custom functions for asyncio.gather
+
+        for i, (reward_func, reward_processing_class, reward_func_name) in enumerate(
+            zip(self.reward_funcs, self.reward_processing_classes, self.reward_func_names, strict=True)
+        ):
+            # prefix sharing: a Hydra reward adapter is scored like a model
+            if isinstance(reward_func, (nn.Module, HydraReward)):  # Module (no PretrainedModel) for compat w/ compiled
+                with profiling_context(self, reward_func_name):
+                    if is_conversational({"prompt": prompts[0]}):
+                        messages = [{"messages": p + c} for p, c in zip(prompts, completions, strict=True)]
+                        texts = [
+                            apply_chat_template(x, reward_processing_class, **self.chat_template_kwargs)["text"]
+                            for x in messages
+                        ]
+                    else:
+                        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+                    # prefix sharing: each group's common token prefix scored once, where the model allows
+                    scores = self._grouped_reward_scores(reward_func, reward_processing_class, prompts, texts)
+                    if scores is not None:
+                        rewards_per_func[:, i] = scores
+                        continue
+                    reward_inputs = reward_processing_class(
+                        text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+                    )
+                    reward_inputs = Trainer._prepare_inputs(self, reward_inputs)  # prefix sharing: Trainer's own
+                    with torch.inference_mode():
+                        rewards_per_func[:, i] = reward_func(**reward_inputs).logits[:, 0]  # Shape (B*G,)
+            elif is_async_callable(reward_func):  # Separate async reward funcs to run them in parallel later
+                async_funcs_info.append((i, reward_func, reward_func_name))
+            else:
+                # Run synchronous reward function
+                with profiling_context(self, reward_func_name):
+                    output_reward_func = reward_func(
+                        prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs
+                    )
+                    # Convert None values to NaN
+                    output_reward_func = [reward if reward is not None else torch.nan for reward in output_reward_func]
+                    if len(output_reward_func) != len(prompts):
+                        raise ValueError(
+                            f"The reward function '{reward_func_name}' returned {len(output_reward_func)} rewards, but "
+                            f"{len(prompts)} were expected (one per prompt-completion pair). Make sure the reward "
+                            f"function returns exactly one reward per completion."
+                        )
+                    rewards_per_func[:, i] = torch.tensor(output_reward_func, dtype=torch.float32, device=device)
+
+        # Execute async custom functions in parallel using asyncio.gather
+        if async_funcs_info:
+
+            async def _invoke_async(index, func, func_name):
+                with profiling_context(self, func_name):
+                    output = await func(
+                        prompts=prompts, completions=completions, completion_ids=completion_ids_list, **reward_kwargs
+                    )
+                    output = [r if r is not None else torch.nan for r in output]
+                    if len(output) != len(prompts):
+                        raise ValueError(
+                            f"The reward function '{func_name}' returned {len(output)} rewards, but {len(prompts)} "
+                            f"were expected (one per prompt-completion pair). Make sure the reward function returns "
+                            f"exactly one reward per completion."
+                        )
+                    return index, output
+
+            async def _run_async_funcs():
+                coros = [_invoke_async(i, func, func_name) for (i, func, func_name) in async_funcs_info]
+                return await asyncio.gather(*coros)
+
+            async_results = asyncio.run_coroutine_threadsafe(_run_async_funcs(), self.async_loop).result()
+            for idx, output_reward_func in async_results:
+                rewards_per_func[:, idx] = torch.tensor(output_reward_func, dtype=torch.float32, device=device)
+
+        # If all reward functions return None for a given row, issue a detailed warning
+        if torch.isnan(rewards_per_func).all(dim=1).any():
+            nan_row_idx = torch.isnan(rewards_per_func).all(dim=1).nonzero(as_tuple=True)[0][0]
+            row_reward_kwargs = {
+                key: value[nan_row_idx]
+                for key, value in reward_kwargs.items()
+                if key not in ("trainer_state", "log_extra", "log_metric")
+            }
+            row_reward_kwargs["prompt"] = prompts[nan_row_idx]
+            row_reward_kwargs["completion"] = completions[nan_row_idx]
+            logger.warning(
+                f"All reward functions returned None for the following kwargs:\n{row_reward_kwargs}\n"
+                "Please ensure that at least one reward function returns a valid reward."
+            )
+
+        # Gather the reward per function: this part is crucial, because the rewards are normalized per group and the
+        # completions may be distributed across processes
+        rewards_per_func = gather(rewards_per_func)
+        return rewards_per_func
+
+
+    def _grouped_reward_scores(self, reward_func, processing_class, prompts, texts) -> torch.Tensor | None:
+        """`(B,)` rewards from packed rows, or None where stock's call must run (then it has warned why, once)."""
+        hydra = isinstance(reward_func, HydraReward)
+        if not hydra and (not self.args.share_reward_prefix or not self._reward_model_supported(reward_func)):
+            return None
+        rows = processing_class(text=texts, add_special_tokens=False)["input_ids"]
+        pad_token_id = processing_class.pad_token_id
+        context = reward_func.active() if hydra else contextlib.nullcontext(self.accelerator.unwrap_model(reward_func))
+        with torch.inference_mode(), context as model:
+            backbone = getattr(model, model.base_model_prefix)
+            score = reward_func.score if hydra else model.score
+            batch = pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.accelerator.device,
+                                     model.dtype) if self.args.share_reward_prefix else "share_reward_prefix=False"  # fmt: skip
+            if isinstance(batch, str):
+                if not hydra:
+                    self._fall_back_reward(batch)
+                    return None
+                padded = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                                          add_special_tokens=False).to(self.accelerator.device)  # fmt: skip
+                return padded_scores(backbone, score, padded["input_ids"], padded["attention_mask"], pad_token_id)
+            install(model)
+            self.reward_forward_tokens += batch.num_tokens
+            self.reward_shared_prefix_lengths = batch.shared_prefix_lengths
+            return packed_scores(backbone, score, batch)
+
+    def _reward_model_supported(self, reward_func) -> bool:
+        model = self.accelerator.unwrap_model(reward_func)
+        reason = reward_model_reason(model)
+        if reason is not None:
+            self._fall_back_reward(f"{type(model).__name__}: {reason}")
+        return reason is None
+
+    def _fall_back_reward(self, reason: str) -> None:
+        import warnings
+
+        if reason not in self._prefix_warned:
+            self._prefix_warned.add(reason)
+            warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: {reason}.",
+                          stacklevel=4)  # fmt: skip
+
+
+def split_hydra_rewards(reward_funcs: list, policy_base: str | None, policy_dtype, policy_quantization,
+                        model_init_kwargs, enabled: bool, warn) -> list:  # fmt: skip
+    """`reward_funcs` with each reward adapter that can run on the policy's base replaced by a [`HydraReward`]."""
+    out = list(reward_funcs)
+    for index, func in enumerate(out):
+        adapter = reward_adapter_config(func)
+        if adapter is None or not enabled:
+            continue
+        reason = ("the policy is not a PEFT model" if policy_base is None else
+                  hydra_reason(adapter, policy_base, policy_dtype, policy_quantization, model_init_kwargs))  # fmt: skip
+        if reason is not None:
+            warn(f"rloo_efficient: the reward adapter {func} is loaded as its own model, as stock TRL does: {reason}.")
+            continue
+        out[index] = HydraReward(func, copy.deepcopy(adapter), name=f"rloo_reward_{index}")
+    return out

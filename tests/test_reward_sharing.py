@@ -1,0 +1,213 @@
+"""The reward phase inside the group: the same rewards and trajectory as stock TRL with a reward model (each group's
+shared prefix scored once), and Hydra (a reward adapter on the policy's own base) with the policy's adapter restored."""
+
+import string
+import warnings
+
+import pytest
+import torch
+import trl
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
+from transformers import PreTrainedTokenizerFast
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.reward_sharing import HydraReward, common_prefix_length, pack_reward_rows
+from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, _model_config, build_dataset, build_model_dir
+from rloo_efficient.workload import build_tokenizer, vowel_reward
+
+from .conftest import METRICS, assert_metrics_close, run, step_metrics, tiny_workload, training_args
+
+
+F64_RTOL, F64_ATOL = 1e-6, 1e-7  # float64 models; TRL's fused head and the float32 reward buffer round to float32
+
+
+def merging_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer that also merges every pair of lowercase letters: the last letter of a prompt and the
+    first of its completion become one token, so a group's rows share fewer tokens than the prompt has."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = [(a, b) for a in string.ascii_lowercase for b in string.ascii_lowercase]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet, *(a + b for a, b in pairs)])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>", padding_side="left")  # fmt: skip
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_reward_model(directory, cfg, tokenizer=None) -> str:
+    """A random sequence classifier with one label, the size of the tiny policy, saved with its tokenizer."""
+    tokenizer = tokenizer or build_tokenizer()
+    config = _model_config(cfg, tokenizer)
+    config.num_labels = 1
+    torch.manual_seed(7)
+    model = AutoModelForSequenceClassification.from_config(config).to(torch.float64)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, **overrides):
+    run_kwargs = run_kwargs or {}
+    # A copy each: stock TRL replaces a path in the list by the model it loads
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
+                dataset, reward=list(reward_funcs), **run_kwargs)  # fmt: skip
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **overrides), dataset, reward=list(reward_funcs),
+               **run_kwargs)  # fmt: skip
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    keys = [*METRICS, *(f"rewards/{name}/mean" for name in stock.reward_func_names)]
+    assert ours.reward_func_names == stock.reward_func_names
+    for a, b in zip(stock.state.log_history, ours.state.log_history, strict=True):
+        for key in keys:
+            if key in a and a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=F64_RTOL, abs=F64_ATOL), (key, a[key], b[key])
+    assert ours.reward_forward_tokens > 0  # the packed reward forward really ran
+    return stock, ours
+
+
+@pytest.fixture(scope="module")
+def reward_models(model_cache, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("reward_models")
+    return {arch: build_reward_model(directory / arch, tiny_workload(model_cache, arch=arch)) for arch in ("llama", "qwen3")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path, arch):
+    cfg, path, dataset = workload
+    stock, ours = compare(path, dataset, tmp_path, [reward_models[arch]])
+    # Each group's prompt once: fewer tokens than stock's B padded rows
+    rows, width = 8, None  # generation batch: 2 groups of 4
+    assert ours.reward_forward_tokens < 0.6 * rows * (cfg.prompt_length + 8) * 2
+
+
+def test_a_rule_beside_a_model_with_eos_and_a_chat_template(model_cache, reward_models, tmp_path):
+    cfg = tiny_workload(model_cache, conversational=True)
+    # 48-token completions: some stop at EOS; prompts of different lengths (the workload's prompt_length_min)
+    compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, [vowel_reward, reward_models["llama"]],
+            max_completion_length=48, max_steps=2)  # fmt: skip
+
+
+def test_tokens_merged_across_the_prompt_boundary(workload, tmp_path):
+    """The reward tokenizer merges letters across the prompt/completion boundary: the shared prefix is found in the
+    reward tokenization, shorter than the prompt there, and the rewards are still stock's."""
+    cfg, path, dataset = workload
+    tokenizer = merging_tokenizer()
+    reward_cfg = tiny_workload(tmp_path, vocab_size=len(tokenizer))
+    reward_path = build_reward_model(tmp_path / "merging", reward_cfg, tokenizer)
+    stock, ours = compare(path, dataset, tmp_path, [reward_path])
+    prompts = list(dict.fromkeys(ours._logs["prompt"]))
+    prompt_tokens = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+    assert any(shared < tokens for shared, tokens in zip(ours.reward_shared_prefix_lengths, prompt_tokens))
+
+
+def test_pack_reward_rows_reads_each_score_where_stock_pools():
+    rows = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 0], [3, 4], [3]]  # 0 is padding: the score is read before it
+    batch = pack_reward_rows(rows, [0, 0, 0, 1, 1], 0, torch.device("cpu"), torch.float64)
+    assert batch.shared_prefix_lengths == [2, 1] and common_prefix_length(rows[:3]) == 2
+    tokens = batch.input_ids[0].tolist()
+    assert [tokens[i] for i in batch.score_index.tolist()] == [8, 9, 8, 4, 3]
+    positions = batch.position_ids[0].tolist()
+    assert [positions[i] for i in batch.score_index.tolist()] == [3, 2, 3, 1, 0]  # each token's position in its row
+
+
+def test_an_unsupported_reward_model_is_called_as_stock_calls_it(workload, tmp_path):
+    cfg, path, dataset = workload
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    gpt2 = GPT2ForSequenceClassification(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2,
+                                                    num_labels=1, pad_token_id=tokenizer.pad_token_id))  # fmt: skip
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    reward = [str(tmp_path / "gpt2")]
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig), dataset, reward=reward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, path, training_args(tmp_path / "o"), dataset, reward=reward)
+    messages = [str(w.message) for w in caught if "reward model scores each row on its own" in str(w.message)]
+    assert len(messages) == 1 and "GPT2" in messages[0]
+    assert ours.reward_forward_tokens == 0
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), F64_RTOL, F64_ATOL)
+
+
+# -- Hydra: a reward adapter on the policy's own base ------------------------------------------------------------------
+def build_reward_adapter(directory, base_path) -> str:
+    """A LoRA sequence-classification adapter on `base_path` with a score head, saved as TRL's RewardTrainer saves one
+    (random, non-zero LoRA weights so that the adapter changes the scores)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(11)
+    model = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, dtype=torch.float64)
+    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                        init_lora_weights=False)  # fmt: skip
+    get_peft_model(model, config).save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
+    return str(directory)
+
+
+POLICY_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def test_hydra_reward_adapter_matches_stock_loading_it_as_its_own_model(workload, tmp_path):
+    from peft import LoraConfig
+
+    cfg, path, dataset = workload
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
+    stock, ours = compare(path, dataset, tmp_path, [vowel_reward, adapter],
+                          run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)}, learning_rate=5e-2)  # fmt: skip
+    hydra = ours.reward_funcs[1]
+    assert isinstance(hydra, HydraReward) and isinstance(stock.reward_funcs[1], torch.nn.Module)
+    # No second copy of the base: ours holds the policy (with two adapters) and the score head only
+    policy = ours.accelerator.unwrap_model(ours.model)
+    assert set(policy.peft_config) == {"default", hydra.adapter_name}
+    base_parameters = sum(p.numel() for p in stock.reward_funcs[1].parameters())
+    ours_parameters = sum(p.numel() for p in policy.parameters()) + hydra.score.weight.numel()
+    stock_parameters = sum(p.numel() for p in stock.accelerator.unwrap_model(stock.model).parameters())
+    assert stock_parameters + base_parameters - ours_parameters > 0.9 * base_parameters
+
+
+def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(workload, tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    import rloo_efficient.reward_sharing as reward_sharing
+
+    cfg, path, dataset = workload
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
+    trainer = run(RLOOTrainer, path, training_args(tmp_path / "o", max_steps=2), dataset, reward=[adapter],
+                  peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
+    hydra = trainer.reward_funcs[0]
+    policy = hydra.policy
+    reward_parameters = [p for n, p in policy.named_parameters() if f".{hydra.adapter_name}." in n]
+    assert reward_parameters and all(not p.requires_grad and p.grad is None for p in reward_parameters)
+    assert not hydra.score.weight.requires_grad and hydra.score.weight.grad is None
+    trained = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all(".default." in n for n in trained) and policy.active_adapter == "default"
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not optimized & {id(p) for p in reward_parameters}
+
+    # A reward call, also one that raises, leaves the policy's adapter active and every flag as it was, even one the
+    # user set (PEFT's set_adapter alone would make all of the policy's adapter trainable again)
+    next(p for n, p in policy.named_parameters() if ".default." in n).requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in policy.named_parameters()}
+    trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
+    assert policy.active_adapter == "default"
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
+    monkeypatch.setattr(reward_sharing, "packed_scores", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
+    assert policy.active_adapter == "default"
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
+
+
+def test_hydra_on_another_base_is_loaded_as_its_own_model(workload, model_cache, tmp_path):
+    from peft import LoraConfig
+
+    cfg, path, dataset = workload
+    other = build_model_dir(tiny_workload(model_cache, workload_seed=5))  # same shape, other weights: another base
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", other)
+    with pytest.warns(UserWarning, match="is loaded as its own model.*is not the policy's"):
+        trainer = RLOOTrainer(model=path, reward_funcs=[adapter], args=training_args(tmp_path / "o"),
+                              train_dataset=dataset, processing_class=build_tokenizer(),
+                              peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
+    assert isinstance(trainer.reward_funcs[0], torch.nn.Module)
