@@ -8,7 +8,13 @@ KS="${KS:-2 4 8}"
 PROMPT_LENGTH="${PROMPT_LENGTH:-2048}"
 COMPLETION_LENGTH="${COMPLETION_LENGTH:-64}"
 MAX_STEPS="${MAX_STEPS:-3}"
-RESULTS_DIR="${RESULTS_DIR:-results}"
+# REWARD_MODEL=separate|hydra: score with a reward model shaped like the policy (its own results directory)
+REWARD_MODEL="${REWARD_MODEL:-none}"
+if [ "$REWARD_MODEL" = none ]; then
+    RESULTS_DIR="${RESULTS_DIR:-results}"
+else
+    RESULTS_DIR="${RESULTS_DIR:-results/reward_model_$REWARD_MODEL}"
+fi
 
 if [ ! -f "$VENV/.rloo_efficient_installed" ]; then
     echo "[setup] no environment at $VENV: running setup_env.sh"
@@ -21,11 +27,11 @@ export TOKENIZERS_PARALLELISM=false
 run_one() {
     local method="$1" k="$2"
     shift 2
-    echo "[run] $method k=$k P=$PROMPT_LENGTH C=$COMPLETION_LENGTH steps=$MAX_STEPS"
+    echo "[run] $method k=$k P=$PROMPT_LENGTH C=$COMPLETION_LENGTH steps=$MAX_STEPS reward_model=$REWARD_MODEL"
     "$PY" experiments/run_rloo.py --method "$method" \
         --prompt_length "$PROMPT_LENGTH" --max_completion_length "$COMPLETION_LENGTH" \
         --num_generations "$k" --per_device_train_batch_size "$k" --max_steps "$MAX_STEPS" \
-        --logging_steps 1 --save_strategy no --report_to none \
+        --logging_steps 1 --save_strategy no --report_to none --reward_model "$REWARD_MODEL" \
         --results_file "$RESULTS_DIR/${method}_P${PROMPT_LENGTH}_C${COMPLETION_LENGTH}_k${k}.json" "$@"
 }
 

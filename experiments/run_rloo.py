@@ -23,7 +23,8 @@ from trl import TrlParser
 
 from rloo_efficient import RLOOConfig, RLOOTrainer
 from rloo_efficient.profiling import MemoryProfilingMixin, environment_info, write_json_atomic
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
+from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward
 
 
 # The settings that make two runs the same workload, beside the WorkloadConfig
@@ -49,6 +50,12 @@ class ExperimentArgs:
     results_file: str | None = field(
         default=None, metadata={"help": "Where the results JSON goes (default: results/<method>_<workload>.json)."}
     )
+    reward_model: str = field(
+        default="none",
+        metadata={"help": "Score with a reward model shaped like the policy instead of the vowel rule: 'separate' (its "
+                  "own model) or 'hydra' (a LoRA policy and a reward LoRA adapter on its base; stock TRL loads the "
+                  "adapter as a second model).", "choices": ["none", "separate", "hydra"]},
+    )
     skip_existing: bool = field(
         default=False, metadata={"help": "Do nothing when the results file for this workload already exists."}
     )
@@ -57,7 +64,8 @@ class ExperimentArgs:
 def workload_name(workload: WorkloadConfig, config: RLOOConfig, exp: ExperimentArgs) -> str:
     model = Path(exp.model_name_or_path).name if exp.model_name_or_path else f"tiny-{workload.arch}-h{workload.hidden_size}"
     data = Path(exp.dataset_name).name if exp.dataset_name else f"P{workload.prompt_length}"
-    return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}"
+    reward = "" if exp.reward_model == "none" else f"_rm-{exp.reward_model}"
+    return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}{reward}"
 
 
 def parse(argv=None):
@@ -71,11 +79,15 @@ def parse(argv=None):
 def main(argv=None) -> dict:
     exp, workload, config = parse(argv)[:3]
     workload.check_fits(config.max_completion_length)  # before any model is loaded
+    if exp.reward_model != "none" and exp.model_name_or_path:
+        raise ValueError("--reward_model builds a reward model shaped like the offline workload's policy; with "
+                         "--model_name_or_path, pass your own reward model in a script of yours.")  # fmt: skip
     name = workload_name(workload, config, exp)
     results_file = Path(exp.results_file or f"results/{exp.method}_{name}.json")
     if exp.skip_existing and results_file.exists():
         existing = json.loads(results_file.read_text())
-        same = existing.get("workload") == (None if exp.model_name_or_path else asdict(workload)) and all(
+        same = existing.get("reward_model", "none") == exp.reward_model and existing.get("workload") == (
+            None if exp.model_name_or_path else asdict(workload)) and all(
             existing["config"].get(key) == getattr(config, key) for key in SAME_RUN_KEYS
         )
         if same:
@@ -88,7 +100,7 @@ def main(argv=None) -> dict:
     if exp.model_name_or_path:
         model, tokenizer = exp.model_name_or_path, None
     else:
-        model, tokenizer = build_model_dir(workload), build_tokenizer()
+        model, tokenizer = build_model_dir(workload), build_tokenizer(workload.vocab_size)
     if exp.dataset_name:
         from datasets import load_dataset
 
@@ -97,7 +109,15 @@ def main(argv=None) -> dict:
         dataset = build_dataset(workload)
 
     trainer_class, args = (RLOOTrainer, config) if exp.method == "ours" else (ProfiledStockRLOOTrainer, config.to_stock())
-    trainer = trainer_class(model=model, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+    reward_funcs, extra = vowel_reward, {}
+    if exp.reward_model != "none":
+        from peft import LoraConfig
+
+        separate = exp.reward_model == "separate"
+        reward_funcs = [build_reward_model_dir(workload) if separate else build_reward_adapter_dir(workload)]
+        if not separate:  # Hydra: a LoRA policy, and its reward adapter on the same base
+            extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, **extra,
                             processing_class=tokenizer)  # fmt: skip
     start = time.perf_counter()
     trainer.train()
@@ -110,6 +130,7 @@ def main(argv=None) -> dict:
     results = {
         "method": exp.method,
         "workload_name": name,
+        "reward_model": exp.reward_model,
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "experiments/run_rloo.py", *argv]),
         "workload": asdict(workload) if not exp.model_name_or_path else None,
         "k": config.num_generations,

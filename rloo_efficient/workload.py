@@ -179,15 +179,7 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
         torch.manual_seed(cfg.workload_seed)
         model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer), dtype=getattr(torch, cfg.model_dtype))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process finished first: theirs is identical
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    _save_atomically(path, model, tokenizer)
     return str(path)
 
 
@@ -233,3 +225,52 @@ def vowel_reward(completions, **kwargs) -> list[float]:
 
 def describe(cfg: WorkloadConfig) -> dict:
     return asdict(cfg)
+
+
+def build_reward_model_dir(cfg: WorkloadConfig) -> str:
+    """A one-label sequence classifier shaped like the workload's policy, with its own seeded random weights, saved
+    beside it with the tokenizer (stock TRL loads a reward model from its path)."""
+    path = Path(cfg.model_cache_dir) / f"reward-{Path(build_model_dir(cfg)).name}"
+    if (path / "config.json").exists():
+        return str(path)
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = build_tokenizer(cfg.vocab_size)
+    config = _model_config(cfg, tokenizer)
+    config.num_labels = 1
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.workload_seed + 1)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, cfg.model_dtype))
+    _save_atomically(path, model, tokenizer)
+    return str(path)
+
+
+def build_reward_adapter_dir(cfg: WorkloadConfig, rank: int = 16) -> str:
+    """A LoRA sequence-classification adapter (with its score head) on the workload's policy, saved as TRL's
+    `RewardTrainer` saves one: the Hydra reward. Seeded random weights."""
+    base = build_model_dir(cfg)
+    path = Path(cfg.model_cache_dir) / f"reward-adapter-r{rank}-{Path(base).name}"
+    if (path / "adapter_config.json").exists():
+        return str(path)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.workload_seed + 2)
+        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
+        config = LoraConfig(task_type="SEQ_CLS", r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+        _save_atomically(path, get_peft_model(model, config), build_tokenizer(cfg.vocab_size))
+    return str(path)
+
+
+def _save_atomically(path: Path, model, tokenizer) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process finished first: theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
