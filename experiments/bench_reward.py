@@ -85,7 +85,7 @@ def phase(args, device):
         def ours():
             with torch.inference_mode():
                 batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device, model.dtype)
-                return packed_scores(model.model, model.score, batch)
+                return packed_scores(model, model, None, batch)
 
         batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device, model.dtype)
         same = "yes" if torch.allclose(stock(), ours(), rtol=1e-4, atol=1e-5) else "NO"

@@ -116,19 +116,47 @@ def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_
     return RewardBatch(tokens_t.view(1, -1), positions_t.view(1, -1), score_t, layout, shared.tolist())
 
 
-def packed_scores(backbone: nn.Module, score: nn.Module, batch: RewardBatch) -> torch.Tensor:
-    """`(B,)` first score of each row: the backbone on the packed rows, the score head at each row's pooled token."""
-    outputs = backbone(input_ids=batch.input_ids, attention_mask=NO_MASK, position_ids=batch.position_ids,
-                       use_cache=False, **{LAYOUT_KWARG: batch.layout})  # fmt: skip
-    return score(outputs.last_hidden_state[0].index_select(0, batch.score_index))[:, 0]
+@contextlib.contextmanager
+def captured_output(module: nn.Module):
+    """Within the block, `captured[0]` is `module`'s last output."""
+    captured = []
+    handle = module.register_forward_hook(lambda _, __, output: captured.insert(0, output))
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
-def padded_scores(backbone: nn.Module, score: nn.Module, input_ids, attention_mask, pad_token_id) -> torch.Tensor:
-    """What a transformers `...ForSequenceClassification` model returns for stock's padded batch, from its parts."""
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+def scores_at(root: nn.Module, inner: nn.Module, score: nn.Module | None, index: torch.Tensor, **inputs) -> torch.Tensor:
+    """
+    First score of each row, read at the flat positions `index`. The model is called at its `root` (as prepared by
+    accelerate), so that FSDP and DeepSpeed gather what they shard, and the per-position values are captured where
+    `inner` (the transformers model) makes them. With `score` None, `inner` is a sequence classifier and its own score
+    head is read; otherwise it is a causal LM (a Hydra policy, asked for one position's logits only) whose backbone's
+    hidden states go through `score`.
+    """
+    if score is None:
+        with captured_output(inner.score) as captured:
+            root(**inputs)
+        return captured[0].flatten(0, 1).index_select(0, index)[:, 0]
+    with captured_output(getattr(inner, inner.base_model_prefix)) as captured:
+        root(**inputs, logits_to_keep=1)
+    return score(captured[0].last_hidden_state.flatten(0, 1).index_select(0, index))[:, 0]
+
+
+def packed_scores(root: nn.Module, inner: nn.Module, score: nn.Module | None, batch: RewardBatch) -> torch.Tensor:
+    """`(B,)` first score of each packed row (see [`scores_at`])."""
+    return scores_at(root, inner, score, batch.score_index, input_ids=batch.input_ids, attention_mask=NO_MASK,
+                     position_ids=batch.position_ids, use_cache=False, **{LAYOUT_KWARG: batch.layout})  # fmt: skip
+
+
+def padded_scores(root, inner, score, input_ids, attention_mask, pad_token_id) -> torch.Tensor:
+    """What a transformers `...ForSequenceClassification` model returns for stock's padded batch, for a Hydra policy:
+    the score head at each row's last non-padding token."""
     indices = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
     last = (indices * (input_ids != pad_token_id).to(torch.int32)).argmax(-1)
-    return score(hidden[torch.arange(input_ids.shape[0], device=hidden.device), last])[:, 0]
+    flat = torch.arange(input_ids.shape[0], device=input_ids.device) * input_ids.shape[-1] + last
+    return scores_at(root, inner, score, flat, input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
 
 
 def reward_model_reason(model: nn.Module) -> str | None:
@@ -245,7 +273,7 @@ class HydraReward:
         flags = [(parameter, parameter.requires_grad) for parameter in policy.parameters()]
         policy.set_adapter(self.adapter_name, inference_mode=True)
         try:
-            yield policy.get_base_model()
+            yield policy
         finally:
             policy.set_adapter(previous)
             for parameter, flag in flags:
@@ -376,23 +404,23 @@ class GroupedRewardMixin:
             return None
         rows = processing_class(text=texts, add_special_tokens=False)["input_ids"]
         pad_token_id = processing_class.pad_token_id
-        context = reward_func.active() if hydra else contextlib.nullcontext(self.accelerator.unwrap_model(reward_func))
-        with torch.inference_mode(), context as model:
-            backbone = getattr(model, model.base_model_prefix)
-            score = reward_func.score if hydra else model.score
+        context = reward_func.active() if hydra else contextlib.nullcontext(reward_func)
+        with torch.inference_mode(), context as root:
+            inner = root.get_base_model() if hydra else self.accelerator.unwrap_model(root)
+            score = reward_func.score if hydra else None
             batch = pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.accelerator.device,
-                                     model.dtype) if self.args.share_reward_prefix else "share_reward_prefix=False"  # fmt: skip
+                                     inner.dtype) if self.args.share_reward_prefix else "share_reward_prefix=False"  # fmt: skip
             if isinstance(batch, str):
                 if not hydra:
                     self._fall_back_reward(batch)
                     return None
                 padded = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="right",
                                           add_special_tokens=False).to(self.accelerator.device)  # fmt: skip
-                return padded_scores(backbone, score, padded["input_ids"], padded["attention_mask"], pad_token_id)
-            install(model)
+                return padded_scores(root, inner, score, padded["input_ids"], padded["attention_mask"], pad_token_id)
+            install(inner)
             self.reward_forward_tokens += batch.num_tokens
             self.reward_shared_prefix_lengths = batch.shared_prefix_lengths
-            return packed_scores(backbone, score, batch)
+            return packed_scores(root, inner, score, batch)
 
     def _reward_model_supported(self, reward_func) -> bool:
         model = self.accelerator.unwrap_model(reward_func)

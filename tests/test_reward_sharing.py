@@ -186,6 +186,13 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert not optimized & {id(p) for p in reward_parameters}
 
+    # Packed or padded (share_reward_prefix=False), the adapter's scores are the same
+    args = (hydra, trainer.reward_processing_classes[0], ["ab", "ab", "c"], ["abcd", "abde", "cfg"])
+    packed = trainer._grouped_reward_scores(*args)
+    trainer.args.share_reward_prefix = False
+    torch.testing.assert_close(trainer._grouped_reward_scores(*args), packed, rtol=1e-10, atol=1e-12)
+    trainer.args.share_reward_prefix = True
+
     # A reward call, also one that raises, leaves the policy's adapter active and every flag as it was, even one the
     # user set (PEFT's set_adapter alone would make all of the policy's adapter trainable again)
     next(p for n, p in policy.named_parameters() if ".default." in n).requires_grad_(False)
