@@ -1,0 +1,67 @@
+"""Data parallel on 2 CPU processes (gloo): ours and stock TRL agree step for step, and each process forwards each of
+its prompts once, whether a group's rows are split across the processes or each process holds whole groups."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import assert_metrics_close
+
+WORKER = Path(__file__).with_name("dp_worker.py")
+LAYOUTS = {
+    # k = 4 rows per prompt, 2 per process: every group is split across the two processes
+    "groups_split_across_processes": ["--num_generations", "4", "--per_device_train_batch_size", "2"],
+    # k = 2, 4 rows per process: each process holds whole groups
+    "whole_groups_per_process": ["--num_generations", "2", "--per_device_train_batch_size", "4"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(method: str, out: Path, model_cache: Path, extra: list[str]) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(WORKER), "--method", method, "--out", str(out), "--model_cache", str(model_cache),
+               *extra]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"{method}_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_processes_match_stock_and_forward_each_prompt_once(workload, model_cache, tmp_path, layout):
+    stock = launch("stock", tmp_path, model_cache, LAYOUTS[layout])
+    ours = launch("ours", tmp_path, model_cache, LAYOUTS[layout])
+    for rank in (0, 1):
+        assert ours[rank]["world_size"] == 2
+        assert ours[rank]["completions"] == stock[rank]["completions"]
+        # Same metrics as stock on every rank (float64; TRL's head rounds log-probs to float32)
+        assert_metrics_close(stock[rank]["metrics"], ours[rank]["metrics"], rtol=1e-6, atol=1e-7)
+        # Each process prefilled each of its distinct prompts once: U (W - 1) tokens per generation call
+        expected = sum(distinct * (width - 1) for distinct, rows, width in ours[rank]["generations"] if distinct < rows)
+        assert ours[rank]["shared_prefill_tokens"] == expected > 0
+        assert ours[rank]["packed_forward_tokens"] > 0
+    # The two processes saw different prompts' rows (or different rows of the same prompts): real data parallel
+    assert ours[0]["generations"] and ours[1]["generations"]
+
+
+def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
+    """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, the shared prefill with the
+    prompt cache once per group, and the packed reward scoring give the unsharded model's numbers."""
+    worker = Path(__file__).with_name("fsdp_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(worker), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"fsdp_rank{rank}.json").read_text())
+        assert result["packed_logps"] < 1e-6 and result["packed_grads"] < 1e-5  # TRL's head rounds to float32
+        assert result["generate_same_tokens"] and result["generate_logits"] < 1e-6
+        assert result["reward_scores"] < 1e-10
