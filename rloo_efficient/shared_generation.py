@@ -116,6 +116,7 @@ def generate_with_shared_prefill(
     attention_mask: torch.Tensor,
     prompt_ids: list[list[int]] | None = None,
     prompt_cache_once: bool = False,
+    synced: bool = False,
     **kwargs,
 ):
     """
@@ -125,14 +126,25 @@ def generate_with_shared_prefill(
     [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
     once per distinct row during decoding, where the model's sliding window (if any) allows; otherwise they are fanned
     out to every row. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
-    to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned.
+    to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned. With `synced`
+    (sharded parameters that every forward gathers from all ranks: DeepSpeed ZeRO-3 without gathering for generation,
+    FSDP), every rank takes the same path, or their forwards would fall out of step: the prefill runs on all ranks
+    when all of them can run it (one all-reduce per call), even where nothing is shared.
     """
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
     width = input_ids.size(1)
     first, inverse = unique_rows(prompt_ids)
-    if width < 2 or len(first) == len(inverse):
+    if synced:
+        import torch.distributed as dist
+
+        can = torch.tensor([int(width >= 2)], device=input_ids.device)
+        dist.all_reduce(can, op=dist.ReduceOp.MIN)
+        share = bool(can.item())
+    else:
+        share = width >= 2 and len(first) < len(inverse)
+    if not share:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
     padded = any(len(ids) < width for ids in prompt_ids)
     prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded)

@@ -198,7 +198,7 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
             # generate then forwards the last prompt column and samples exactly as it would have
             prompt_completion_ids, prefill_tokens = generate_with_shared_prefill(
                 unwrapped_model, **generate_inputs, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
-                generation_config=self.generation_config,
+                synced=self._forwards_are_collective(unwrapped_model), generation_config=self.generation_config,
             )  # fmt: skip
             self.shared_prefill_tokens += prefill_tokens
         # Compute prompt length and extract completion ids
@@ -215,6 +215,17 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
             c[m].tolist() for c, m in zip(completion_ids.cpu(), completion_mask.bool().cpu(), strict=True)
         ]
         return completion_ids
+
+    def _forwards_are_collective(self, model) -> bool:
+        """Whether every forward gathers parameters from all ranks (so that ranks must run the same forwards)."""
+        if self.accelerator.num_processes == 1:
+            return False
+        from torch.distributed.fsdp import FSDPModule
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        # As transformers' generate decides to keep ranks in step (`synced_gpus`), and FSDP2 applied by accelerate
+        return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)
 
     # -- the shared-prefix forward ---------------------------------------------------------------------------------
     @profiling_decorator

@@ -80,10 +80,14 @@ def main():
     out["packed_logps"] = (logps[0] - logps[1]).abs().max().item()
     out["packed_grads"] = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(*grads, strict=True))
 
-    # Shared prefill and the prompt cache once per group, decoding on the sharded model
+    # Shared prefill and the prompt cache once per group, decoding on the sharded model. Rank 0's prompts share, rank
+    # 1's are all distinct: `synced` keeps both ranks on the same forwards (every one gathers from both)
     model, reference = pair(LlamaForCausalLM)
     shard(model)
-    prompt_ids = torch.tensor([[0, 0, 0] + prompts[1]] * 3 + [prompts[0]] * 3)
+    if dist.get_rank() == 0:
+        prompt_ids = torch.tensor([[0, 0, 0] + prompts[1]] * 3 + [prompts[0]] * 3)
+    else:
+        prompt_ids = torch.tensor([[0, 0, 0] + prompts[1], prompts[0], prompts[0][::-1]])
     mask = (prompt_ids != 0).long()
     config = GenerationConfig(max_new_tokens=5, do_sample=True, pad_token_id=0, eos_token_id=None, top_k=0)
     results = []
@@ -91,7 +95,8 @@ def main():
         torch.manual_seed(3)
         kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
         if shared:
-            results.append(generate_with_shared_prefill(m, prompt_ids, mask, prompt_cache_once=True, **kwargs)[0])
+            results.append(generate_with_shared_prefill(m, prompt_ids, mask, prompt_cache_once=True, synced=True,
+                                                        synced_gpus=True, **kwargs)[0])  # fmt: skip
         else:
             results.append(m.generate(input_ids=prompt_ids, attention_mask=mask, **kwargs))
     out["generate_same_tokens"] = bool(torch.equal(results[0].sequences, results[1].sequences))

@@ -58,7 +58,8 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
     worker = Path(__file__).with_name("fsdp_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(worker), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    # ~15 s; ranks whose forwards fall out of step would wait on each other until the timeout
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"fsdp_rank{rank}.json").read_text())
