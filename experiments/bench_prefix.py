@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient.memory import get_memory_stats, is_accelerator
+from rloo_efficient.memory import get_memory_stats, headline_peak_stat
 from rloo_efficient import prefix_attention
 from rloo_efficient.prefix_sharing import pack_groups, row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
@@ -57,14 +57,12 @@ def measure(model, packed, input_ids, attention_mask, completion_length, repeats
 
     times, peaks = [], []
     for _ in range(repeats):
-        before = get_memory_stats(device)  # resets the peak window
-        base = before.get("peak_allocated_gib", None) if is_accelerator(device) else None
+        get_memory_stats(device)  # resets the peak window
         start = time.perf_counter()
         logps, entropy = forward(model, packed, input_ids, attention_mask, completion_length)
         (logps.sum() + entropy.sum()).backward()
         times.append(time.perf_counter() - start)
-        stats = get_memory_stats(device)
-        peaks.append(stats.get("peak_allocated_gib", stats.get("peak_rss_gib")))
+        peaks.append(get_memory_stats(device)[headline_peak_stat(device)])
         model.zero_grad(set_to_none=True)
         del logps, entropy
     return saved_bytes, statistics.median(times), statistics.median(peaks)
@@ -103,8 +101,8 @@ def main(argv=None):
             packed = pack_groups(input_ids, c, rows, model.dtype)
             stock = measure(model, None, input_ids, attention_mask, c, args.repeats)
             ours = measure(model, packed, input_ids, attention_mask, c, args.repeats)
-            base = get_memory_stats(device)  # peaks are absolute on CPU: report the ratio of increments over idle
-            idle = base.get("peak_allocated_gib", base.get("peak_rss_gib"))
+            # peaks are absolute on CPU: report the ratio of increments over idle
+            idle = get_memory_stats(device)[headline_peak_stat(device)]
             ideal = (p + k * c) / (k * (p + c))
             mib = 1024**2
             print(f"| {p} | {c} | {k} | {k * (p + c)} | {packed.num_tokens} | {ideal:.3f} | {stock[0] / mib:.1f} | "

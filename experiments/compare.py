@@ -43,7 +43,6 @@ def table(runs: dict) -> str:
         if set(pair) != {"stock", "ours"}:
             continue
         stock, ours = pair["stock"], pair["ours"]
-        unit = "working" if stock["peak_stat"] == "peak_rss_gib" else "allocated"
 
         def row(label, a, b, fmt="{:.3f}"):
             ratio = f"{b / a:.2f}x" if a else "n/a"
@@ -51,11 +50,11 @@ def table(runs: dict) -> str:
 
         for phase in PHASES:
             if phase in stock["per_phase_peak_gib"] and phase in ours["per_phase_peak_gib"]:
-                # On CPU the peak RSS includes the loaded models: show memory above the after-load level
-                a = stock["per_phase_peak_gib"][phase] - (stock["memory_after_load_gib"] if unit == "working" else 0)
-                b = ours["per_phase_peak_gib"][phase] - (ours["memory_after_load_gib"] if unit == "working" else 0)
-                row(f"{phase} peak ({unit})", a, b)
-        row(f"**whole run, {unit}**", stock["working_gib"], ours["working_gib"])
+                # Above what the loaded models hold, as the whole-run row: on CPU the peak RSS includes them
+                a = stock["per_phase_peak_gib"][phase] - stock["memory_after_load_gib"]
+                b = ours["per_phase_peak_gib"][phase] - ours["memory_after_load_gib"]
+                row(f"{phase} peak", a, b)
+        row("**whole run**", stock["working_gib"], ours["working_gib"])
         row("median step time (s)", stock["median_step_time_s"], ours["median_step_time_s"], "{:.2f}")
         generation = median_phase_time(stock, "generation"), median_phase_time(ours, "generation")
         if None not in generation:
@@ -78,8 +77,8 @@ def main(argv=None) -> int:
     any_run = next(iter(runs[paired[0]].values()))
     env = any_run["environment"]
     header = (f"Device: {env['device']}; torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}; "
-              f"commit {str(env['git_commit'])[:10]}. Memory in GiB; on CPU, peak resident set minus the resident set "
-              f"after the models were loaded.")  # fmt: skip
+              f"commit {str(env['git_commit'])[:10]}. Memory in GiB above what the loaded models hold: peak allocated "
+              f"on an accelerator, peak resident set on CPU, minus the same right after loading.")  # fmt: skip
     text = header + "\n\n" + table(runs)
     print(text)
     output = Path(args.output or results_dir / "comparison.md")

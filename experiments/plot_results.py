@@ -26,15 +26,14 @@ def load(csv_path) -> pd.DataFrame:
     return df
 
 
-def memory_metric(df: pd.DataFrame) -> str:
-    """Peak allocated on an accelerator; on CPU, peak resident set above the after-load level."""
-    return "peak_allocated_gib" if (df["metric"] == "peak_allocated_gib").any() else "peak_working_gib"
-
-
 def phase_peaks(df: pd.DataFrame) -> pd.DataFrame:
-    """Whole-run peak per (method, P, k, phase)."""
-    metric = memory_metric(df)
-    rows = df[(df["metric"] == metric) & df["phase"].isin(PHASES)]
+    """Whole-run `peak_gib` per (method, P, k, phase), above the memory after load of its run."""
+    rows = df[(df["metric"] == "peak_gib") & df["phase"].isin(PHASES)].copy()
+    if rows.empty:
+        raise ValueError("the CSV has no per-phase peak_gib rows (it predates them): write it again with "
+                         "experiments/compare.py or experiments/sweep.py --rerun")  # fmt: skip
+    after_load = df[df["metric"] == "memory_after_load_gib"].groupby("run_id")["value"].first()
+    rows["value"] = rows["value"] - rows["run_id"].map(after_load)
     return rows.groupby(["method", "prompt_length", "k", "phase"])["value"].max().reset_index()
 
 
@@ -69,7 +68,7 @@ def plot_phase_peaks(df: pd.DataFrame, path: Path) -> Path:
             ax.bar([i + offset for i in range(len(phases))], values, width=0.4, label=method, color=COLORS[method])
         ax.set_xticks(range(len(phases)), [p.replace("_", "\n") for p in phases], fontsize=8)
         ax.set_title(f"k = {k}, P = {prompt_length}")
-    axes[0][0].set_ylabel(f"{memory_metric(df).replace('_', ' ')}")
+    axes[0][0].set_ylabel("peak above after-load (GiB)")
     axes[0][0].legend()
     fig.suptitle("Peak memory per phase: stock TRL vs rloo_efficient")
     fig.tight_layout()

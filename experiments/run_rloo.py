@@ -72,6 +72,8 @@ def parse(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() and not any(arg.startswith("--bf16") for arg in argv):
         argv += ["--bf16", "false"]  # TRL defaults to bf16, which fails on a machine without an accelerator
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "--use_cpu" not in argv:
+        argv += ["--use_cpu", "true"]  # without it, transformers runs each CPU process on its own (no gloo group)
     parser = TrlParser((ExperimentArgs, WorkloadConfig, RLOOConfig))
     return parser.parse_args_and_config(args=argv)
 
@@ -123,10 +125,14 @@ def main(argv=None) -> dict:
     trainer.train()
     wall = time.perf_counter() - start
 
-    report = trainer.memory_report()
+    if not trainer.accelerator.is_main_process:
+        return {}  # one process writes the results; its report holds every process's peaks (their maximum)
+    if trainer.accelerator.num_processes > 1:
+        report = json.loads((Path(config.output_dir) / trainer.memory_report_name).read_text())
+    else:
+        report = trainer.memory_report()
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     summary = report["summary"]
-    peak_key = "peak_allocated_gib" if "peak_allocated_gib" in summary["overall"] else "peak_rss_gib"
     results = {
         "method": exp.method,
         "workload_name": name,
@@ -137,22 +143,23 @@ def main(argv=None) -> dict:
         "prompt_length": workload.prompt_length,
         "completion_length": config.max_completion_length,
         "environment": environment_info(trainer.accelerator.device),
+        "world_size": trainer.accelerator.num_processes,
         "time_of_run": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "peak_stat": peak_key,
+        "peak_stat": summary["peak_stat"],  # what peak_gib measures on this device
         "memory_after_load_gib": report["memory_after_load_gib"],
-        "peak_gib": summary["overall"][peak_key],
-        "working_gib": summary["overall"][peak_key] - report["memory_after_load_gib"],
-        "per_phase_peak_gib": {phase: stats[peak_key] for phase, stats in summary["per_phase"].items()},
+        "peak_gib": summary["peak_gib"],
+        "working_gib": summary["peak_gib"] - report["memory_after_load_gib"],
+        "per_phase_peak_gib": summary["per_phase_peak_gib"],
         "step_times_s": step_times,
         # The first step pays one-time costs (allocator warm-up, lazy init): the median leaves it out when it can
         "median_step_time_s": statistics.median(step_times[1:] or step_times) if step_times else None,
         "train_wall_s": wall,
-        "steps": report["steps"],
+        "steps": trainer.memory_step_records(),  # every step (of the main process): these runs are short
         "timeline": report["timeline"],
         "config": {key: value for key, value in args.to_dict().items() if key in RLOOConfig.__dataclass_fields__},
     }
     write_json_atomic(results_file, results)
-    print(f"[run_rloo] {exp.method} {name}: peak {results['peak_gib']:.3f} GiB ({peak_key}), working "
+    print(f"[run_rloo] {exp.method} {name}: peak {results['peak_gib']:.3f} GiB ({results['peak_stat']}), working "
           f"{results['working_gib']:.3f} GiB, median step {results['median_step_time_s']:.2f}s -> {results_file}")  # fmt: skip
     return results
 

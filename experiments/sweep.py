@@ -51,6 +51,8 @@ def tidy_rows(rid: str, result: dict) -> list[dict]:
     rows.append({**base, "step": 0, "phase": "run", "metric": "memory_after_load_gib", "value": after_load})
     rows.append({**base, "step": 0, "phase": "run", "metric": "working_gib", "value": result["working_gib"]})
     rows.append({**base, "step": 0, "phase": "run", "metric": "peak_gib", "value": result["peak_gib"]})
+    for phase, value in result["per_phase_peak_gib"].items():  # the whole run's peak_gib of each phase
+        rows.append({**base, "step": 0, "phase": phase, "metric": "peak_gib", "value": value})
     # The memory timeline of the run: one row per field of each phase segment, `step` = segment index
     for index, segment in enumerate(result.get("timeline", [])):
         for metric, value in segment.items():

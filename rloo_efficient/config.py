@@ -125,4 +125,14 @@ class RLOOConfig(trl.RLOOConfig):
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."
             )
-        super().__post_init__()
+        try:
+            super().__post_init__()  # stock TRL's checks first
+        except ValueError as error:
+            if "must be divisible by num_generations" not in str(error):
+                raise
+            # Say which numbers make the generation batch, so the launch can be fixed before any model loads
+            raise ValueError(
+                f"{error} The generation batch is per_device_train_batch_size ({self.per_device_train_batch_size}) x "
+                f"processes ({self.world_size}) x steps_per_generation ({self.steps_per_generation}): change one of "
+                f"them (or num_generations) so that every prompt's {self.num_generations} completions fit whole."
+            ) from error

@@ -7,6 +7,7 @@ Every number is in GiB. On an accelerator the caching allocator's peaks are read
 
 import ctypes
 import ctypes.util
+import os
 import resource
 import sys
 
@@ -14,6 +15,7 @@ import torch
 
 
 GIB = 1024**3
+CLEAR_REFS = "/proc/self/clear_refs"
 
 _clear_refs_works: bool | None = None
 _libc = None
@@ -56,25 +58,42 @@ def _ru_maxrss_gib() -> float:
 
 
 def peak_rss_resettable() -> bool:
-    """Whether the kernel lets this process reset its resident-set high-water mark (`/proc/self/clear_refs`)."""
+    """
+    Whether this process can reset its resident-set high-water mark: `/proc/self/clear_refs` is writable and `VmHWM`
+    readable. Only looks: the one write to `clear_refs` is [`reset_peak_memory`]'s, which turns this to `False` if
+    the kernel refuses it.
+    """
     global _clear_refs_works
     if _clear_refs_works is None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            _clear_refs_works = _read_status_kib("VmHWM") is not None
-        except OSError:
-            _clear_refs_works = False
+        _clear_refs_works = os.access(CLEAR_REFS, os.W_OK) and _read_status_kib("VmHWM") is not None
     return _clear_refs_works
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for the kernels queued on `device` (nothing to wait for on CPU)."""
+    if is_accelerator(device):
+        _device_memory_api(device).synchronize(device)
 
 
 def reset_peak_memory(device: torch.device) -> None:
     """Starts a new peak window for [`get_memory_stats`]."""
+    global _clear_refs_works
     if is_accelerator(device):
         _device_memory_api(device).reset_peak_memory_stats(device)
     elif peak_rss_resettable():
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        try:
+            with open(CLEAR_REFS, "w") as f:
+                f.write("5")
+        except OSError:  # writable by its mode yet refused (Linux < 4.0 rejects "5"): lifetime peaks from now on
+            _clear_refs_works = False
+
+
+def headline_peak_stat(device: torch.device) -> str:
+    """
+    The one [`get_memory_stats`] number that reports are headlined by (`peak_gib`): `peak_allocated_gib` on an
+    accelerator, `peak_rss_gib` on CPU.
+    """
+    return "peak_allocated_gib" if is_accelerator(device) else "peak_rss_gib"
 
 
 def get_memory_stats(device: torch.device, reset: bool = True) -> dict[str, float]:

@@ -96,11 +96,16 @@ def _blocks(x: torch.Tensor, start: int, blocks: int, length: int) -> torch.Tens
     )
 
 
-def _regroup(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """`(S, h, L, *rest)` rows, `S = groups * R`, each row's tokens following the last row's -> `(G, h, R*L, *rest)`."""
+def _regroup(x: torch.Tensor, groups: int, writable: bool = False) -> torch.Tensor:
+    """
+    `(S, h, L, *rest)` rows, `S = groups * R` -> `(G, h, R*L, *rest)`: a view when each row's tokens follow the
+    previous row's in memory (the buffers here are laid out so), else a copy, which a `writable` target must not be.
+    """
     rows, heads, length, *rest = x.shape
     row_stride, head_stride, token_stride, *rest_strides = x.stride()
     if length > 1 and row_stride != length * token_stride:  # rows not token-major (CUDA's log-sum-exp): copy
+        if writable:
+            raise RuntimeError("rloo_efficient: an output buffer is not laid out token-major.")
         return x.transpose(1, 2).reshape(groups, rows // groups * length, heads, *rest).transpose(1, 2)
     return x.as_strided(
         (groups, heads, rows // groups * length, *rest),
@@ -148,8 +153,8 @@ def _split_into(out, lse, query, prefix_key, prefix_value, key, value, split: Sp
     out_s, lse_s, state_s = attention_forward(query, key, value, None, causal, scale)
     if split.rows_per_group is not None:  # merge in the prefix layout, where every operand is a view
         groups = split.groups
-        _merge_into(_regroup(out, groups), None if lse is None else _regroup(lse, groups), out_p, lse_p,
-                    _regroup(out_s, groups), _regroup(lse_s, groups))  # fmt: skip
+        _merge_into(_regroup(out, groups, writable=True), None if lse is None else _regroup(lse, groups, writable=True),
+                    out_p, lse_p, _regroup(out_s, groups), _regroup(lse_s, groups))  # fmt: skip
     else:
         rows = query.shape[0]
         _merge_into(out, lse, _from_slots(out_p, split, rows), _from_slots(lse_p, split, rows), out_s, lse_s)
@@ -172,7 +177,7 @@ def _split_backward(grad_query, grad, out, lse, query, prefix_key, prefix_value,
         _to_slots(out, split), _to_slots(lse, split), False, scale,
     )  # fmt: skip
     if split.rows_per_group is not None:
-        _regroup(grad_query, split.groups).add_(grad_qp)  # a view of the token-major rows
+        _regroup(grad_query, split.groups, writable=True).add_(grad_qp)  # a view of the token-major rows
     else:
         grad_query.add_(_from_slots(grad_qp, split, query.shape[0]))
     return grad_pk, grad_pv, grad_k, grad_v

@@ -50,6 +50,25 @@ def test_two_processes_match_stock_and_forward_each_prompt_once(workload, model_
         assert ours[rank]["packed_forward_tokens"] > 0
     # The two processes saw different prompts' rows (or different rows of the same prompts): real data parallel
     assert ours[0]["generations"] and ours[1]["generations"]
+    # Each process recorded its own steps; the main process wrote the report, naming the world size and each rank
+    report = json.loads((tmp_path / "ours" / "memory_report.json").read_text())
+    assert report["world_size"] == 2 and len(report["per_rank"]) == 2
+    assert report["summary"]["peak_gib"] == max(r["peak_gib"] for r in report["per_rank"])
+    for rank in (0, 1):
+        assert len((tmp_path / "ours" / f"memory_steps.rank{rank}.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_launch_that_cannot_form_whole_groups_fails_before_loading_a_model(tmp_path):
+    """2 processes x 2 rows cannot hold groups of 3: stock TRL's check fails first, and ours says what to change."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(Path(__file__).parent.parent / "experiments" / "run_rloo.py"),
+               "--num_generations", "3", "--per_device_train_batch_size", "2", "--prompt_length", "64",
+               "--results_file", str(tmp_path / "results.json"), "--model_cache_dir", str(tmp_path / "models")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "generation_batch_size (4) must be divisible by num_generations (3)" in done.stderr
+    assert "per_device_train_batch_size (2) x processes (2) x steps_per_generation (1)" in done.stderr
+    assert not (tmp_path / "models").exists() and not (tmp_path / "results.json").exists()
 
 
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):

@@ -35,6 +35,8 @@ def test_sweep_writes_tidy_rows_and_skips_finished_runs(sweep_csv, capsys):
     assert list(df.columns) == sweep.COLUMNS
     assert df["run_id"].nunique() == 8 and set(df["method"]) == {"stock", "ours"}
     assert {"peak_rss_gib", "time_s", "step_time_s", "working_gib"} <= set(df["metric"])
+    # The headline peak of the run and of each of its phases
+    assert {"run", "generation", "train", "optimizer"} <= set(df[df["metric"] == "peak_gib"]["phase"])
     assert sweep.main(argv) == 0  # everything finished: nothing runs again
     assert capsys.readouterr().out.count("skipped") == 8
 

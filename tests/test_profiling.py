@@ -1,23 +1,60 @@
-"""Per-phase memory metrics reach the logs and memory_report.json; cache release happens at the right boundaries."""
+"""
+Per-phase memory metrics reach the logs, memory_steps.jsonl and memory_report.json; evaluation stays out of the
+training steps; the profiler's memory is bounded; cache release happens at the right boundaries.
+"""
 
 import json
+import subprocess
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
+import rloo_efficient
 import rloo_efficient.profiling as profiling
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.memory import get_memory_stats, peak_rss_resettable
-from rloo_efficient.profiling import PHASES, PhaseProfiler
+from rloo_efficient.profiling import PHASES, PhaseProfiler, git_commit
+from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import run, training_args
 
 
+class _FileWatcher(TrainerCallback):
+    """What memory_steps.jsonl and memory_report.json hold when each event fires (added after the trainer's own)."""
+
+    def __init__(self, output_dir):
+        self.steps_file = output_dir / "memory_steps.jsonl"
+        self.report_file = output_dir / "memory_report.json"
+        self.lines_at_step_end, self.report_steps_at_log, self.report_steps_at_save = [], [], []
+
+    def _report_steps(self):
+        return json.loads(self.report_file.read_text())["num_steps"] if self.report_file.exists() else None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.lines_at_step_end.append(len(self.steps_file.read_text().splitlines()))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.report_steps_at_log.append(self._report_steps())
+
+    def on_save(self, args, state, control, **kwargs):
+        self.report_steps_at_save.append(self._report_steps())
+
+
 @pytest.fixture(scope="module")
 def profiled_run(workload, tmp_path_factory):
+    """Two steps, each logged, evaluated (between the steps, too) and checkpointed."""
     cfg, path, dataset = workload
     output_dir = tmp_path_factory.mktemp("profiled")
-    return run(RLOOTrainer, path, training_args(output_dir, max_steps=2), dataset)
+    # One prompt x 4 generations: a single eval batch keeps each evaluation to one generation
+    args = training_args(output_dir, max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4,
+                         save_strategy="steps", save_steps=1)  # fmt: skip
+    trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+                          eval_dataset=dataset.select(range(1)), processing_class=build_tokenizer())  # fmt: skip
+    trainer.watcher = _FileWatcher(output_dir)
+    trainer.add_callback(trainer.watcher)  # after the profiler's callback: it sees what that one wrote
+    trainer.train()
+    return trainer
 
 
 def test_every_phase_reaches_the_logs(profiled_run):
@@ -32,15 +69,43 @@ def test_every_phase_reaches_the_logs(profiled_run):
     assert "memory/generation/peak_rss_gib" not in logged[1] and "memory/train/peak_rss_gib" in logged[1]
 
 
-def test_memory_report_holds_every_step(profiled_run):
-    with open(f"{profiled_run.args.output_dir}/memory_report.json") as f:
-        report = json.load(f)
-    assert [entry["step"] for entry in report["steps"]] == [1, 2]
-    assert set(report["steps"][0]["phases"]) == set(PHASES)
+def test_every_step_is_appended_to_the_steps_file_as_it_ends(profiled_run):
+    assert profiled_run.watcher.lines_at_step_end == [1, 2]
+    records = profiled_run.memory_step_records()
+    assert [entry["step"] for entry in records] == [1, 2]
+    assert set(records[0]["phases"]) == set(PHASES)
+
+
+def test_memory_report_is_written_at_checkpoints_and_at_the_end_not_at_logs(profiled_run):
+    watcher = profiled_run.watcher
+    # Step 2's log comes before its checkpoint: the report it sees is step 1's checkpoint's
+    assert watcher.report_steps_at_log == [None, 1]
+    assert watcher.report_steps_at_save == [1, 2]
+    report = json.loads(watcher.report_file.read_text())
+    assert report["num_steps"] == 2 and report["steps_file"] == "memory_steps.jsonl"
+    assert report["first_steps"] == profiled_run.memory_step_records()
     assert report["environment"]["torch"] == torch.__version__ and report["environment"]["trl"]
+    assert report["environment"]["rloo_efficient"] == rloo_efficient.__version__
     assert report["config"]["num_generations"] == 4 and report["config"]["share_prompt_prefix"] is True
-    overall = report["summary"]["overall"]["peak_rss_gib"]
-    assert overall == max(entry["phases"][p]["peak_rss_gib"] for entry in report["steps"] for p in entry["phases"])
+    summary = report["summary"]
+    every_peak = [record["peak_rss_gib"] for entry in report["first_steps"] for record in entry["phases"].values()]
+    assert summary["peak_stat"] == "peak_rss_gib" and summary["peak_gib"] == max(every_peak)
+    assert summary["overall"]["peak_rss_gib"] == summary["peak_gib"]
+
+
+def test_evaluation_stays_out_of_the_training_steps(profiled_run):
+    # Step 2 reuses step 1's buffered generation: the evaluation run between them generated and scored, yet step 2
+    # holds only its own phases
+    step_2 = profiled_run.memory_step_records()[1]
+    assert set(step_2["phases"]) == {"train", "optimizer"}
+    assert [segment["phase"] for segment in profiled_run.memory_report()["timeline"] if segment["step"] == 2] == [
+        "train", "optimizer"]  # fmt: skip
+    evaluations = [entry for entry in profiled_run.state.log_history if "eval_loss" in entry]
+    assert len(evaluations) == 2
+    for entry in evaluations:  # each evaluation's own phases, logged with it
+        assert entry["eval_memory/generation/peak_rss_gib"] > 0 and entry["eval_time/generation_s"] > 0
+        assert not any(key.startswith(("memory/", "time/")) for key in entry)
+        assert "eval_memory/train/peak_rss_gib" not in entry
 
 
 @pytest.mark.parametrize(
@@ -70,18 +135,66 @@ def test_nested_phases_count_their_own_segments():
             pass
     record = profiler.end_step(1)
     assert set(record["phases"]) == {"train", "generation"}
-    assert profiler.steps == [record]
+    assert profiler.first_steps == [record]
     with pytest.raises(RuntimeError, match="stopped while"):
         profiler.start("train")
         profiler.stop("generation")
 
 
-@pytest.mark.skipif(not peak_rss_resettable(), reason="the kernel does not let this process reset its RSS peak")
-def test_cpu_peak_is_per_window():
-    get_memory_stats(torch.device("cpu"))  # start a window
-    block = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)  # 64 MiB, touched
-    peak_with = get_memory_stats(torch.device("cpu"))["peak_rss_gib"]
-    del block
-    get_memory_stats(torch.device("cpu"))  # a reset sets the peak to the RSS now: open the window after the free
-    peak_after = get_memory_stats(torch.device("cpu"))["peak_rss_gib"]
-    assert peak_with - peak_after > 0.05  # the 64 MiB block shows in its window only
+def test_profiler_memory_is_bounded_and_the_summary_covers_every_step(monkeypatch):
+    profiler = PhaseProfiler(torch.device("cpu"), keep_first_steps=2)
+    current_step = [0]
+
+    def fake_stats(device):
+        # 1 GiB everywhere but in step 5's train phase, 3 GiB: a step long dropped from memory by step 12
+        return {"peak_rss_gib": 3.0 if (current_step[0], profiler.current_phase) == (5, "train") else 1.0}
+
+    monkeypatch.setattr(profiling, "get_memory_stats", fake_stats)
+    monkeypatch.setattr(profiling, "reset_peak_memory", lambda device: None)
+    for step in range(1, 13):
+        current_step[0] = step
+        for phase in ("train", "optimizer"):
+            with profiler.phase(phase):
+                pass
+        profiler.end_step(step)
+        if step == 5:
+            assert profiler.log_metrics()["memory/train/peak_rss_gib"] == 3.0
+    assert [entry["step"] for entry in profiler.first_steps] == [1, 2]
+    assert [(s["step"], s["phase"]) for s in profiler.timeline] == [
+        (1, "train"), (1, "optimizer"), (2, "train"), (2, "optimizer"), (12, "train"), (12, "optimizer")]  # fmt: skip
+    summary = profiler.summary()
+    assert summary["per_phase_peak_gib"] == {"train": 3.0, "optimizer": 1.0} and summary["peak_gib"] == 3.0
+    # Steps 6 to 12 only: step 5's peak went into the previous call's metrics
+    assert profiler.log_metrics()["memory/train/peak_rss_gib"] == 1.0
+
+
+def _git_repo(path, project_name):
+    path.mkdir(parents=True)
+    (path / "pyproject.toml").write_text(f'[project]\nname = "{project_name}"\nversion = "0"\n')
+    subprocess.run(["git", "init", "-q"], cwd=path, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=path, check=True)  # fmt: skip
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, check=True, capture_output=True, text=True)
+    return head.stdout.strip()
+
+
+@pytest.mark.parametrize("layout", ["our checkout", "another project's package", "installed in another repo",
+                                    "vendored copy in another repo"])  # fmt: skip
+def test_git_commit_is_only_our_own_checkouts(tmp_path, layout):
+    if layout == "our checkout":
+        head = _git_repo(tmp_path / "repo", "rloo_efficient")
+        package, expected = tmp_path / "repo" / "rloo_efficient", head
+    elif layout == "another project's package":  # the package directory sits at the top of someone else's repo
+        _git_repo(tmp_path / "repo", "other")
+        package, expected = tmp_path / "repo" / "rloo_efficient", None
+    elif layout == "installed in another repo":  # a virtualenv inside another project's work tree
+        _git_repo(tmp_path / "repo", "other")
+        package, expected = tmp_path / "repo" / ".venv" / "lib" / "site-packages" / "rloo_efficient", None
+    else:  # our sources, pyproject.toml included, unpacked inside another repository
+        _git_repo(tmp_path / "repo", "other")
+        vendored = tmp_path / "repo" / "vendor" / "rloo_efficient-0.1.0"
+        vendored.mkdir(parents=True)
+        (vendored / "pyproject.toml").write_text('[project]\nname = "rloo_efficient"\n')
+        package, expected = vendored / "rloo_efficient", None
+    package.mkdir(parents=True)
+    assert git_commit(package) == expected
