@@ -11,7 +11,6 @@ parameter bytes, and the resident set of a process after building each trainer.
 """
 
 import argparse
-import itertools
 import json
 import random
 import statistics
@@ -21,9 +20,9 @@ import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForSequenceClassification
 
+from bench_generation import peak_tensor_bytes  # the same measure as the generation benchmark's
 from rloo_efficient import prefix_attention
 from rloo_efficient.memory import current_rss_gib, is_accelerator
 from rloo_efficient.reward_sharing import pack_reward_rows, packed_scores
@@ -31,20 +30,6 @@ from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_d
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer
 
 MIB = 1024**2
-
-
-def peak_bytes(fn, device) -> int:
-    if is_accelerator(device):
-        torch.accelerator.synchronize()
-        torch.accelerator.reset_peak_memory_stats()
-        start = torch.accelerator.memory_allocated()
-        fn()
-        torch.accelerator.synchronize()
-        return torch.accelerator.max_memory_allocated() - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    return max(itertools.accumulate((n for _, n in events), initial=0))
 
 
 def timed(fn, repeats, device) -> float:
@@ -90,7 +75,7 @@ def phase(args, device):
         batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device, model.dtype)
         same = "yes" if torch.allclose(stock(), ours(), rtol=1e-4, atol=1e-5) else "NO"
         tokens = {"stock": padded["input_ids"].numel(), "ours": batch.num_tokens}
-        results = {name: (peak_bytes(fn, device), timed(fn, args.repeats, device)) for name, fn in
+        results = {name: (peak_tensor_bytes(fn, device), timed(fn, args.repeats, device)) for name, fn in
                    (("stock", stock), ("ours", ours))}  # fmt: skip
         p, c = args.prompt_length, args.completion_length
         ideal = (p + k * c) / (k * (p + c))
