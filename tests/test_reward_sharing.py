@@ -85,8 +85,10 @@ def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path
 def test_a_rule_beside_a_model_with_eos_and_a_chat_template(model_cache, reward_models, tmp_path):
     cfg = tiny_workload(model_cache, conversational=True)
     # 48-token completions: some stop at EOS; prompts of different lengths (the workload's prompt_length_min)
-    compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, [vowel_reward, reward_models["llama"]],
-            max_completion_length=48, max_steps=2)  # fmt: skip
+    stock, ours = compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, [vowel_reward, reward_models["llama"]],
+                          max_completion_length=48, max_steps=2)  # fmt: skip
+    lengths = [e["completions/min_length"] for e in stock.state.log_history if "completions/min_length" in e]
+    assert min(lengths) < 48, "no completion stopped at EOS: the case is not exercised"
 
 
 def test_tokens_merged_across_the_prompt_boundary(workload, tmp_path):
