@@ -196,8 +196,17 @@ def _check(kernel, device, dtype, dim, with_bias, causal) -> bool:
 
 
 # -- the entry points ------------------------------------------------------------------------------------------------
+def _bias_in(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias in the query's dtype; its masking value clamped to that dtype's range (another dtype's minimum would
+    overflow to -inf, and a row with every key masked would turn NaN)."""
+    if bias is None or bias.dtype == dtype:
+        return bias
+    return bias.to(dtype).clamp(min=torch.finfo(dtype).min)
+
+
 def attention_forward(query, key, value, bias, causal: bool, scale: float):
     """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes)."""
+    bias = _bias_in(bias, query.dtype)
     kernel = _kernel_name(query, bias)
     if not _kernel_works(kernel, query, bias, causal):
         kernel = "math"
@@ -206,4 +215,4 @@ def attention_forward(query, key, value, bias, causal: bool, scale: float):
 
 def attention_backward(state: KernelState, grad_out, query, key, value, bias, out, lse, causal: bool, scale: float):
     """`(grad_query, grad_key, grad_value)` given the output and log-sum-exp of the whole (merged) attention."""
-    return _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
+    return _backward(state, grad_out, query, key, value, _bias_in(bias, query.dtype), out, lse, causal, scale)

@@ -293,7 +293,8 @@ def _decode_attention(module, query, key, value, cache, scale) -> torch.Tensor:
     if query.shape[2] != 1:
         raise ValueError(f"{ATTENTION_NAME!r} decodes one token per row at a time, got {query.shape[2]}.")
     layer = cache.layers[module.layer_idx]
-    return split_attention(query, layer.prefix_keys, layer.prefix_values, key, value, cache.split, scale)
+    prefix_key, prefix_value = _compute_dtype(query, layer.prefix_keys, layer.prefix_values)[1:]
+    return split_attention(query, prefix_key, prefix_value, key, value, cache.split, scale)
 
 
 def _base_attention(module, query, key, value, attention_mask, **kwargs):
@@ -324,9 +325,21 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
     if layout is not None and window is not None and layout.span > window:
         raise ValueError(f"A sequence of {layout.span} tokens exceeds the sliding window ({window}).")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    query, key, value = _compute_dtype(query, key, value)
     if layout is not None:
         return _PackedAttention.apply(query, key, value, layout, scale), None
     return _decode_attention(module, query, key, value, cache, scale), None
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    The tensors in one dtype, as scaled_dot_product_attention gets them: under autocast its lower precision (autocast
+    casts SDPA's inputs; rotary embeddings leave queries and keys in float32 while values are in bf16), else the
+    query's. Differentiable; no copy where the dtype already matches.
+    """
+    device_type = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else tensors[0].dtype
+    return tuple(tensor if tensor.dtype == dtype else tensor.to(dtype) for tensor in tensors)
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention)

@@ -280,3 +280,32 @@ def test_packed_forward_is_the_same_whatever_attention_the_model_was_loaded_with
     labels[:, :-5] = -100
     stock = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -5:]
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-6)  # TRL's head computes in float32
+
+
+def test_under_bf16_autocast_as_sdpa_is():
+    """TRL's `bf16=True` trains float32 weights under autocast: rotary embeddings leave queries and keys in float32
+    and values in bf16, which SDPA's autocast rule casts. Ours casts the same way, in the packed forward (with its
+    backward) and while decoding from the prompt cache."""
+    model = tiny_llama()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)
+    ids, rows = stock_batch([9, 6], [0, 0, 1, 1], [5, 3, 5, 2], 5, seed=4)
+    mask = torch.cat([ids[:, :9] != 0, torch.arange(5).expand(4, 5) < rows[:, 2:3]], dim=1).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :9] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs[:, -5:]
+        packed = pack_groups(ids, 5, rows, torch.bfloat16)
+        ours = packed.unpack(model(**packed.model_inputs(), fused_lm_head=True).log_probs)
+        ours.sum().backward()
+    torch.testing.assert_close(ours, stock, rtol=0, atol=2e-2)  # bf16 attention
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+    prompts, prompt_mask = decode_rows(3, 2)
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kwargs)
+        ours = generate_with_shared_prefill(model, prompts, prompt_mask, prompt_cache_once=True, **kwargs)[0]
+    for a, b in zip(stock.logits, ours.logits, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-2)
