@@ -19,7 +19,8 @@ from .prefix_cache import prefix_cache_unsupported_reason
 from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
 from .prefix_sharing import unsupported_reason
 from .profiling import MemoryProfilingMixin
-from .reward_sharing import GroupedRewardMixin, HydraReward, reward_adapter_config, resolved_dtype, split_hydra_rewards
+from .reward_phase import GroupedRewardMixin
+from .reward_sharing import HydraReward, reward_adapter_config, resolved_dtype, split_hydra_rewards
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 
@@ -309,7 +310,11 @@ class RLOOTrainer(MemoryProfilingMixin, _SharedPrefixRLOOTrainer):
     - `_generate_single_turn`: copied from TRL's regular transformers branch to prefill each distinct prompt once and,
       for supported attention, keep its KV cache once per group while decoding (see [`shared_generation`],
       [`prefix_cache`]); vLLM, continuous batching and multimodal inputs go to stock TRL.
-    - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True`.
+    - `_calculate_rewards` (copied, see [`reward_phase`]): reward models and Hydra reward adapters scored from packed
+      rows, each group's shared token prefix once; the rest of TRL's reward logic unchanged.
+    - `__init__`: a reward adapter on the policy's base is kept from loading as a second model and attached to the
+      policy instead (Hydra); our attention function is installed on the policy and reference.
+    - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True` (TRL's timer kept).
     - From [`MemoryProfilingMixin`]: `_generate`, `_calculate_rewards`, `training_step`, `log` (phase boundaries,
       memory metrics), each a thin wrapper around `super()`.
     """

@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 
 import rloo_efficient
-import rloo_efficient.profiling as profiling
+import rloo_efficient.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.profiling import PHASES, PhaseProfiler, git_commit
 from rloo_efficient.workload import build_tokenizer, vowel_reward
@@ -120,7 +120,7 @@ def test_evaluation_stays_out_of_the_training_steps(profiled_run):
 def test_cache_release_boundaries(workload, tmp_path, monkeypatch, policy, expected):
     cfg, path, dataset = workload
     released = []
-    monkeypatch.setattr(profiling, "release_cached_memory", lambda device: released.append(device))
+    monkeypatch.setattr(phase_profiler, "release_cached_memory", lambda device: released.append(device))
     trainer = run(RLOOTrainer, path, training_args(tmp_path, max_steps=2, empty_cache_policy=policy), dataset)
     assert trainer._profiler.release_boundaries == expected
     assert len(released) == len(expected)  # the release itself ran once per boundary
@@ -149,8 +149,8 @@ def test_profiler_memory_is_bounded_and_the_summary_covers_every_step(monkeypatc
         # 1 GiB everywhere but in step 5's train phase, 3 GiB: a step long dropped from memory by step 12
         return {"peak_rss_gib": 3.0 if (current_step[0], profiler.current_phase) == (5, "train") else 1.0}
 
-    monkeypatch.setattr(profiling, "get_memory_stats", fake_stats)
-    monkeypatch.setattr(profiling, "reset_peak_memory", lambda device: None)
+    monkeypatch.setattr(phase_profiler, "get_memory_stats", fake_stats)
+    monkeypatch.setattr(phase_profiler, "reset_peak_memory", lambda device: None)
     for step in range(1, 13):
         current_step[0] = step
         for phase in ("train", "optimizer"):

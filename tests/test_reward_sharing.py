@@ -172,7 +172,7 @@ def test_hydra_reward_adapter_matches_stock_loading_it_as_its_own_model(workload
 def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(workload, tmp_path, monkeypatch):
     from peft import LoraConfig
 
-    import rloo_efficient.reward_sharing as reward_sharing
+    import rloo_efficient.reward_phase as reward_phase
 
     cfg, path, dataset = workload
     adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
@@ -202,7 +202,7 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
     assert policy.active_adapter == "default"
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
-    monkeypatch.setattr(reward_sharing, "packed_scores", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(reward_phase, "packed_scores", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
     assert policy.active_adapter == "default"
