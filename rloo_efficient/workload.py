@@ -171,16 +171,18 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size") if getattr(cfg, key) is not None})
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return str(path)
-    tokenizer = build_tokenizer(cfg.vocab_size)
-    # The weights must not depend on the global RNG state of the caller
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.workload_seed)
-        model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer), dtype=getattr(torch, cfg.model_dtype))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    _save_atomically(path, model, tokenizer)
-    return str(path)
+
+    def build():
+        tokenizer = build_tokenizer(cfg.vocab_size)
+        # The weights must not depend on the global RNG state of the caller
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.workload_seed)
+            model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer),
+                                                     dtype=getattr(torch, cfg.model_dtype))  # fmt: skip
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model, tokenizer
+
+    return _built_once(path, ("config.json", "tokenizer.json"), build)
 
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "der", "pan", "tel", "gor", "shi", "bu", "fen")
@@ -231,18 +233,19 @@ def build_reward_model_dir(cfg: WorkloadConfig) -> str:
     """A one-label sequence classifier shaped like the workload's policy, with its own seeded random weights, saved
     beside it with the tokenizer (stock TRL loads a reward model from its path)."""
     path = Path(cfg.model_cache_dir) / f"reward-{Path(build_model_dir(cfg)).name}"
-    if (path / "config.json").exists():
-        return str(path)
-    from transformers import AutoModelForSequenceClassification
 
-    tokenizer = build_tokenizer(cfg.vocab_size)
-    config = _model_config(cfg, tokenizer)
-    config.num_labels = 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.workload_seed + 1)
-        model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, cfg.model_dtype))
-    _save_atomically(path, model, tokenizer)
-    return str(path)
+    def build():
+        from transformers import AutoModelForSequenceClassification
+
+        tokenizer = build_tokenizer(cfg.vocab_size)
+        config = _model_config(cfg, tokenizer)
+        config.num_labels = 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.workload_seed + 1)
+            model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, cfg.model_dtype))
+        return model, tokenizer
+
+    return _built_once(path, ("config.json",), build)
 
 
 def build_reward_adapter_dir(cfg: WorkloadConfig, rank: int = 16) -> str:
@@ -250,17 +253,37 @@ def build_reward_adapter_dir(cfg: WorkloadConfig, rank: int = 16) -> str:
     `RewardTrainer` saves one: the Hydra reward. Seeded random weights."""
     base = build_model_dir(cfg)
     path = Path(cfg.model_cache_dir) / f"reward-adapter-r{rank}-{Path(base).name}"
-    if (path / "adapter_config.json").exists():
-        return str(path)
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.workload_seed + 2)
-        model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
-        config = LoraConfig(task_type="SEQ_CLS", r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-                            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
-        _save_atomically(path, get_peft_model(model, config), build_tokenizer(cfg.vocab_size))
+    def build():
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForSequenceClassification
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.workload_seed + 2)
+            model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, dtype="auto")
+            config = LoraConfig(task_type="SEQ_CLS", r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])  # fmt: skip
+            return get_peft_model(model, config), build_tokenizer(cfg.vocab_size)
+
+    return _built_once(path, ("adapter_config.json",), build)
+
+
+def _built_once(path: Path, markers: tuple[str, ...], build) -> str:
+    """
+    `path`, saved from `build()` (a model and its tokenizer) unless its `markers` files exist. Under a process group,
+    rank 0 builds while the others wait (transformers writes weights from rank 0 only); without one, each process
+    builds and the first to finish wins.
+    """
+    if all((path / marker).exists() for marker in markers):
+        return str(path)
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not group or torch.distributed.get_rank() == 0:
+        _save_atomically(path, *build())
+    if group:
+        torch.distributed.barrier()
+        if not all((path / marker).exists() for marker in markers):
+            raise FileNotFoundError(f"{path} was built by rank 0 and is not visible here: put model_cache_dir on a "
+                                    "file system all nodes share.")  # fmt: skip
     return str(path)
 
 

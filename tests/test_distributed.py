@@ -71,6 +71,23 @@ def test_a_launch_that_cannot_form_whole_groups_fails_before_loading_a_model(tmp
     assert not (tmp_path / "models").exists() and not (tmp_path / "results.json").exists()
 
 
+def test_the_run_script_on_two_processes_builds_its_models_once_and_writes_one_results_file(tmp_path):
+    """`run_rloo.py` under `torch.distributed.run` with an empty model cache: rank 0 builds the offline model (only
+    rank 0 writes weights under a process group) while rank 1 waits, and rank 0 alone writes the results."""
+    results, models = tmp_path / "results.json", tmp_path / "models"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(Path(__file__).parent.parent / "experiments" / "run_rloo.py"),
+               "--num_generations", "2", "--per_device_train_batch_size", "2", "--prompt_length", "64",
+               "--max_completion_length", "8", "--max_steps", "2", "--results_file", str(results),
+               "--model_cache_dir", str(models), "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (model,) = [path for path in models.iterdir() if path.name.startswith("tiny-")]
+    assert (model / "model.safetensors").exists() and (model / "config.json").exists()
+    assert json.loads(results.read_text())["world_size"] == 2
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("results")] == ["results.json"]
+
+
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
     """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, the shared prefill with the
     prompt cache once per group, and the packed reward scoring give the unsharded model's numbers."""
