@@ -127,8 +127,9 @@ def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
         )
     if kernel == "cuda_flash":
         cum_q, cum_k, max_q, max_k, seed, offset = state.extra
+        # The kernel reads the log-sum-exp as contiguous (B, H, L) whatever its strides; the packed one is token-major
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+            grad_out, query, key, value, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
         )
     if kernel == "cuda_efficient":
         lse_shape, seed, offset = state.extra
@@ -185,7 +186,8 @@ def _check(kernel, device, dtype, dim, with_bias, causal) -> bool:
     scale = dim**-0.5
     try:
         out, lse, state = _forward(kernel, q, k, v, bias, causal, scale)
-        grads = _backward(state, g, q, k, v, bias, out, lse, causal, scale)
+        token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)  # as the packed forward keeps it
+        grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
     except RuntimeError:
         return False
     ref_out, ref_lse = math_attention(q, k, v, bias, causal, scale)

@@ -142,19 +142,21 @@ def host_layout(counts: np.ndarray, body: np.ndarray, row_length: int, span: int
     """
     groups, body_width = len(counts), int(body.max())
     rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
-    extra = [] if gather is None else [gather, scatter]
-    host = torch.from_numpy(np.concatenate([*parts, *extra]).astype(np.int64))
+    padded = bool((body < body_width).any())  # bodies of different lengths: the rows must not see the padding
+    arrays = [*parts, *([body] if padded else []), *([] if gather is None else [gather, scatter])]
+    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
     if device.type != "cpu":
         host = host.pin_memory()
-    on_device = list(host.to(device, non_blocking=True).split([part.size for part in [*parts, *extra]]))
+    on_device = list(host.to(device, non_blocking=True).split([array.size for array in arrays]))
+    gather_t = scatter_t = bias = None
     if gather is not None:
         scatter_t, gather_t = on_device.pop(), on_device.pop()
-    bias = None
-    if (body < body_width).any():  # bodies of different lengths: mask each body's padding for the rows
-        padding = np.where(np.arange(body_width)[None, :] < body[:, None], 0.0, torch.finfo(dtype).min)
-        bias = torch.from_numpy(padding).to(device, dtype).view(groups, 1, 1, body_width)
-    split = SplitLayout(groups, rows_per_group, slots, None if gather is None else gather_t,
-                        None if gather is None else scatter_t, bias)  # fmt: skip
+    if padded:  # the bias built where it is used, from the bodies' lengths: no blocking copy
+        lengths = on_device.pop()
+        bias = torch.full((groups, body_width), torch.finfo(dtype).min, dtype=dtype, device=device)
+        bias.masked_fill_(torch.arange(body_width, device=device) < lengths[:, None], 0.0)
+        bias = bias.view(groups, 1, 1, body_width)
+    split = SplitLayout(groups, rows_per_group, slots, gather_t, scatter_t, bias)
     return PackedLayout(split, body_width, int(counts.sum()), row_length, span), on_device
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from .prefix_attention import LAYOUT_KWARG, MODEL_TYPES, NO_MASK, PackedLayout
 from .prefix_sharing import host_layout, is_multimodal, rope_reason
@@ -50,57 +51,64 @@ class RewardBatch:
 
 def common_prefix_length(rows: list[list[int]]) -> int:
     """Length of the longest token prefix every row of `rows` starts with."""
-    first, length = rows[0], min(len(row) for row in rows)
-    for row in rows[1:]:
-        same = 0
-        while same < length and row[same] == first[same]:
-            same += 1
-        length = same
-    return length
+    length = min(len(row) for row in rows)
+    block = np.array([row[:length] for row in rows], dtype=np.int64).reshape(len(rows), length)
+    differs = (block != block[0]).any(axis=0)
+    return int(differs.argmax()) if differs.any() else length
 
 
 def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_id: int, device,
                      dtype) -> RewardBatch | str:  # fmt: skip
     """
     Packs reward rows (each one's unpadded tokens) whose `prompt_groups` say which share a prompt, or returns why the
-    batch cannot be packed. A group whose rows share no first token is split into rows of their own.
+    batch cannot be packed. A group whose rows share no first token is split into rows of their own. Array operations
+    over all rows at once, on the host (where the tokenizer put them).
     """
-    if any(len(row) == 0 for row in rows):
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    if (lengths == 0).any():
         return "a reward text has no token"
-    members: dict[int, list[int]] = {}
-    for row, group in enumerate(prompt_groups):
-        members.setdefault(group, []).append(row)
-    groups = []  # (rows, shared prefix length), in order of first appearance
-    for rows_of_group in members.values():
-        shared = common_prefix_length([rows[r] for r in rows_of_group])
-        groups += [(rows_of_group, shared)] if shared > 0 else [([r], len(rows[r])) for r in rows_of_group]
-    order = np.array([r for rows_of_group, _ in groups for r in rows_of_group])
-    counts = np.array([len(rows_of_group) for rows_of_group, _ in groups])
-    shared = np.array([length for _, length in groups])
+    rows_count, longest = len(rows), int(lengths.max())
+    valid = np.arange(longest)[None, :] < lengths[:, None]
+    matrix = np.full((rows_count, longest), -1, dtype=np.int64)
+    matrix[valid] = np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
+    # Prompt groups in order of first appearance; each row's common prefix with its group's first row
+    _, first_of_id, id_of_row = np.unique(np.asarray(prompt_groups), return_index=True, return_inverse=True)
+    rank = np.empty(len(first_of_id), dtype=np.int64)
+    rank[np.argsort(first_of_id, kind="stable")] = np.arange(len(first_of_id))
+    group_of_row = rank[id_of_row.reshape(-1)]
+    leader = first_of_id[np.argsort(first_of_id, kind="stable")][group_of_row]
+    same = (matrix == matrix[leader]) & valid & valid[leader]
+    common = np.where(same.all(axis=1), longest, same.argmin(axis=1))
+    group_shared = np.full(len(first_of_id), longest, dtype=np.int64)
+    np.minimum.at(group_shared, group_of_row, common)
+    # Rows in group order (row order within); a group sharing nothing is split into rows of their own
+    order = np.lexsort((np.arange(rows_count), group_of_row))
+    group_sorted = group_of_row[order]
+    alone = group_shared[group_sorted] == 0
+    starts = np.ones(rows_count, dtype=bool)
+    starts[1:] = (group_sorted[1:] != group_sorted[:-1]) | alone[1:]
+    group_of_slot = np.cumsum(starts) - 1
+    counts = np.bincount(group_of_slot)
+    shared = np.where(alone, lengths[order], group_shared[group_sorted])[starts]
     body = shared - 1  # the shared prefix less its last token, which opens every row's segment
-    shared_of_row = np.repeat(shared, counts)
-    segment_lengths = np.array([len(rows[r]) for r in order]) - shared_of_row + 1
-    body_width, row_length = int(body.max()), int(segment_lengths.max())
+    opening = np.repeat(body, counts)  # each slot's segment starts at this token of its row
+    body_width = int(body.max())
+    row_length = int((lengths[order] - opening).max())
 
-    tokens = np.full((len(groups) * body_width + len(order) * row_length,), pad_token_id, dtype=np.int64)
-    positions = np.zeros_like(tokens)
-    first = order[np.cumsum(counts) - counts]
-    for g, (r, length) in enumerate(zip(first, body, strict=True)):
-        tokens[g * body_width : g * body_width + length] = rows[r][:length]
-        positions[g * body_width : g * body_width + body_width] = np.arange(body_width)
-    start = len(groups) * body_width
-    score_index = np.empty(len(rows), dtype=np.int64)
-    for slot, (r, prefix) in enumerate(zip(order, shared_of_row, strict=True)):
-        segment = rows[r][prefix - 1 :]
-        offset = start + slot * row_length
-        tokens[offset : offset + len(segment)] = segment
-        positions[offset : offset + row_length] = np.arange(prefix - 1, prefix - 1 + row_length)
-        # Stock's pooling: the rightmost token that is not padding (the first position when there is none)
-        real = [i for i, token in enumerate(rows[r]) if token != pad_token_id]
-        last = real[-1] if real else 0
-        group = int(np.searchsorted(np.cumsum(counts), slot, side="right"))
-        score_index[r] = offset + last - (prefix - 1) if last >= prefix - 1 else group * body_width + last
-    layout, (tokens_t, positions_t, score_t) = host_layout(counts, body, row_length, max(len(row) for row in rows),
+    body_columns = np.arange(body_width)[None, :]
+    body_tokens = np.where(body_columns < body[:, None], matrix[order[starts]][:, :body_width], pad_token_id)
+    columns = opening[:, None] + np.arange(row_length)[None, :]
+    in_row = columns < lengths[order][:, None]
+    row_tokens = np.where(in_row, matrix[order[:, None], np.minimum(columns, longest - 1)], pad_token_id)
+    tokens = np.concatenate([body_tokens.reshape(-1), row_tokens.reshape(-1)])
+    positions = np.concatenate([np.broadcast_to(body_columns, body_tokens.shape).reshape(-1), columns.reshape(-1)])
+    # Stock's pooling: the rightmost token that is not padding (the first position when there is none)
+    real = valid & (matrix != pad_token_id)
+    last = np.where(real.any(axis=1), longest - 1 - real[:, ::-1].argmax(axis=1), 0)[order]
+    slot_start = len(counts) * body_width + np.arange(rows_count) * row_length
+    score_index = np.empty(rows_count, dtype=np.int64)
+    score_index[order] = np.where(last >= opening, slot_start + last - opening, group_of_slot * body_width + last)
+    layout, (tokens_t, positions_t, score_t) = host_layout(counts, body, row_length, longest,
                                                            [tokens, positions, score_index], device, dtype)  # fmt: skip
     return RewardBatch(tokens_t.view(1, -1), positions_t.view(1, -1), score_t, layout, shared.tolist())
 
@@ -191,16 +199,25 @@ def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantizat
     if (quantization is None) != (policy_quantization is None):
         return "the policy's base and the reward model stock TRL would load are not quantized alike"
     dtype = resolved_dtype((model_init_kwargs or {}).get("dtype", "auto"), base)  # transformers' default: auto
+    if dtype is None:
+        return f"the dtype stock TRL would load {base} in cannot be read from its config"
     if dtype != policy_dtype:
         return f"stock TRL would load the reward model in {dtype}, the policy's base is {policy_dtype}"
     return None
 
 
-def resolved_dtype(spec, path: str) -> torch.dtype:
-    """The dtype `from_pretrained(path, dtype=spec)` gives: `"auto"` reads the saved config."""
+def resolved_dtype(spec, path: str) -> torch.dtype | None:
+    """The dtype `from_pretrained(path, dtype=spec)` gives: `"auto"` reads the saved config (a local directory's, or
+    the Hub's); None when it cannot be read."""
     if spec in ("auto", None):
         config = Path(path) / "config.json"
-        saved = json.loads(config.read_text()) if config.is_file() else {}
+        if config.is_file():
+            saved = json.loads(config.read_text())
+        else:
+            try:
+                saved = AutoConfig.from_pretrained(path).to_dict()
+            except (OSError, ValueError):
+                return None
         spec = saved.get("dtype") or saved.get("torch_dtype") or "float32"
     return getattr(torch, spec) if isinstance(spec, str) else spec
 
@@ -242,8 +259,13 @@ class HydraReward:
         config = LoraConfig(**{**fields, "modules_to_save": None, "task_type": "CAUSAL_LM", "inference_mode": True})
         active = policy.active_adapter
         flags = {name: parameter.requires_grad for name, parameter in policy.named_parameters()}
-        policy.add_adapter(self.adapter_name, config)
+        # In the saved weights' dtype, as stock's `from_pretrained` keeps them (PEFT would upcast a half base's to float32)
+        policy.add_adapter(self.adapter_name, config, autocast_adapter_dtype=False)
         set_peft_model_state_dict(policy, state, adapter_name=self.adapter_name)
+        for module in policy.modules():  # scored in eval mode only, where dropout is the identity: say so
+            dropouts = getattr(module, "lora_dropout", None)
+            if isinstance(dropouts, nn.ModuleDict) and self.adapter_name in dropouts:
+                dropouts[self.adapter_name] = nn.Identity()
         # Layers the policy's adapter does not target were created with the new adapter active: activate the
         # policy's everywhere again, and leave every existing parameter as trainable as it was
         policy.set_adapter(active)
@@ -256,17 +278,24 @@ class HydraReward:
 
     @contextlib.contextmanager
     def active(self):
-        """The reward adapter active and the policy's off; everything as it was afterwards, whatever happens."""
+        """
+        The reward adapter active, the policy's off, and the model in eval mode (as stock's reward model runs: no
+        dropout); everything as it was afterwards, whatever happens.
+        """
         policy = self.policy
         previous = policy.active_adapter
         flags = [(parameter, parameter.requires_grad) for parameter in policy.parameters()]
+        training = [module for module in policy.modules() if module.training]
         policy.set_adapter(self.adapter_name, inference_mode=True)
+        policy.eval()
         try:
             yield policy
         finally:
             policy.set_adapter(previous)
             for parameter, flag in flags:
                 parameter.requires_grad_(flag)
+            for module in training:
+                module.training = True
 
     def __call__(self, *args, **kwargs):
         raise RuntimeError("A Hydra reward adapter is scored by rloo_efficient's RLOOTrainer, not called.")

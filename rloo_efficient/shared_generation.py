@@ -16,6 +16,7 @@ columns after it, so leaving out the last column changes nothing before it.
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -155,6 +156,9 @@ def generate_with_shared_prefill(
         cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first])
         attention = decoding_with(cache)
     else:
+        if prompt_cache_once:  # a constant message: Python shows it once
+            warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
+                          "a prompt and its completion can exceed the model's sliding window.", stacklevel=2)  # fmt: skip
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     with attention:

@@ -104,12 +104,13 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
             if not isinstance(func, HydraReward):
                 continue
             func.attach(self.accelerator.unwrap_model(self.model))
-            if self.reward_processing_classes[index] is None:
+            tokenizer = self.reward_processing_classes[index]
+            if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(func.adapter["base_model_name_or_path"],
                                                           trust_remote_code=self.args.trust_remote_code)  # fmt: skip
-                if tokenizer.pad_token_id is None:
-                    tokenizer.pad_token = tokenizer.eos_token
                 self.reward_processing_classes[index] = tokenizer
+            if tokenizer.pad_token_id is None:  # as stock does for a reward model's tokenizer, given or loaded
+                tokenizer.pad_token = tokenizer.eos_token
 
     def _fall_back(self, reason: str, permanent: bool = True) -> None:
         if permanent:

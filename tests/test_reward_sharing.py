@@ -37,11 +37,13 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_reward_model(directory, cfg, tokenizer=None) -> str:
+def build_reward_model(directory, cfg, tokenizer=None, **config_overrides) -> str:
     """A random sequence classifier with one label, the size of the tiny policy, saved with its tokenizer."""
     tokenizer = tokenizer or build_tokenizer()
     config = _model_config(cfg, tokenizer)
     config.num_labels = 1
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(7)
     model = AutoModelForSequenceClassification.from_config(config).to(torch.float64)
     model.save_pretrained(directory)
@@ -49,7 +51,7 @@ def build_reward_model(directory, cfg, tokenizer=None) -> str:
     return str(directory)
 
 
-def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, **overrides):
+def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, packed=True, **overrides):
     run_kwargs = run_kwargs or {}
     # A copy each: stock TRL replaces a path in the list by the model it loads
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
@@ -63,7 +65,7 @@ def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, **overrides)
         for key in keys:
             if key in a and a[key] is not None:
                 assert b[key] == pytest.approx(a[key], rel=F64_RTOL, abs=F64_ATOL), (key, a[key], b[key])
-    assert ours.reward_forward_tokens > 0  # the packed reward forward really ran
+    assert (ours.reward_forward_tokens > 0) == packed  # the packed reward forward ran, or did not
     return stock, ours
 
 
@@ -80,6 +82,13 @@ def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path
     # Each group's prompt once: fewer tokens than stock's B padded rows
     rows, width = 8, None  # generation batch: 2 groups of 4
     assert ours.reward_forward_tokens < 0.6 * rows * (cfg.prompt_length + 8) * 2
+
+
+def test_a_reward_model_whose_sliding_window_the_texts_exceed_is_called_as_stock_calls_it(model_cache, tmp_path):
+    cfg = tiny_workload(model_cache, arch="mistral")
+    reward = build_reward_model(tmp_path / "reward", cfg, sliding_window=16)  # prompts of 40-64 tokens
+    with pytest.warns(UserWarning, match="sliding window"):
+        compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, [reward], packed=False)
 
 
 def test_a_rule_beside_a_model_with_eos_and_a_chat_template(model_cache, reward_models, tmp_path):
@@ -134,7 +143,7 @@ def test_an_unsupported_reward_model_is_called_as_stock_calls_it(workload, tmp_p
 
 
 # -- Hydra: a reward adapter on the policy's own base ------------------------------------------------------------------
-def build_reward_adapter(directory, base_path) -> str:
+def build_reward_adapter(directory, base_path, dropout: float = 0.0) -> str:
     """A LoRA sequence-classification adapter on `base_path` with a score head, saved as TRL's RewardTrainer saves one
     (random, non-zero LoRA weights so that the adapter changes the scores)."""
     from peft import LoraConfig, get_peft_model
@@ -142,7 +151,7 @@ def build_reward_adapter(directory, base_path) -> str:
     torch.manual_seed(11)
     model = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, dtype=torch.float64)
     config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                        init_lora_weights=False)  # fmt: skip
+                        init_lora_weights=False, lora_dropout=dropout)  # fmt: skip
     get_peft_model(model, config).save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     return str(directory)
@@ -155,9 +164,11 @@ def test_hydra_reward_adapter_matches_stock_loading_it_as_its_own_model(workload
     from peft import LoraConfig
 
     cfg, path, dataset = workload
-    adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
+    # Trained with dropout, as reward adapters often are: stock scores in eval mode, where it is the identity
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", path, dropout=0.1)
     stock, ours = compare(path, dataset, tmp_path, [vowel_reward, adapter],
                           run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)}, learning_rate=5e-2)  # fmt: skip
+    assert ours._share_prefix and ours._prompt_cache_once  # the reward adapter's dropout turned nothing off
     hydra = ours.reward_funcs[1]
     assert isinstance(hydra, HydraReward) and isinstance(stock.reward_funcs[1], torch.nn.Module)
     # No second copy of the base: ours holds the policy (with two adapters) and the score head only

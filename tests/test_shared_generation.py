@@ -1,6 +1,7 @@
 """The shared generation prefill: `generate` from a once-per-prompt prefill gives the stock call's logits and samples,
 forwards exactly the tokens it should, and stock generation runs (with one warning) where it cannot be exact."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -89,7 +90,9 @@ CASES = [("llama", False), ("gpt2", False), ("mistral_sliding", False), ("llama"
 def test_same_logits_and_samples_as_generate(arch, once, layout):
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
-    stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config(), once)
+    fans_out = once and arch == "mistral_sliding"  # says so
+    with pytest.warns(UserWarning, match="fanned out") if fans_out else contextlib.nullcontext():
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, generation_config(), once)
     assert prefill_tokens > 0
     assert torch.equal(ours.sequences, stock.sequences)
     assert len(ours.logits) == len(stock.logits)
