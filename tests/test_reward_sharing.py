@@ -231,3 +231,17 @@ def test_hydra_on_another_base_is_loaded_as_its_own_model(workload, model_cache,
                               train_dataset=dataset, processing_class=build_tokenizer(),
                               peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
     assert isinstance(trainer.reward_funcs[0], torch.nn.Module)
+
+
+def test_hydra_with_a_given_reward_tokenizer_without_a_pad_token(workload, tmp_path):
+    """Stock TRL pads a reward model's tokenizer with its EOS, given or loaded: the Hydra reward does the same."""
+    from peft import LoraConfig
+
+    cfg, path, dataset = workload
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
+    tokenizer = build_tokenizer()
+    tokenizer.pad_token = None
+    trainer = run(RLOOTrainer, path, training_args(tmp_path / "o", max_steps=1), dataset, reward=[adapter],
+                  reward_processing_classes=[tokenizer], peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
+    assert tokenizer.pad_token == tokenizer.eos_token
+    assert trainer.reward_forward_tokens > 0
