@@ -158,9 +158,15 @@ def _kernel_works(kernel: str, query: torch.Tensor, bias: torch.Tensor | None, c
     device, dtype, head layout and mask kind. Runs once per combination; the CPU kernel is covered by the test suite.
     A kernel that raises or disagrees is replaced by the math path, with one warning.
     """
-    if kernel in ("cpu_flash", "math"):
+    if kernel == "cpu_flash":
         return True
     key = (kernel, query.device, query.dtype, query.shape[-1], bias is not None, causal)
+    if kernel == "math":  # no fused kernel for this device or dtype: say so once
+        if key not in _verified:
+            _verified[key] = True
+            warnings.warn(f"rloo_efficient: no fused attention kernel for {query.device.type} ({query.dtype}); prefix "
+                          "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
+        return True
     if key not in _verified:
         _verified[key] = _check(kernel, query.device, query.dtype, query.shape[-1], bias is not None, causal)
         if not _verified[key]:
