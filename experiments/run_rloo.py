@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    # Leave the process group before the interpreter exits: gloo torn down at exit aborts a process now and then
+    # Leave the process group (TRL's Trainer does not); the exit below is what avoids the abort at teardown
     trainer.accelerator.end_training()
 
     if not trainer.accelerator.is_main_process:

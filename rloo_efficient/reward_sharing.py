@@ -49,14 +49,6 @@ class RewardBatch:
         return self.input_ids.shape[1]
 
 
-def common_prefix_length(rows: list[list[int]]) -> int:
-    """Length of the longest token prefix every row of `rows` starts with."""
-    length = min(len(row) for row in rows)
-    block = np.array([row[:length] for row in rows], dtype=np.int64).reshape(len(rows), length)
-    differs = (block != block[0]).any(axis=0)
-    return int(differs.argmax()) if differs.any() else length
-
-
 def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_id: int, device,
                      dtype) -> RewardBatch | str:  # fmt: skip
     """
@@ -73,10 +65,11 @@ def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_
     matrix[valid] = np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
     # Prompt groups in order of first appearance; each row's common prefix with its group's first row
     _, first_of_id, id_of_row = np.unique(np.asarray(prompt_groups), return_index=True, return_inverse=True)
+    appearance = np.argsort(first_of_id)  # ids in order of their first row
     rank = np.empty(len(first_of_id), dtype=np.int64)
-    rank[np.argsort(first_of_id, kind="stable")] = np.arange(len(first_of_id))
+    rank[appearance] = np.arange(len(first_of_id))
     group_of_row = rank[id_of_row.reshape(-1)]
-    leader = first_of_id[np.argsort(first_of_id, kind="stable")][group_of_row]
+    leader = first_of_id[appearance][group_of_row]
     same = (matrix == matrix[leader]) & valid & valid[leader]
     common = np.where(same.all(axis=1), longest, same.argmin(axis=1))
     group_shared = np.full(len(first_of_id), longest, dtype=np.int64)

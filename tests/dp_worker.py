@@ -58,7 +58,7 @@ def main():
 
     trainer._generate_single_turn = recorded
     trainer.train()
-    # Leave the process group before the interpreter exits: gloo torn down at exit aborts a process now and then
+    # Leave the process group (TRL's Trainer does not); the exit below is what avoids the abort at teardown
     trainer.accelerator.end_training()
     result = {
         "rank": rank,

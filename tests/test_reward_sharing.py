@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2For
 from transformers import PreTrainedTokenizerFast
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.reward_sharing import HydraReward, common_prefix_length, pack_reward_rows
+from rloo_efficient.reward_sharing import HydraReward, pack_reward_rows
 from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, _model_config, build_dataset, build_model_dir
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
@@ -116,7 +116,7 @@ def test_tokens_merged_across_the_prompt_boundary(workload, tmp_path):
 def test_pack_reward_rows_reads_each_score_where_stock_pools():
     rows = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8, 0], [3, 4], [3]]  # 0 is padding: the score is read before it
     batch = pack_reward_rows(rows, [0, 0, 0, 1, 1], 0, torch.device("cpu"), torch.float64)
-    assert batch.shared_prefix_lengths == [2, 1] and common_prefix_length(rows[:3]) == 2
+    assert batch.shared_prefix_lengths == [2, 1]
     tokens = batch.input_ids[0].tolist()
     assert [tokens[i] for i in batch.score_index.tolist()] == [8, 9, 8, 4, 3]
     positions = batch.position_ids[0].tolist()
