@@ -15,6 +15,7 @@ fi
 echo "[setup] installing $TORCH_SPEC"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC"
+# The test extras include DeepSpeed (tests/test_launchers.py), whose build needs torch installed first
 echo "[setup] installing rloo_efficient[test]"
 "$VENV/bin/python" -m pip install --quiet -e "$ROOT[test]"
 "$VENV/bin/python" -c "import torch, trl, rloo_efficient; print(f'[setup] torch {torch.__version__}, trl {trl.__version__}, rloo_efficient {rloo_efficient.__version__}')"

@@ -121,6 +121,10 @@ class RLOOConfig(trl.RLOOConfig):
         return config
 
     def __post_init__(self):
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):  # "false" would be truthy and turn the feature on
+                raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."
@@ -136,3 +140,7 @@ class RLOOConfig(trl.RLOOConfig):
                 f"processes ({self.world_size}) x steps_per_generation ({self.steps_per_generation}): change one of "
                 f"them (or num_generations) so that every prompt's {self.num_generations} completions fit whole."
             ) from error
+
+
+_BOOL_FIELDS = tuple(name for name, spec in RLOOConfig.__dataclass_fields__.items()
+                     if spec.type in (bool, "bool") and name not in trl.RLOOConfig.__dataclass_fields__)  # fmt: skip

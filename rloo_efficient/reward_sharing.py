@@ -19,6 +19,7 @@ every parameter's `requires_grad` are restored afterwards, also when the computa
 
 import contextlib
 import copy
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -178,13 +179,44 @@ def _same_model(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
 
 
-def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantization, model_init_kwargs) -> str | None:
+def _adapter_weights(path) -> dict[str, torch.Tensor]:
+    """The saved weights of a PEFT adapter directory (safetensors, or PEFT's older `adapter_model.bin`)."""
+    from safetensors.torch import load_file
+
+    state_file = Path(path) / "adapter_model.safetensors"
+    if state_file.exists():
+        return load_file(state_file)
+    return torch.load(Path(path) / "adapter_model.bin", weights_only=True)
+
+
+def _adapter_keys(path) -> list[str]:
+    """The names of a PEFT adapter directory's saved weights, read without loading them where the format allows."""
+    from safetensors import safe_open
+
+    state_file = Path(path) / "adapter_model.safetensors"
+    if state_file.exists():
+        with safe_open(state_file, framework="pt") as saved:
+            return list(saved.keys())
+    return list(_adapter_weights(path))
+
+
+def _score_keys(state) -> list[str]:
+    """The keys of a sequence-classification adapter's saved score head (PEFT saves it as a module to save)."""
+    return [key for key in state if key.split(".")[-2] in ("score", "classifier") or ".score." in key]
+
+
+def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantization, model_init_kwargs,
+                 path=None) -> str | None:  # fmt: skip
     """
-    Why the reward adapter `adapter` (its config) cannot run on the policy's base and give stock's rewards: stock
-    TRL loads it on its own copy of `adapter["base_model_name_or_path"]` with `model_init_kwargs`.
+    Why the reward adapter `adapter` (its config; saved in `path`) cannot run on the policy's base and give stock's
+    rewards: stock TRL loads it on its own copy of `adapter["base_model_name_or_path"]` with `model_init_kwargs`.
     """
     if adapter.get("peft_type") != "LORA":
         return f"it is a {adapter.get('peft_type')} adapter, not LoRA"
+    if path is not None and not any(key.endswith("weight") for key in _score_keys(_adapter_keys(path))):
+        # Stock's model gets a score head initialized from the global generator at load time: only loading it the
+        # same way reproduces it
+        return "it holds no score head weights (stock TRL gives such an adapter a freshly initialized one)"
     base = adapter.get("base_model_name_or_path") or ""
     if not _same_model(base, policy_base):
         return f"its base ({base}) is not the policy's ({policy_base})"
@@ -240,11 +272,9 @@ class HydraReward:
 
     def _load(self, policy) -> None:
         from peft import LoraConfig, set_peft_model_state_dict
-        from safetensors.torch import load_file
 
-        state_file = Path(self.path) / "adapter_model.safetensors"
-        state = load_file(state_file) if state_file.exists() else torch.load(Path(self.path) / "adapter_model.bin")
-        score_keys = [key for key in state if key.split(".")[-2] in ("score", "classifier") or ".score." in key]
+        state = _adapter_weights(self.path)
+        score_keys = _score_keys(state)
         score_weight = state[next(key for key in score_keys if key.endswith("weight"))]
         for key in score_keys:
             del state[key]
@@ -303,9 +333,32 @@ def split_hydra_rewards(reward_funcs: list, policy_base: str | None, policy_dtyp
         if adapter is None or not enabled:
             continue
         reason = ("the policy is not a PEFT model" if policy_base is None else
-                  hydra_reason(adapter, policy_base, policy_dtype, policy_quantization, model_init_kwargs))  # fmt: skip
+                  hydra_reason(adapter, policy_base, policy_dtype, policy_quantization, model_init_kwargs, func))  # fmt: skip
         if reason is not None:
             warn(f"rloo_efficient: the reward adapter {func} is loaded as its own model, as stock TRL does: {reason}.")
             continue
         out[index] = HydraReward(func, copy.deepcopy(adapter), name=f"rloo_reward_{index}")
     return out
+
+
+@contextlib.contextmanager
+def saving_policy_adapters_only(reward_funcs: list):
+    """
+    Within the block, `save_pretrained` of a policy carrying Hydra reward adapters (from `reward_funcs`) saves the
+    policy's own adapters only, as stock TRL's policy holds them: PEFT's `selected_adapters`, which also keeps the
+    reward adapter's weights out of the saved state (PEFT filters out the adapters its config lists and leaves
+    unselected). Transformers' Trainer calls `save_pretrained` on the policy for every checkpoint, `save_model` and
+    `push_to_hub`.
+    """
+    policies: dict[int, tuple] = {}
+    for func in reward_funcs:
+        if isinstance(func, HydraReward) and func.policy is not None:
+            policies.setdefault(id(func.policy), (func.policy, set()))[1].add(func.adapter_name)
+    for policy, reward_adapters in policies.values():
+        own = [name for name in policy.peft_config if name not in reward_adapters]
+        policy.save_pretrained = functools.partial(type(policy).save_pretrained, policy, selected_adapters=own)
+    try:
+        yield
+    finally:
+        for policy, _ in policies.values():
+            del policy.save_pretrained

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 import trl
 from accelerate.utils import is_peft_model
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 from trl.models import unwrap_model_for_generation
 from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.trainer.utils import get_config_model_id, pad
@@ -20,7 +20,8 @@ from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_di
 from .prefix_sharing import unsupported_reason
 from .profiling import MemoryProfilingMixin
 from .reward_phase import GroupedRewardMixin
-from .reward_sharing import HydraReward, reward_adapter_config, resolved_dtype, split_hydra_rewards
+from .reward_sharing import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
+from .reward_sharing import split_hydra_rewards
 from .shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 
@@ -74,10 +75,11 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
                            "still shared)")
         )  # fmt: skip
         if self._share_prefix or self._prompt_cache_once:
-            # Our forwards pass a layout to the attention modules; without one they run the model's own attention
+            # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
+            # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for model in (unwrapped, self.ref_model):
                 if model is not None:
-                    prefix_attention.install(model)
+                    prefix_attention.install(self.accelerator.unwrap_model(model))
 
     def _hydra_reward_funcs(self, model, reward_funcs, args, positional, kwargs) -> list:
         """`reward_funcs` with each reward adapter that can share the policy's base replaced by a [`HydraReward`]."""
@@ -86,13 +88,15 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
             return reward_funcs
         bound = inspect.signature(trl.RLOOTrainer.__init__).bind(self, model, reward_funcs, args, *positional, **kwargs)
         init_kwargs = args.model_init_kwargs or {}
+        peft_config = bound.arguments.get("peft_config")
         base = dtype = quantization = None
-        if isinstance(model, str) and bound.arguments.get("peft_config") is not None:
+        if isinstance(model, str) and peft_config is not None:
             # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
             base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
-            quantization = init_kwargs.get("quantization_config")
-        elif is_peft_model(model):
-            policy_base = model.get_base_model()
+            quantization = init_kwargs.get("quantization_config") or bound.arguments.get("quantization_config")
+        elif is_peft_model(model) or (peft_config is not None and isinstance(model, PreTrainedModel)):
+            # A PeftModel, or a model object that TRL wraps with `peft_config` further down its constructor
+            policy_base = model.get_base_model() if is_peft_model(model) else model
             base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
             quantization = getattr(policy_base.config, "quantization_config", None)
         return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, args.hydra_reward_adapter,
@@ -111,6 +115,12 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
                 self.reward_processing_classes[index] = tokenizer
             if tokenizer.pad_token_id is None:  # as stock does for a reward model's tokenizer, given or loaded
                 tokenizer.pad_token = tokenizer.eos_token
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """Stock's save, of the policy alone: a Hydra reward adapter on the policy is not part of what it saves (every
+        checkpoint, `save_model` and `push_to_hub` save through here)."""
+        with saving_policy_adapters_only(self.reward_funcs):
+            return super()._save(output_dir, state_dict)
 
     def _fall_back(self, reason: str, permanent: bool = True) -> None:
         if permanent:
@@ -316,6 +326,7 @@ class RLOOTrainer(MemoryProfilingMixin, _SharedPrefixRLOOTrainer):
     - `__init__`: a reward adapter on the policy's base is kept from loading as a second model and attached to the
       policy instead (Hydra); our attention function is installed on the policy and reference.
     - `_prepare_inputs`: copied from TRL to shuffle whole groups when `shuffle_groups=True` (TRL's timer kept).
+    - `_save`: a Hydra reward adapter is left out of the saved policy (`save_model`, checkpoints, `push_to_hub`).
     - From [`MemoryProfilingMixin`]: `_generate`, `_calculate_rewards`, `training_step`, `log` (phase boundaries,
       memory metrics), each a thin wrapper around `super()`.
     """

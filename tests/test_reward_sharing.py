@@ -1,8 +1,11 @@
 """The reward phase inside the group: the same rewards and trajectory as stock TRL with a reward model (each group's
 shared prefix scored once), and Hydra (a reward adapter on the policy's own base) with the policy's adapter restored."""
 
+import fnmatch
+import json
 import string
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,12 +54,14 @@ def build_reward_model(directory, cfg, tokenizer=None, **config_overrides) -> st
     return str(directory)
 
 
-def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, packed=True, **overrides):
+def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, packed=True, policy=None, **overrides):
+    """Stock and ours on the same run; `policy()`, when given, makes the model each of them gets (else `path`)."""
     run_kwargs = run_kwargs or {}
+    policy = policy or (lambda: path)
     # A copy each: stock TRL replaces a path in the list by the model it loads
-    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
+    stock = run(trl.RLOOTrainer, policy(), training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
                 dataset, reward=list(reward_funcs), **run_kwargs)  # fmt: skip
-    ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **overrides), dataset, reward=list(reward_funcs),
+    ours = run(RLOOTrainer, policy(), training_args(tmp_path / "ours", **overrides), dataset, reward=list(reward_funcs),
                **run_kwargs)  # fmt: skip
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     keys = [*METRICS, *(f"rewards/{name}/mean" for name in stock.reward_func_names)]
@@ -160,24 +165,103 @@ def build_reward_adapter(directory, base_path, dropout: float = 0.0) -> str:
 POLICY_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def test_hydra_reward_adapter_matches_stock_loading_it_as_its_own_model(workload, tmp_path):
-    from peft import LoraConfig
+def policy_doors(path):
+    """Every way TRL takes a LoRA policy, each as (policy factory, trainer kwargs): a path with `peft_config`, a
+    model object with `peft_config`, and a PeftModel (then TRL trains its adapter against a frozen copy)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def peft_model():
+        torch.manual_seed(3)  # the same LoRA initialization for stock and ours
+        return get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype="auto"), LoraConfig(**POLICY_LORA))
+
+    return {
+        "path_and_peft_config": (lambda: path, {"peft_config": LoraConfig(**POLICY_LORA)}),
+        "model_object_and_peft_config": (lambda: AutoModelForCausalLM.from_pretrained(path, dtype="auto"),
+                                         {"peft_config": LoraConfig(**POLICY_LORA)}),
+        "peft_model": (peft_model, {}),
+    }  # fmt: skip
+
+
+PROFILER_FILES = {"memory_report.json", "memory_steps.jsonl"}  # written by profile_memory=True, a feature of ours
+
+
+def saved_files(directory) -> set[str]:
+    return {str(p.relative_to(directory)) for p in Path(directory).rglob("*") if p.is_file()} - PROFILER_FILES
+
+
+def pushed_files(trainer, monkeypatch) -> set[str]:
+    """What `push_to_hub` uploads (the Hub stood in for: the repository named, the upload recorded)."""
+    import transformers.trainer
+
+    uploaded = []
+
+    class Hub:
+        def upload_folder(self, folder_path, ignore_patterns, **kwargs):
+            skipped = lambda name: any(fnmatch.fnmatch(name, pattern) for pattern in ignore_patterns)  # noqa: E731
+            uploaded.extend(name for name in saved_files(folder_path) if not skipped(name.split("/")[0]))
+
+    monkeypatch.setattr(transformers.trainer, "hf_api", Hub)
+    trainer.hub_model_id = "user/policy"
+    trainer.push_to_hub(blocking=True)
+    return set(uploaded)
+
+
+@pytest.mark.parametrize("door", ["path_and_peft_config", "model_object_and_peft_config", "peft_model"])
+def test_hydra_however_the_policy_is_passed_matches_stock_and_saves_what_stock_saves(workload, tmp_path, monkeypatch,
+                                                                                     door):  # fmt: skip
+    from safetensors.torch import load_file
 
     cfg, path, dataset = workload
     # Trained with dropout, as reward adapters often are: stock scores in eval mode, where it is the identity
     adapter = build_reward_adapter(tmp_path / "reward_adapter", path, dropout=0.1)
-    stock, ours = compare(path, dataset, tmp_path, [vowel_reward, adapter],
-                          run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)}, learning_rate=5e-2)  # fmt: skip
+    policy, run_kwargs = policy_doors(path)[door]
+    stock, ours = compare(path, dataset, tmp_path, [vowel_reward, adapter], run_kwargs=run_kwargs, policy=policy,
+                          learning_rate=5e-2, save_strategy="steps", save_steps=2)  # fmt: skip
     assert ours._share_prefix and ours._prompt_cache_once  # the reward adapter's dropout turned nothing off
     hydra = ours.reward_funcs[1]
     assert isinstance(hydra, HydraReward) and isinstance(stock.reward_funcs[1], torch.nn.Module)
-    # No second copy of the base: ours holds the policy (with two adapters) and the score head only
-    policy = ours.accelerator.unwrap_model(ours.model)
-    assert set(policy.peft_config) == {"default", hydra.adapter_name}
+    # No second copy of the base: ours holds the policy (with its adapters and the reward's) and the score head only
+    policy_model = ours.accelerator.unwrap_model(ours.model)
+    assert set(policy_model.peft_config) == {*stock.accelerator.unwrap_model(stock.model).peft_config, hydra.adapter_name}
     base_parameters = sum(p.numel() for p in stock.reward_funcs[1].parameters())
-    ours_parameters = sum(p.numel() for p in policy.parameters()) + hydra.score.weight.numel()
+    ours_parameters = sum(p.numel() for p in policy_model.parameters()) + hydra.score.weight.numel()
     stock_parameters = sum(p.numel() for p in stock.accelerator.unwrap_model(stock.model).parameters())
     assert stock_parameters + base_parameters - ours_parameters > 0.9 * base_parameters
+
+    # The saved policy is stock's: a checkpoint, save_model and push_to_hub write the same files, the same adapter
+    # config and the same trained weights; the reward adapter is in none of them
+    for trainer in (stock, ours):
+        trainer.save_model(str(Path(trainer.args.output_dir) / "final"))
+    pushed = [pushed_files(trainer, monkeypatch) for trainer in (stock, ours)]
+    assert pushed[0] == pushed[1] and "adapter_model.safetensors" in pushed[0]
+    for saved in ("checkpoint-2", "final"):
+        stock_dir, ours_dir = (Path(t.args.output_dir) / saved for t in (stock, ours))
+        assert saved_files(ours_dir) == saved_files(stock_dir)
+        for config in [p for p in saved_files(stock_dir) if p.endswith("adapter_config.json")]:
+            assert json.loads((ours_dir / config).read_text()) == json.loads((stock_dir / config).read_text())
+        for weights in [p for p in saved_files(stock_dir) if p.endswith("adapter_model.safetensors")]:
+            a, b = load_file(stock_dir / weights), load_file(ours_dir / weights)
+            assert a.keys() == b.keys()
+            for key in a:
+                torch.testing.assert_close(b[key], a[key], rtol=F64_RTOL, atol=F64_ATOL)
+    assert policy_model.peft_config.keys() >= {hydra.adapter_name}  # still loaded after saving
+
+
+def test_a_reward_adapter_without_a_score_head_is_loaded_as_stock_loads_it(workload, tmp_path):
+    """Stock loads such an adapter with a freshly initialized score head, drawn from the global generator at load
+    time: ours leaves it to stock's loading, with one warning, and gets stock's rewards."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    cfg, path, dataset = workload
+    adapter = Path(build_reward_adapter(tmp_path / "reward_adapter", path))
+    weights = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".score." not in k}, adapter / "adapter_model.safetensors")
+    with pytest.warns(UserWarning, match="holds no score head weights"):
+        stock, ours = compare(path, dataset, tmp_path, [vowel_reward, str(adapter)], max_steps=2,
+                              run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)})  # fmt: skip
+    assert isinstance(ours.reward_funcs[1], torch.nn.Module)
 
 
 def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(workload, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import rloo_efficient
 from rloo_efficient import RLOOConfig, RLOOTrainer
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
 
-from .conftest import run, step_metrics, tiny_workload, training_args
+from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
 
 
 def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
@@ -50,6 +50,11 @@ def test_config_is_a_stock_config_subclass():
         ({"num_generations": 1}, "at least 2 generations"),
         ({"per_device_train_batch_size": 3, "num_generations": 4}, "divisible by num_generations"),
         ({"empty_cache_policy": "sometimes"}, "empty_cache_policy"),
+        # A string is truthy: "false" must not turn the feature on
+        *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
+            "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "share_reward_prefix",
+            "hydra_reward_adapter", "shuffle_groups", "profile_memory")),
+        ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
     ],
 )
 def test_bad_settings_fail_in_the_config(tmp_path, overrides, message):
@@ -141,3 +146,62 @@ def test_workload_rejects_a_prompt_that_cannot_fit_before_loading_anything():
         cfg.check_fits(max_completion_length=16)
     with pytest.raises(ValueError, match="arch"):
         WorkloadConfig(arch="gpt5")
+
+
+class TransformersSampling:
+    """
+    Stands in for TRL's vLLM generation object (`trl.generation.vllm_generation.VLLMGeneration`, which needs vLLM and
+    a GPU): same constructor keywords and `generate` contract, sampling each row once with transformers' `generate`
+    from the live policy (so weights need no syncing). The same stand-in serves stock TRL and ours.
+    """
+
+    calls = 0
+
+    def __init__(self, model, processing_class, max_completion_length, temperature, **kwargs):
+        self.model, self.tokenizer = model, processing_class
+        self.max_completion_length, self.temperature = max_completion_length, temperature
+
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        type(self).calls += 1
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
+        width = batch["input_ids"].shape[1]
+        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature,
+                                     max_new_tokens=self.max_completion_length, top_k=0,
+                                     pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
+        completions = []
+        for row in output[:, width:].tolist():  # up to and including the first EOS, as vLLM returns them
+            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
+            completions.append(row[:end])
+        return prompts, completions, None, None
+
+
+def test_with_vllm_generation_the_other_phases_still_share_each_prompt(workload, model_cache, tmp_path, monkeypatch, exact_head):
+    """With `use_vllm=True` generation is vLLM's; the log-prob, training and reward phases are still ours. Run on a
+    stand-in for TRL's vLLM object (no vLLM here): this shows our side of the contract (same metrics as stock given the
+    same completions, and each prompt packed once), not anything about vLLM itself."""
+    import trl.trainer.rloo_trainer
+
+    from .test_reward_sharing import build_reward_model
+
+    cfg, path, dataset = workload
+    monkeypatch.setattr(trl.trainer.rloo_trainer, "VLLMGeneration", TransformersSampling)
+    reward = build_reward_model(tmp_path / "reward", cfg)
+    # 48-token completions: some stop at EOS, so completions of different lengths are packed
+    settings = dict(use_vllm=True, max_steps=2, max_completion_length=48)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **settings), dataset,
+                reward=[reward])  # fmt: skip
+    calls = TransformersSampling.calls
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "o", **settings), dataset, reward=[reward])
+    assert calls > 0 and TransformersSampling.calls == 2 * calls  # generation went through the stand-in both times
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    lengths = [e["completions/min_length"] for e in stock.state.log_history if "completions/min_length" in e]
+    assert min(lengths) < 48, "no completion stopped at EOS: the case is not exercised"
+    # float64 all the way (exact_head): with TRL's float32 head, 48-token sums of log-probs rounded to float32 differ
+    # by ~1e-5 relative in the second step's loss
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol=1e-9, atol=1e-12)
+    assert ours.shared_prefill_tokens == 0  # generation is not ours
+    assert ours.packed_forward_tokens > 0 and ours.reward_forward_tokens > 0

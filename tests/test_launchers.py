@@ -1,0 +1,172 @@
+"""
+Through the real launcher: `accelerate launch --config_file <config> --num_processes 2`, with the configs we ship
+(`experiments/accelerate_configs/`) made to run on CPU processes (gloo). Data parallel, DeepSpeed ZeRO-2 and ZeRO-3
+(parameters really sharded): stock TRL and ours on the same workload with `beta > 0` and gradient accumulation,
+whole groups per process and a group split across the processes, and under ZeRO-3 a separate reward model and Hydra.
+Ours must give stock's completions and per-step metrics, with its sharing on.
+
+FSDP is not here: with `use_cpu: true`, accelerate runs an FSDP config as plain data parallel (nothing is sharded), so
+FSDP2 is checked at the model level in tests/test_distributed.py.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rloo_efficient.workload import build_model_dir, build_reward_adapter_dir, build_reward_model_dir
+
+from .conftest import assert_metrics_close
+from .launch_worker import launcher_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "experiments" / "accelerate_configs"
+WORKER = Path(__file__).with_name("launch_worker.py")
+# float32 (DeepSpeed trains float32 weights whatever the checkpoint holds): stock and ours add the same float32
+# numbers in different orders (a packed sequence against padded rows), so each forward differs in its last bits, and
+# the differences grow through 2 layers, the fused head and 3 optimizer steps to ~1e-5 relative (2e-5 seen in grad_norm
+# and kl under ZeRO-3). kl is a difference of log-probs of magnitude ~5, so its error is absolute (~1e-7), not relative
+# to its small value. A wrong mask, position or gradient moves these metrics by far more than 1e-4 (float64 tests
+# elsewhere pin the exact equality).
+RTOL, ATOL = 1e-4, 1e-5
+GRADIENT_ACCUMULATION = 2
+LAYOUTS = {
+    # k = 2, 4 rows per process (2 per micro-batch x 2 accumulated): each process holds whole groups
+    "whole_groups_per_process": {"num_generations": 2, "per_device_train_batch_size": 2},
+    # k = 8 over 2 processes x 4 rows: the one group is split across the processes
+    "group_split_across_processes": {"num_generations": 8, "per_device_train_batch_size": 2},
+}
+CONFIG_FILES = {"ddp": "multi_gpu", "zero2": "zero2", "zero3": "zero3"}  # launcher -> shipped config
+CASES = {  # launcher -> {case: (layout, reward)}
+    "ddp": {layout: (layout, "rule") for layout in LAYOUTS},
+    "zero2": {layout: (layout, "rule") for layout in LAYOUTS},
+    "zero3": {**{layout: (layout, "rule") for layout in LAYOUTS},
+              "separate_reward_model": ("group_split_across_processes", "separate"),
+              "hydra_reward_adapter": ("group_split_across_processes", "hydra")},  # fmt: skip
+}
+EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),
+            "zero3": ("DistributedType.DEEPSPEED", 3)}  # fmt: skip
+
+
+def cpu_config(name: str, directory: Path) -> Path:
+    """
+    The shipped accelerate config `name`, on CPU processes: `use_cpu: true` (the launcher still starts one process per
+    rank, for `multi_gpu` too; gloo connects them), no mixed precision (no bf16 on these CPUs), and for DeepSpeed the same ZeRO stage and settings given as a DeepSpeed JSON, with ZeRO-3's persistence
+    threshold at 0 (a tiny model's parameters would otherwise all stay gathered, and nothing would be sharded).
+    """
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    config.update(use_cpu=True, mixed_precision="no", num_processes=2)
+    config.pop("gpu_ids", None)
+    deepspeed = config.pop("deepspeed_config", None)
+    if deepspeed is not None:
+        del config["mixed_precision"]  # the JSON says it (accelerate refuses both)
+        zero = {"stage": deepspeed["zero_stage"]}
+        for device, key in ((deepspeed.get("offload_optimizer_device"), "offload_optimizer"),
+                            (deepspeed.get("offload_param_device"), "offload_param")):  # fmt: skip
+            if device not in (None, "none"):
+                zero[key] = {"device": device}
+        if deepspeed["zero_stage"] == 3:
+            zero["stage3_param_persistence_threshold"] = 0
+            zero["stage3_gather_16bit_weights_on_model_save"] = deepspeed.get("zero3_save_16bit_model", False)
+        settings = {"zero_optimization": zero, "bf16": {"enabled": False}, "fp16": {"enabled": False},
+                    **{key: "auto" for key in ("train_micro_batch_size_per_gpu", "train_batch_size",
+                                               "gradient_accumulation_steps", "gradient_clipping")}}  # fmt: skip
+        (directory / f"{name}.json").write_text(json.dumps(settings))
+        config["deepspeed_config"] = {"deepspeed_config_file": str(directory / f"{name}.json"),
+                                      "zero3_init_flag": deepspeed.get("zero3_init_flag", False),
+                                      "deepspeed_multinode_launcher": deepspeed.get("deepspeed_multinode_launcher",
+                                                                                    "standard")}  # fmt: skip
+    path = directory / f"{name}_cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launched(model_cache, tmp_path_factory):
+    """`launched(launcher)`: the results of one launch running every case of that launcher, stock and ours, in turn
+    (one launch per launcher: starting 2 processes with DeepSpeed costs more than a tiny run)."""
+    cfg = launcher_workload(model_cache)
+    build_model_dir(cfg), build_reward_model_dir(cfg), build_reward_adapter_dir(cfg, rank=4)  # once, before the ranks
+    done = {}
+
+    def launch(launcher: str) -> Path:
+        if launcher not in done:
+            out = tmp_path_factory.mktemp(launcher)
+            runs = [{"name": f"{method}_{case}", "method": method, "reward": reward,
+                     "gradient_accumulation_steps": GRADIENT_ACCUMULATION, **LAYOUTS[layout]}
+                    for case, (layout, reward) in CASES[launcher].items() for method in ("stock", "ours")]  # fmt: skip
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                       str(cpu_config(CONFIG_FILES[launcher], out)), "--num_processes", "2", "--main_process_port", str(free_port()),
+                       str(WORKER), "--out", str(out), "--model_cache", str(model_cache), "--runs", json.dumps(runs)]  # fmt: skip
+            # The first DeepSpeed launch on a machine compiles a small op with g++ (~80 s, then cached)
+            finished = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+            assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-5000:]
+            done[launcher] = out
+        return done[launcher]
+
+    return launch
+
+
+def gap(stock: list[dict], ours: list[dict]) -> tuple[float, str, float]:
+    """(worst relative difference over the metrics larger than 1e-3, which metric, worst absolute difference)."""
+    relative, which, absolute = 0.0, "", 0.0
+    for a, b in zip(stock, ours, strict=True):
+        for key, value in a.items():
+            if value is None:
+                continue
+            absolute = max(absolute, abs(b[key] - value))
+            if abs(value) > 1e-3 and abs(b[key] - value) / abs(value) > relative:
+                relative, which = abs(b[key] - value) / abs(value), key
+    return relative, which, absolute
+
+
+@pytest.mark.parametrize("launcher, case", [(launcher, case) for launcher in CASES for case in CASES[launcher]])
+def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, launcher, case):
+    out = launched(launcher)
+    layout, reward = CASES[launcher][case]
+    results = {(method, rank): json.loads((out / f"{method}_{case}_rank{rank}.json").read_text())
+               for method in ("stock", "ours") for rank in (0, 1)}  # fmt: skip
+    distributed_type, zero_stage = EXPECTED[launcher]
+    for rank in (0, 1):
+        stock, ours = results["stock", rank], results["ours", rank]
+        for result in (stock, ours):  # the launch ran what its config says
+            assert (result["world_size"], result["distributed_type"], result["zero_stage"]) == (2, distributed_type,
+                                                                                                zero_stage)  # fmt: skip
+        assert ours["completions"] == stock["completions"]
+        assert len(stock["metrics"]) == 3 and any(step["kl"] for step in stock["metrics"])  # beta > 0 at work
+        assert_metrics_close(stock["metrics"], ours["metrics"], RTOL, ATOL)
+        for name in stock["rewards"]:
+            assert ours["rewards"][name] == pytest.approx(stock["rewards"][name], rel=RTOL, abs=ATOL)
+        # Our sharing ran: each prompt prefilled once, the log-prob and training forwards packed
+        assert ours["share_prefix"] and ours["shared_prefill_tokens"] > 0 and ours["packed_forward_tokens"] > 0
+        # Each generation on a process: 2 rows x 2 accumulated micro-batches, of 4 // k prompts (or 1 when k > 4)
+        distinct = max(1, 4 // LAYOUTS[layout]["num_generations"])
+        assert [(g["rows"], len(g["prompts"])) for g in ours["generations"]] == [(4, distinct)] * 3
+        if reward != "rule":
+            assert ours["reward_forward_tokens"] > 0
+            kind = {"separate": "DeepSpeedEngine", "hydra": "HydraReward"}[reward]
+            assert ours["reward_funcs"][-1] == kind and stock["reward_funcs"][-1] == "DeepSpeedEngine"
+        if zero_stage == 3:  # really sharded: each rank holds half of each model between forwards
+            for model in ("policy", "reference", *(["reward"] if reward == "separate" else [])):
+                if model == "reference" and reward == "hydra":
+                    continue  # with a PEFT policy the reference is the base, adapters off: no model of its own
+                assert ours["held_fraction"][model] == pytest.approx(0.5, abs=0.01), model
+    gaps = [gap(results["stock", rank]["metrics"], results["ours", rank]["metrics"]) for rank in (0, 1)]
+    print(f"[{launcher}/{case}] worst gap, stock vs ours: {max(gaps)[0]:.2e} relative ({max(gaps)[1]}), "
+          f"{max(gaps, key=lambda g: g[2])[2]:.2e} absolute")  # read with pytest -s
+    # Whole groups: the processes generated for different prompts; split: for the same one
+    prompts = [{p for g in results["ours", rank]["generations"] for p in g["prompts"]} for rank in (0, 1)]
+    if layout == "whole_groups_per_process":
+        assert not prompts[0] & prompts[1]
+    else:
+        assert prompts[0] == prompts[1]
