@@ -3,12 +3,21 @@ Attention that also returns its log-sum-exp, forward and backward, on the fused 
 
 [`prefix_attention`] splits a completion's attention into two parts (its prompt, stored once per group, and its own
 tokens) and merges them by log-sum-exp. The merge needs each part's log-sum-exp, which `scaled_dot_product_attention`
-does not return, so the parts call the kernels underneath it:
+does not return, so the parts call the kernels underneath it ([`choose_kernel`], after PyTorch's own `sdp_utils.cpp`):
 
 - CPU: `aten._scaled_dot_product_flash_attention_for_cpu` (any float dtype, grouped-query heads, an additive mask);
-- CUDA, half precision without a mask: `aten._scaled_dot_product_flash_attention`;
-- CUDA otherwise: `aten._scaled_dot_product_efficient_attention` (float32, an additive mask);
-- anywhere else, or where a kernel fails its first-use check: [`math_attention`], which materializes the scores.
+- CUDA, half precision without a mask, sm80 to sm121, head_dim a multiple of 8 up to 256:
+  `aten._scaled_dot_product_flash_attention` (grouped-query heads native);
+- CUDA otherwise (float32, a mask, older GPUs), sm50 to sm121, head_dim aligned for its GEMMs:
+  `aten._scaled_dot_product_efficient_attention`. It has no grouped-query heads: for non-causal calls (a prompt's
+  keys read by its completions, decoding) the query heads that share a key/value head are folded into the query
+  length instead of copying the keys and values to every query head;
+- anywhere else: [`math_attention`], which materializes the scores.
+
+Each configuration (kernel, device, dtype, heads, head_dim, mask, causal or not, decoding or not) is checked the first
+time it is used ([`check_kernel`]) against a float64 reference with autocast off, on problems shaped like its use; a
+kernel that disagrees, or raises then or later (forward or backward), is replaced by the math path for that
+configuration, with one warning naming the kernel and the reason. The run never stops on a kernel.
 
 The backward is the kernels' own, called with the MERGED output and log-sum-exp (as ring attention does): then each
 part's gradients are exactly its share of the gradients of attention over the concatenated keys, and the sum over the
@@ -17,6 +26,7 @@ parts is the full gradient. Shapes: `query` (B, H, Lq, D), `key`/`value` (B, Hkv
 query's dtype; `lse` (B, H, Lq). `causal` aligns the first query with the first key (Lq == Lk where it is used).
 """
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 
@@ -24,14 +34,6 @@ import torch
 
 
 aten = torch.ops.aten
-
-
-@dataclass
-class KernelState:
-    """What a kernel's backward needs from its forward beyond the tensors (random-number state, padded shapes)."""
-
-    kernel: str
-    extra: tuple = field(default_factory=tuple)
 
 
 # -- the math reference ----------------------------------------------------------------------------------------------
@@ -76,16 +78,76 @@ def _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale):
     return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
 
-# -- the kernels -----------------------------------------------------------------------------------------------------
-def _kernel_name(query: torch.Tensor, bias: torch.Tensor | None) -> str:
-    if query.device.type == "cpu":
+# -- which kernel ----------------------------------------------------------------------------------------------------
+# PyTorch's hardware ranges for its flash and memory-efficient kernels (aten/src/ATen/native/transformers/cuda/
+# sdp_utils.cpp: check_flash_attention_hardware_support, check_mem_efficient_hardware_support)
+FLASH_CAPABILITY = ((8, 0), (12, 1))
+EFFICIENT_CAPABILITY = ((5, 0), (12, 1))
+HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `index` (once per device)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def choose_kernel(query: torch.Tensor, bias: torch.Tensor | None) -> str:
+    """The fused kernel for a call, by device, dtype, head_dim, mask and compute capability ("math" when none)."""
+    device, dtype, dim = query.device, query.dtype, query.shape[-1]
+    if device.type == "cpu":
         return "cpu_flash"
-    if query.device.type == "cuda":
-        if bias is None and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-            return "cuda_flash"
-        if query.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            return "cuda_efficient"
+    if device.type != "cuda":
+        return "math"
+    capability = device_capability(device.index if device.index is not None else torch.cuda.current_device())
+    half = dtype in HALF
+    # Flash's backward raises for head_dim in (192, 224] on sm86-89 and sm120-121
+    flash_backward_fails = 192 < dim <= 224 and ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1))
+    low, high = FLASH_CAPABILITY
+    if half and bias is None and low <= capability <= high and dim % 8 == 0 and dim <= 256 and not flash_backward_fails:
+        return "cuda_flash"
+    # The efficient kernel's GEMMs need head_dim aligned: 8 elements in half precision on tensor cores (sm70 on),
+    # 4 in float32 from sm80 (minimum_gemm_alignment); bfloat16 from sm80
+    alignment = 8 if half and capability >= (7, 0) else 4 if capability >= (8, 0) else 1
+    dtype_supported = dtype in (torch.float32, torch.float16) or (dtype == torch.bfloat16 and capability >= (8, 0))
+    low, high = EFFICIENT_CAPABILITY
+    if dtype_supported and low <= capability <= high and dim % alignment == 0:
+        return "cuda_efficient"
     return "math"
+
+
+# -- the kernels -----------------------------------------------------------------------------------------------------
+@dataclass
+class KernelState:
+    """What a kernel's backward needs from its forward beyond the tensors (random-number state, padded shapes)."""
+
+    kernel: str
+    config: tuple = ()  # the configuration ([`_configuration`]), to switch it to the math path if the backward fails
+    extra: tuple = field(default_factory=tuple)
+    folded: bool = False  # grouped-query heads folded into the query length (see [`_fold`])
+
+
+# Kernels without grouped-query heads that get them folded (non-causal calls; tests add the CPU kernel to run the fold)
+FOLDED_KERNELS = ("cuda_efficient",)
+
+
+def _folds(kernel: str, query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
+    return kernel in FOLDED_KERNELS and not causal and query.shape[1] != key.shape[1]
+
+
+def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """
+    `(B, H, L, *rest)` -> `(B, Hkv, (H / Hkv) L, *rest)`: query head h = kv (H / Hkv) + j, row l lands in row j L + l
+    of key/value head kv. Without a causal mask, and with a bias that depends on the key only, attention is the same
+    per query whatever row it sits in; the keys and values are read as they are, once per key/value head. A copy of
+    the queries (not of the keys and values, which are as many tokens per group and (H / Hkv) times smaller).
+    """
+    return x.reshape(x.shape[0], kv_heads, -1, *x.shape[3:])
+
+
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of [`_fold`]."""
+    return x.reshape(x.shape[0], heads, -1, *x.shape[3:])
 
 
 def _aligned_bias(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -95,7 +157,7 @@ def _aligned_bias(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     return padded.expand(query.shape[0], query.shape[1], query.shape[2], length)
 
 
-def _forward(kernel, query, key, value, bias, causal, scale):
+def _kernel_forward(kernel, query, key, value, bias, causal, scale):
     if kernel == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=bias, scale=scale
@@ -105,21 +167,21 @@ def _forward(kernel, query, key, value, bias, causal, scale):
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, causal, False, scale=scale
         )
-        return out, lse, KernelState(kernel, (cum_q, cum_k, max_q, max_k, seed, offset))
+        return out, lse, KernelState(kernel, extra=(cum_q, cum_k, max_q, max_k, seed, offset))
     if kernel == "cuda_efficient":
         heads = query.shape[1]
-        key, value = _expand_heads(key, heads), _expand_heads(value, heads)  # this kernel has no grouped heads
+        key, value = _expand_heads(key, heads), _expand_heads(value, heads)  # causal calls only: others are folded
         full_bias = None if bias is None else _aligned_bias(bias, query, key)
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
             query, key, value, full_bias, True, 0.0, causal, scale=scale
         )
-        # Its log-sum-exp may be padded along the queries: the backward wants it back in that shape
-        return out, lse[..., : query.shape[2]], KernelState(kernel, (lse.shape, seed, offset))
+        # Its log-sum-exp is padded along the queries (to a multiple of 32): the backward wants it back in that shape
+        return out, lse[..., : query.shape[2]], KernelState(kernel, extra=(lse.shape[-1], seed, offset))
     out, lse = math_attention(query, key, value, bias, causal, scale)
     return out, lse, KernelState("math")
 
 
-def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
+def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
     kernel = state.kernel
     if kernel == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -129,78 +191,158 @@ def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
         cum_q, cum_k, max_q, max_k, seed, offset = state.extra
         # The kernel reads the log-sum-exp as contiguous (B, H, L) whatever its strides; the packed one is token-major
         return aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
-        )
+            grad_out, query, key, value, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
+            scale=scale,
+        )  # fmt: skip
     if kernel == "cuda_efficient":
-        lse_shape, seed, offset = state.extra
+        padded_length, seed, offset = state.extra
         heads, kv_heads = query.shape[1], key.shape[1]
-        full_lse = lse.new_zeros(lse_shape)
-        full_lse[..., : lse.shape[-1]] = lse
+        full_lse = torch.nn.functional.pad(lse, (0, padded_length - lse.shape[-1]))  # contiguous, as it checks
         full_bias = None if bias is None else _aligned_bias(bias, query, key)
         grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
             grad_out, query, _expand_heads(key, heads), _expand_heads(value, heads), full_bias, out, full_lse, seed,
             offset, 0.0, [True, True, True, False], causal, scale=scale,
         )  # fmt: skip
-        if heads != kv_heads:
+        if heads != kv_heads:  # sum the query heads that shared a key/value head
             grad_k = grad_k.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
     return _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
 
 
-# -- first-use check -------------------------------------------------------------------------------------------------
-_verified: dict[tuple, bool] = {}
+def _forward(kernel, query, key, value, bias, causal, scale, config=()):
+    """`(out, lse, state)` from `kernel`, grouped-query heads folded into the query length where it needs them."""
+    if _folds(kernel, query, key, causal):
+        heads, kv_heads = query.shape[1], key.shape[1]
+        out, lse, state = _kernel_forward(kernel, _fold(query, kv_heads), key, value, bias, causal, scale)
+        state.folded = True
+        out, lse = _unfold(out, heads), _unfold(lse, heads)
+    else:
+        out, lse, state = _kernel_forward(kernel, query, key, value, bias, causal, scale)
+    state.config = config
+    return out, lse, state
 
 
-def _kernel_works(kernel: str, query: torch.Tensor, bias: torch.Tensor | None, causal: bool) -> bool:
+def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
+    if state.folded:
+        heads, kv_heads = query.shape[1], key.shape[1]
+        grad_q, grad_k, grad_v = _kernel_backward(state, _fold(grad_out, kv_heads), _fold(query, kv_heads), key,
+                                                   value, bias, _fold(out, kv_heads), _fold(lse, kv_heads), causal,
+                                                   scale)  # fmt: skip
+        return _unfold(grad_q, heads), grad_k, grad_v
+    return _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
+
+
+# -- first-use check and fallback --------------------------------------------------------------------------------------
+# Largest error allowed against the float64 reference, relative to the reference's largest magnitude, per dtype: about
+# 5 units in the last place for half precision (the CPU kernel measured at most 1.2: bf16 9.5e-3 in a key gradient,
+# fp16 1.3e-3), and room for other accumulation orders in float32 (1.7e-6 measured). A wrong layout, scale, mask or
+# log-sum-exp is off by more than 0.1.
+TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-10}
+# The log-sum-exp is compared absolutely (it sets the merge's weights: an error e scales them by up to exp(e)). Every
+# kernel computes it in float32 from the same inputs as the reference: 1e-4 off measured for half precision inputs.
+LSE_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-10}
+# The problems a check runs, (query length, key length) per use: long enough to pass one kernel block (64 to 256 keys)
+# and reach the split-key paths; decoding has one query per row (flash then swaps grouped heads into it)
+PROBLEMS = {"causal": ((24, 24), (200, 200)), "prefix": ((12, 24), (40, 300)), "decode": ((1, 24), (1, 300))}
+
+# configuration -> None when its kernel is used, else why the math path runs instead
+_status: dict[tuple, str | None] = {}
+
+
+def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None,
+                   causal: bool) -> tuple:  # fmt: skip
+    use = "causal" if causal else "decode" if query.shape[2] == 1 else "prefix"
+    return (kernel, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], bias is not None, use)
+
+
+def configuration(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, with_bias: bool,
+                  use: str) -> tuple:  # fmt: skip
+    """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "prefix" or
+    "decode")."""
+    query = torch.empty(1, heads, 1, dim, device=device, dtype=dtype)
+    bias = torch.empty(1, 1, 1, 1, device=device, dtype=dtype) if with_bias else None
+    return (choose_kernel(query, bias), device, dtype, heads, kv_heads, dim, with_bias, use)
+
+
+def describe(config: tuple) -> str:
+    kernel, device, dtype, heads, kv_heads, dim, with_bias, use = config
+    return (f"{kernel} on {device} ({str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads, head_dim {dim}, "
+            f"{use}{', masked' if with_bias else ''})")  # fmt: skip
+
+
+def check_kernel(config: tuple) -> str | None:
     """
-    Whether `kernel` matches [`math_attention`] (forward, log-sum-exp and backward) on a small problem of the same
-    device, dtype, head layout and mask kind. Runs once per combination; the CPU kernel is covered by the test suite.
-    A kernel that raises or disagrees is replaced by the math path, with one warning.
+    Runs the configuration's kernel, forward and backward (with a token-major log-sum-exp, as the packed forward hands
+    it over), on problems shaped like its use, and compares every output with a float64 reference computed with
+    autocast off. Returns None when all agree within [`TOLERANCE`], else what went wrong (a mismatch, or the exception
+    the kernel raised).
     """
-    if kernel == "cpu_flash":
-        return True
-    key = (kernel, query.device, query.dtype, query.shape[-1], bias is not None, causal)
-    if kernel == "math":  # no fused kernel for this device or dtype: say so once
-        if key not in _verified:
-            _verified[key] = True
-            warnings.warn(f"rloo_efficient: no fused attention kernel for {query.device.type} ({query.dtype}); prefix "
-                          "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
-        return True
-    if key not in _verified:
-        _verified[key] = _check(kernel, query.device, query.dtype, query.shape[-1], bias is not None, causal)
-        if not _verified[key]:
-            warnings.warn(
-                f"rloo_efficient: the {kernel} attention kernel did not match the reference on {query.device} "
-                f"({query.dtype}); prefix attention uses the slower math path there.",
-                stacklevel=4,
-            )
-    return _verified[key]
-
-
-def _check(kernel, device, dtype, dim, with_bias, causal) -> bool:
+    kernel, device, dtype, heads, kv_heads, dim, with_bias, use = config
+    causal = use == "causal"
     generator = torch.Generator(device="cpu").manual_seed(0)
 
-    def rand(*shape):  # (B, L, H, D) laid out, used transposed, as the model hands them over
-        return torch.randn(*shape, generator=generator).to(device, dtype).transpose(1, 2)
+    def rand(batch, length, count):  # (B, L, h, D) laid out, used transposed, as the model hands them over
+        return torch.randn(batch, length, count, dim, generator=generator, dtype=torch.float64).to(device, dtype)
 
-    q, k, v, g = rand(2, 24, 4, dim), rand(2, 24, 2, dim), rand(2, 24, 2, dim), rand(2, 24, 4, dim)
-    bias = None
-    if with_bias:
-        bias = torch.zeros(2, 1, 1, 24, dtype=dtype, device=device)
-        bias[0, ..., -5:] = torch.finfo(dtype).min
-    scale = dim**-0.5
-    try:
-        out, lse, state = _forward(kernel, q, k, v, bias, causal, scale)
-        token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)  # as the packed forward keeps it
-        grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
-    except RuntimeError:
+    for query_length, key_length in PROBLEMS[use]:
+        q, k, v, g = (rand(2, length, count).transpose(1, 2) for length, count in
+                      ((query_length, heads), (key_length, kv_heads), (key_length, kv_heads), (query_length, heads)))  # fmt: skip
+        bias = None
+        if with_bias:  # the first row's first keys are padding, as a shorter prompt's
+            bias = torch.zeros(2, 1, 1, key_length, dtype=dtype, device=device)
+            bias[0, ..., : key_length // 4] = torch.finfo(dtype).min
+        scale = dim**-0.5
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out, lse, state = _forward(kernel, q, k, v, bias, causal, scale)
+                token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
+                grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
+        except Exception as error:  # noqa: BLE001  (any failure sends this configuration to the math path)
+            return f"raised {type(error).__name__}: {error}"
+        exact = [None if x is None else x.detach().to("cpu", torch.float64) for x in (q, k, v, g, bias)]
+        with torch.autocast("cpu", enabled=False):
+            ref_out, ref_lse = math_attention(*exact[:3], exact[4], causal, scale)
+            ref_grads = _math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale)
+        names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
+        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads), strict=True):
+            error = (got.detach().to("cpu", torch.float64) - want).abs().max().item()
+            tolerance, unit = LSE_TOLERANCE[dtype], ""
+            if name != "log-sum-exp":
+                error, tolerance, unit = error / want.abs().max().item(), TOLERANCE[dtype], " of its largest value"
+            if not error <= tolerance:  # NaN fails too
+                return (f"did not match the float64 reference: {name} off by {error:.1e}{unit} (tolerance "
+                        f"{tolerance:.0e}) at {query_length} queries x {key_length} keys")  # fmt: skip
+    return None
+
+
+def _usable(config: tuple) -> bool:
+    """Whether `config`'s fused kernel is used: checked at its first use; one warning when it is not."""
+    kernel, device, dtype = config[:3]
+    if kernel == "math":
+        if config not in _status:  # no fused kernel for this device or dtype: say so once
+            _status[config] = "no fused kernel"
+            warnings.warn(f"rloo_efficient: no fused attention kernel for {device.type} ({dtype}); prefix "
+                          "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
         return False
-    ref_out, ref_lse = math_attention(q, k, v, bias, causal, scale)
-    ref_grads = _math_backward(g, q, k, v, bias, ref_out, ref_lse, causal, scale)
-    tol = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
-    pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads, strict=True)]
-    return all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in pairs)
+    if config not in _status:
+        reason = check_kernel(config)
+        _status[config] = None
+        if reason is not None:
+            _disable(config, reason)
+    return _status[config] is None
+
+
+def _disable(config: tuple, reason: str) -> None:
+    """Sends `config` to the math path from now on, with one warning."""
+    if _status.get(config) is None:
+        _status[config] = reason
+        warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses the "
+                      "slower math path there (its scores in memory).", stacklevel=4)  # fmt: skip
+
+
+def _failure(error: Exception) -> str:
+    return f"raised {type(error).__name__}: {error}"
 
 
 # -- the entry points ------------------------------------------------------------------------------------------------
@@ -215,12 +357,22 @@ def _bias_in(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
 def attention_forward(query, key, value, bias, causal: bool, scale: float):
     """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes)."""
     bias = _bias_in(bias, query.dtype)
-    kernel = _kernel_name(query, bias)
-    if not _kernel_works(kernel, query, bias, causal):
-        kernel = "math"
-    return _forward(kernel, query, key, value, bias, causal, scale)
+    kernel = choose_kernel(query, bias)
+    config = _configuration(kernel, query, key, bias, causal)
+    if _usable(config):
+        try:
+            return _forward(kernel, query, key, value, bias, causal, scale, config)
+        except Exception as error:  # noqa: BLE001  (a kernel that raises after its check: the math path, not a crash)
+            _disable(config, _failure(error))
+    return _forward("math", query, key, value, bias, causal, scale, config)
 
 
 def attention_backward(state: KernelState, grad_out, query, key, value, bias, out, lse, causal: bool, scale: float):
     """`(grad_query, grad_key, grad_value)` given the output and log-sum-exp of the whole (merged) attention."""
-    return _backward(state, grad_out, query, key, value, _bias_in(bias, query.dtype), out, lse, causal, scale)
+    bias = _bias_in(bias, query.dtype)
+    if state.kernel != "math":
+        try:
+            return _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
+        except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
+            _disable(state.config, _failure(error))
+    return _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)

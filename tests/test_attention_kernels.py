@@ -1,10 +1,15 @@
 """The attention kernels with their log-sum-exp match the math reference, forward and backward, and their backward
 with a merged output and log-sum-exp gives the gradients of attention over the concatenated keys."""
 
+import warnings
+
 import pytest
 import torch
 
+from rloo_efficient import attention_kernels as kernels
+from rloo_efficient import prefix_attention
 from rloo_efficient.attention_kernels import attention_backward, attention_forward, math_attention
+from rloo_efficient.prefix_sharing import pack_groups
 
 
 def rand(generator, *shape, dtype=torch.float64):
@@ -70,3 +75,113 @@ def test_a_fully_masked_row_stays_finite_and_carries_no_weight():
     out, lse, _ = attention_forward(q, k, v, bias, False, 0.3)
     assert torch.isfinite(out).all() and (lse[0] < -1e300).all() and (lse[1] > -100).all()
     assert torch.sigmoid(lse[0] - 0.0).max() == 0  # its weight in the merge against any real part
+
+
+# -- the first-use check ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def fresh_checks(monkeypatch):
+    """No configuration checked or disabled yet (the module keeps them for the process)."""
+    monkeypatch.setattr(kernels, "_status", {})
+
+
+USES = ("causal", "prefix", "decode")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128)])
+# A bias (prompt padding) comes with the non-causal uses only: causal calls attend within one unpadded sequence
+@pytest.mark.parametrize("use, with_bias", [("causal", False), ("prefix", False), ("prefix", True), ("decode", False),
+                                            ("decode", True)])  # fmt: skip
+def test_the_check_passes_the_cpu_kernel_for_every_use_also_under_autocast(dtype, heads, kv_heads, dim, use, with_bias,
+                                                                           autocast):  # fmt: skip
+    """The check runs the same code on the CPU kernel as on a GPU's: under TRL's default bf16 autocast too, where a
+    reference computed in the caller's autocast would be rounded to bf16 and reject a correct kernel."""
+    config = ("cpu_flash", torch.device("cpu"), dtype, heads, kv_heads, dim, with_bias, use)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        assert kernels.check_kernel(config) is None
+
+
+def test_the_check_rejects_a_kernel_that_is_slightly_wrong(monkeypatch):
+    """A kernel whose log-sum-exp or gradient is off (here: the log-sum-exp of the wrong scale, a key gradient
+    halved) fails its check, with what was off."""
+    forward, backward = kernels._kernel_forward, kernels._kernel_backward
+    config = ("cpu_flash", torch.device("cpu"), torch.bfloat16, 8, 2, 64, True, "prefix")
+    monkeypatch.setattr(kernels, "_kernel_forward", lambda *a: (lambda o, l, s: (o, l * 1.01, s))(*forward(*a)))
+    assert "log-sum-exp off by" in kernels.check_kernel(config)
+    monkeypatch.setattr(kernels, "_kernel_forward", forward)
+    monkeypatch.setattr(kernels, "_kernel_backward", lambda *a: (lambda q, k, v: (q, k / 2, v))(*backward(*a)))
+    assert "key gradient off by" in kernels.check_kernel(config)
+
+
+def packed_grads(model, ids, rows, width_c):
+    packed = pack_groups(ids, width_c, rows, torch.float64)
+    model.zero_grad()
+    out = model(**packed.model_inputs(), fused_lm_head=True)
+    packed.unpack(out.log_probs).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, NotImplementedError])
+def test_a_kernel_that_raises_later_falls_back_to_the_math_path_without_a_crash(fresh_checks, monkeypatch, where,
+                                                                                error):  # fmt: skip
+    """A kernel that passed its check and raises later (a new shape, a changed signature): that configuration runs
+    the math path from then on, with one warning naming the kernel and the error, and the gradients are the same."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from .test_prefix_attention import stock_batch, tiny_llama
+
+    model = tiny_llama().to(torch.float64)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)
+    ids, rows = stock_batch([9, 5], [0, 0, 1, 1], [3, 4, 2, 4], 4, seed=0)
+    expected = packed_grads(model, ids, rows, 4)
+    original = getattr(kernels, f"_kernel_{where}")
+
+    def raising(*args):
+        if getattr(args[0], "kernel", args[0]) == "cpu_flash":  # the forward's first argument, or the backward's state
+            raise error("a kernel that changed under us")
+        return original(*args)
+
+    monkeypatch.setattr(kernels, f"_kernel_{where}", raising)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # one warning per configuration, not per call
+            got = packed_grads(model, ids, rows, 4)
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
+    assert messages and all("cpu_flash on cpu" in m and f"raised {error.__name__}" in m for m in messages)
+    assert len(messages) == len(set(messages)) == sum(reason is not None for reason in kernels._status.values())
+
+
+@pytest.mark.parametrize("query_length", [1, 7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_heads_folded_into_the_query_length_give_the_same_attention(fresh_checks, monkeypatch, query_length,
+                                                                            with_bias):  # fmt: skip
+    """The fold the CUDA efficient kernel gets (no grouped-query heads: the query heads that share a key/value head
+    read it as one longer query sequence), run here on the CPU kernel: forward and backward equal the reference."""
+    monkeypatch.setattr(kernels, "FOLDED_KERNELS", ("cpu_flash",))
+    g = torch.Generator().manual_seed(3)
+    q, grad = rand(g, 3, query_length, 6, 8), rand(g, 3, query_length, 6, 8)
+    k, v = rand(g, 3, 11, 2, 8), rand(g, 3, 11, 2, 8)
+    bias = None
+    if with_bias:
+        bias = torch.zeros(3, 1, 1, 11, dtype=torch.float64)
+        bias[0, ..., :4] = bias[2, ..., :1] = torch.finfo(torch.float64).min
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fold that raised would fall back to the math path with a warning
+        out, lse, state = attention_forward(q, k, v, bias, False, 0.3)
+        token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
+        grads = attention_backward(state, grad, q, k, v, bias, out, token_major, False, 0.3)
+    assert state.kernel == "cpu_flash" and state.folded
+    ref_out, ref_lse = math_attention(q, k, v, bias, False, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    math_attention(*leaves, bias, False, 0.3)[0].backward(grad)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12)
+    # A causal call is never folded (its mask depends on where each query sits)
+    assert not attention_forward(q[:, :, :1], k[:, :, :1], v[:, :, :1], None, True, 0.3)[2].folded

@@ -1,0 +1,232 @@
+"""
+The check to run first on a new machine, a GPU one above all: `python -m rloo_efficient.doctor`.
+
+1. The versions that matter, and the device (its compute capability on a GPU).
+2. Each fused attention kernel's first-use check ([`attention_kernels.check_kernel`]) for every dtype and every use
+   (prompt-causal, a prompt's keys read by its completions, decoding; with and without prompt padding), with the head
+   layouts of common models, under TRL's default bf16 autocast: which kernel each configuration gets, and whether it
+   matches the float64 reference.
+3. A short stock-vs-ours run on a small synthetic model on this device: in float32, where ours must give stock's
+   completions and metrics; on a GPU also in TRL's default precision (bf16 autocast), for step time and peak memory.
+
+Exit status 1 when a fused kernel fails its check, when ours falls back to the math path or to stock's forward
+during the runs, or when the float32 run disagrees with stock; 0 otherwise. Without CUDA it checks the CPU kernel,
+runs on the CPU, and says what it skips.
+"""
+
+import argparse
+import contextlib
+import gc
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from importlib import metadata
+
+import torch
+
+from . import attention_kernels
+
+
+# (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256
+HEAD_LAYOUTS = ((32, 8, 64), (16, 8, 128), (8, 4, 256))
+USES = (("causal", False), ("prefix", False), ("prefix", True), ("decode", False), ("decode", True))
+PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "rloo_efficient")
+METRICS = ("loss", "reward", "kl", "grad_norm", "entropy")
+# float32 on both sides, TF32 off: the runs differ only in summation order (~1e-6 relative per step)
+RTOL, ATOL = 1e-3, 1e-4
+
+
+def versions() -> list[str]:
+    lines = [f"python {platform.python_version()}"]
+    for package in PACKAGES:
+        try:
+            lines.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            lines.append(f"{package} not installed")
+    if torch.version.cuda:
+        lines.append(f"CUDA {torch.version.cuda} (torch's build)")
+    return lines
+
+
+def device_lines(device: torch.device) -> list[str]:
+    if device.type != "cuda":
+        return [f"device {device.type}: no CUDA device, so the GPU kernels' checks and the bf16 run are skipped; the "
+                "CPU kernel is checked and the runs use the CPU"]  # fmt: skip
+    properties = torch.cuda.get_device_properties(device)
+    return [f"device {properties.name}, compute capability {properties.major}.{properties.minor}, "
+            f"{properties.total_memory / 2**30:.1f} GiB"]  # fmt: skip
+
+
+def check_kernels(device: torch.device) -> tuple[list[str], int]:
+    """One line per dtype, head layout and use: the kernel chosen and its check's result. Returns (lines, failures)."""
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) + ((torch.float64,) if device.type == "cpu" else ())
+    lines, failures = [], 0
+    for dtype in dtypes:
+        for heads, kv_heads, dim in HEAD_LAYOUTS:
+            for use, with_bias in USES:
+                config = attention_kernels.configuration(device, dtype, heads, kv_heads, dim, with_bias, use)
+                kernel = config[0]
+                if kernel == "math":
+                    result = "no fused kernel for this device and dtype (math path)"
+                else:
+                    # Under TRL's default autocast, which a correct check must not depend on
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        reason = attention_kernels.check_kernel(config)
+                    failures += reason is not None
+                    result = "ok" if reason is None else f"FAILED: {reason}"
+                lines.append(f"{attention_kernels.describe(config)}: {result}")
+    return lines, failures
+
+
+def _peak_memory(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def train(method: str, device: torch.device, bf16: bool, directory: str, quick: bool) -> dict:
+    """One short run of stock TRL or ours on the synthetic workload; its metrics, completions, time and peak."""
+    import trl
+    from transformers import PrinterCallback
+
+    from . import RLOOConfig, RLOOTrainer
+    from .workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+
+    # Prompts of different lengths (the padded prefix path); 4 query heads on 2 key/value heads of head_dim 64
+    workload = WorkloadConfig(arch="qwen3", hidden_size=128 if quick else 512, num_hidden_layers=2,
+                              num_attention_heads=4 if quick else 8, num_key_value_heads=2, head_dim=64,
+                              intermediate_size=256 if quick else 1024, prompt_length=128 if quick else 1024,
+                              prompt_length_min=96 if quick else 768, num_prompts=16, max_position_embeddings=2048,
+                              model_cache_dir=directory)  # fmt: skip
+    settings = dict(output_dir=f"{directory}/{method}", per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=8 if quick else 64, max_steps=3, logging_steps=1, beta=0.05,
+                    learning_rate=1e-2, steps_per_generation=2, report_to=[], save_strategy="no", seed=0, bf16=bf16,
+                    disable_tqdm=True, use_cpu=device.type == "cpu")  # fmt: skip
+    args = trl.RLOOConfig(**settings) if method == "stock" else RLOOConfig(**settings, profile_memory=False)
+    trainer_class = trl.RLOOTrainer if method == "stock" else RLOOTrainer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer = trainer_class(model=build_model_dir(workload), reward_funcs=vowel_reward, args=args,
+                            train_dataset=build_dataset(workload), processing_class=build_tokenizer())  # fmt: skip
+    trainer.remove_callback(PrinterCallback)  # the report below says what matters
+    steps = []
+    original = trainer.training_step
+
+    def timed(*step_args, **step_kwargs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        loss = original(*step_args, **step_kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        steps.append(time.perf_counter() - start)
+        return loss
+
+    trainer.training_step = timed
+    trainer.train()
+    result = {
+        "metrics": [{key: entry.get(key) for key in METRICS} for entry in trainer.state.log_history if "loss" in entry],
+        "completions": list(trainer._logs["completion"]),
+        "step_time_s": statistics.median(steps[1:] or steps),  # the first step pays one-time costs
+        "peak_gib": _peak_memory(device),
+        "packed_tokens": getattr(trainer, "packed_forward_tokens", None),
+    }
+    del trainer
+    return result
+
+
+def compare(stock: dict, ours: dict) -> tuple[float, str | None]:
+    """(largest relative difference of the metrics, what disagrees beyond RTOL/ATOL or None)."""
+    worst, problem = 0.0, None
+    if stock["completions"] != ours["completions"]:
+        differ = sum(a != b for a, b in zip(stock["completions"], ours["completions"], strict=True))
+        problem = f"{differ} of {len(stock['completions'])} completions differ"
+    for step, (a, b) in enumerate(zip(stock["metrics"], ours["metrics"], strict=True)):
+        for key in METRICS:
+            if a[key] is None or b[key] is None or (isinstance(a[key], float) and math.isnan(a[key])):
+                continue
+            difference = abs(a[key] - b[key])
+            worst = max(worst, difference / max(abs(a[key]), 1e-12))
+            if difference > ATOL + RTOL * abs(a[key]) and problem is None:
+                problem = f"step {step + 1} {key}: stock {a[key]:.6g}, ours {b[key]:.6g}"
+    return worst, problem
+
+
+@contextlib.contextmanager
+def recorded_fallbacks():
+    """The warnings rloo_efficient gives when a fused kernel or a shared path is not used."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found: list[str] = []
+        yield found
+    found.extend(sorted({str(w.message) for w in caught if str(w.message).startswith("rloo_efficient:")}))
+
+
+def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str]) -> int:
+    """Stock then ours in one precision; appends the report to `lines`, returns the number of failures."""
+    label = "bf16 autocast (TRL's default)" if bf16 else "float32"
+    with tempfile.TemporaryDirectory() as directory:
+        stock = train("stock", device, bf16, directory, quick)
+        with recorded_fallbacks() as fallbacks:
+            ours = train("ours", device, bf16, directory, quick)
+    worst, problem = compare(stock, ours)
+    failures = 0
+    lines.append(f"{label}: step time stock {stock['step_time_s']:.3f} s, ours {ours['step_time_s']:.3f} s "
+                 f"({ours['step_time_s'] / stock['step_time_s']:.2f}x)")  # fmt: skip
+    if stock["peak_gib"] is not None:
+        lines.append(f"{label}: peak allocated stock {stock['peak_gib']:.3f} GiB, ours {ours['peak_gib']:.3f} GiB "
+                     f"({ours['peak_gib'] / stock['peak_gib']:.2f}x)")  # fmt: skip
+    if not ours["packed_tokens"]:
+        failures += 1
+        lines.append(f"{label}: FAILED: ours did not pack any forward")
+    if bf16:  # bf16 roundings differ with the order of the sums: completions may part ways, which is not a failure
+        lines.append(f"{label}: metrics' largest relative difference {worst:.1e} (not compared: bf16)")
+    else:
+        failures += problem is not None
+        lines.append(f"{label}: {'same completions and metrics as stock' if problem is None else 'FAILED: ' + problem}"
+                     f" (largest relative difference {worst:.1e})")  # fmt: skip
+    for message in fallbacks:
+        failures += 1
+        lines.append(f"{label}: FAILED: {message}")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rloo_efficient.doctor", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--skip_runs", action="store_true", help="Check the kernels only.")
+    parser.add_argument("--quick", action="store_true", help="A smaller model and shorter runs (the CPU default).")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    quick = args.quick or device.type == "cpu"
+    print("\n".join(["== versions", *versions(), "", "== device", *device_lines(device), ""]), flush=True)
+    lines, failures = check_kernels(device)
+    print("\n".join(["== attention kernels (first-use check against float64, under bf16 autocast)", *lines, ""]),
+          flush=True)  # fmt: skip
+    if args.skip_runs:
+        print("== stock vs ours: skipped (--skip_runs)")
+    else:
+        print("== stock vs ours on a small synthetic model (3 steps)", flush=True)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a float32 comparison
+        lines = []
+        failures += run_pair(device, False, quick, lines)
+        if device.type == "cuda":
+            failures += run_pair(device, True, quick, lines)
+        else:
+            lines.append("bf16 autocast (TRL's default): skipped on CPU (the float32 run above compares the numbers)")
+        print("\n".join(lines), flush=True)
+    print(f"\n{'all checks passed' if not failures else f'{failures} check(s) FAILED'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""
+The CUDA branches on this CPU-only build, with fake CUDA tensors (`FakeTensorMode`, device `cuda:0`): every call of
+the flash and memory-efficient kernels, forward and backward, and the packed forward and two decoding steps of tiny
+Llama and Qwen3 through transformers' own model code. Shapes, dtypes, strides and which kernel is chosen are checked;
+values are not computed, so these tests catch signatures, shapes and plumbing, not numbers (the first-use check does
+that on a GPU; the CPU tests do it for the code the devices share).
+
+What it takes on a CPU-only build: its Python bindings for indexing, `copy_`, `contiguous` and `~` ask for CUDA's
+device guard, which it lacks, so the tests route them through the aten operators; autograd cannot record fake CUDA
+tensors, so the backward functions are called directly; and host values (`.numpy()`) are read outside the fake mode.
+"""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from rloo_efficient import attention_kernels as kernels
+from rloo_efficient import prefix_attention
+from rloo_efficient.prefix_cache import PrefixCache
+from rloo_efficient.prefix_sharing import pack_groups
+from rloo_efficient.shared_generation import prefill_prompts, unique_rows
+
+from .test_prefix_attention import stock_batch
+
+aten = torch.ops.aten
+CUDA = torch.device("cuda", 0)
+HOPPER = (9, 0)
+
+
+def _getitem(x: torch.Tensor, index):
+    """`x[index]` through aten operators: integers, slices, None, Ellipsis, and adjacent tensor indices."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        named = sum(1 for i in index if i is not None and i is not Ellipsis)
+        index = index[:at] + (slice(None),) * (x.dim() - named) + index[at + 1 :]
+    out, dim, advanced = x, 0, []
+    for i in index:
+        if i is None:
+            out, dim = aten.unsqueeze.default(out, dim), dim + 1
+        elif isinstance(i, int):
+            out = aten.select.int(out, dim, i)
+        elif isinstance(i, slice):
+            out, dim = aten.slice.Tensor(out, dim, i.start, i.stop, i.step or 1), dim + 1
+        elif isinstance(i, (torch.Tensor, list)):
+            advanced.append((dim, torch.tensor(i) if isinstance(i, list) else i))
+            dim += 1
+        else:
+            raise NotImplementedError(f"index {i!r}")
+    if advanced:
+        dims = [d for d, _ in advanced]
+        assert dims == list(range(dims[0], dims[0] + len(dims))), "only adjacent tensor indices"
+        out = aten.index.Tensor(out, [None] * dims[0] + [t for _, t in advanced])
+    return out
+
+
+@contextlib.contextmanager
+def fake_cuda(monkeypatch, capability=HOPPER):
+    """
+    Fake CUDA tensors (device `cuda:0`, compute `capability`), no gradients, the bindings above routed through aten,
+    and the kernels recorded as they are chosen. The first-use check compares values, which fake tensors do not have:
+    every configuration counts as checked.
+    """
+    tensor = torch.Tensor
+    numpy = tensor.numpy
+
+    def host_numpy(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            return numpy(self, *args, **kwargs)
+
+    for name, function in {
+        "__getitem__": _getitem,
+        "copy_": lambda self, src, non_blocking=False: aten.copy_.default(self, src, non_blocking),
+        "contiguous": lambda self, memory_format=torch.contiguous_format: (
+            self if self.is_contiguous(memory_format=memory_format) else aten.clone.default(self, memory_format=memory_format)),
+        "__invert__": lambda self: aten.bitwise_not.default(self),
+        "pin_memory": lambda self, *args: self,
+        "numpy": host_numpy,
+    }.items():  # fmt: skip
+        monkeypatch.setattr(tensor, name, function)
+    monkeypatch.setattr(kernels, "_status", {})
+    monkeypatch.setattr(kernels, "check_kernel", lambda config: None)
+    monkeypatch.setattr(kernels, "device_capability", lambda index: capability)
+    chosen = []
+    forward = kernels._kernel_forward
+    expand = kernels._expand_heads
+
+    def recording(kernel, query, key, *args):
+        chosen.append((kernel, query.shape[1] // key.shape[1]))  # the kernel, and how many query heads per key head
+        return forward(kernel, query, key, *args)
+
+    def recorded_expand(x, heads):
+        if x.shape[1] != heads:
+            chosen.append(("expanded keys", heads))
+        return expand(x, heads)
+
+    monkeypatch.setattr(kernels, "_kernel_forward", recording)
+    monkeypatch.setattr(kernels, "_expand_heads", recorded_expand)
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        yield chosen
+
+
+def on_cuda(*shape, dtype, transpose=True):
+    """A fake CUDA tensor laid out (B, L, h, D) and returned as (B, h, L, D), as transformers hands q, k, v over."""
+    x = torch.randn(*shape).to(CUDA, dtype)
+    return x.transpose(1, 2) if transpose else x
+
+
+# -- kernel choice ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "capability, dtype, dim, with_bias, expected",
+    [
+        ((9, 0), torch.bfloat16, 128, False, "cuda_flash"),
+        ((8, 0), torch.float16, 64, False, "cuda_flash"),
+        ((12, 1), torch.bfloat16, 256, False, "cuda_flash"),
+        ((9, 0), torch.bfloat16, 128, True, "cuda_efficient"),  # a bias: flash takes none
+        ((9, 0), torch.float32, 128, False, "cuda_efficient"),  # flash is half precision only
+        ((9, 0), torch.bfloat16, 512, False, "cuda_efficient"),  # flash: head_dim up to 256
+        ((9, 0), torch.bfloat16, 100, False, "math"),  # neither: head_dim not a multiple of 8 in half precision
+        ((9, 0), torch.float32, 100, False, "cuda_efficient"),  # float32: a multiple of 4
+        ((8, 6), torch.bfloat16, 200, False, "cuda_efficient"),  # flash's backward fails there on sm86
+        ((9, 0), torch.bfloat16, 200, False, "cuda_flash"),
+        ((7, 5), torch.float16, 64, False, "cuda_efficient"),  # Turing: no flash
+        ((7, 5), torch.bfloat16, 64, False, "math"),  # no bfloat16 kernel before sm80
+        ((6, 1), torch.float32, 60, False, "cuda_efficient"),
+        ((13, 0), torch.bfloat16, 128, False, "math"),  # beyond both kernels' known range
+        ((9, 0), torch.float64, 64, False, "math"),
+    ],
+)
+def test_kernel_choice_follows_pytorchs_constraints(monkeypatch, capability, dtype, dim, with_bias, expected):
+    with fake_cuda(monkeypatch, capability):
+        query = on_cuda(2, 5, 4, dim, dtype=dtype)
+        bias = torch.zeros(2, 1, 1, 5, dtype=dtype).to(CUDA) if with_bias else None
+        assert kernels.choose_kernel(query, bias) == expected
+
+
+# -- every kernel call, forward and backward -------------------------------------------------------------------------
+CALLS = {  # use: (query length, key length, causal)
+    "causal": (40, 40, True),
+    "prefix": (12, 150, False),
+    "decode": (1, 150, False),
+}
+
+
+KERNEL_CALLS = [
+    (kernel, dtype, use, with_bias)
+    for kernel, dtype in [("cuda_flash", torch.bfloat16), ("cuda_flash", torch.float16), ("cuda_efficient",
+                          torch.bfloat16), ("cuda_efficient", torch.float16), ("cuda_efficient", torch.float32)]
+    for use in CALLS
+    for with_bias in (False, True)
+    if not with_bias or (kernel == "cuda_efficient" and use != "causal")  # flash takes no bias; causal calls have none
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel, dtype, use, with_bias", KERNEL_CALLS)
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_every_kernel_call_has_the_right_signature_shapes_and_strides(monkeypatch, kernel, dtype, heads, kv_heads, dim,
+                                                                      use, with_bias):  # fmt: skip
+    query_length, key_length, causal = CALLS[use]
+    with fake_cuda(monkeypatch) as chosen:
+        q, g = on_cuda(2, query_length, heads, dim, dtype=dtype), on_cuda(2, query_length, heads, dim, dtype=dtype)
+        k, v = on_cuda(2, key_length, kv_heads, dim, dtype=dtype), on_cuda(2, key_length, kv_heads, dim, dtype=dtype)
+        bias = None
+        if with_bias:  # the prefix part's padding bias, (B, 1, 1, Lk)
+            bias = torch.zeros(2, 1, 1, key_length, dtype=dtype).to(CUDA)
+        out, lse, state = kernels._forward(kernel, q, k, v, bias, causal, dim**-0.5)
+        assert (out.shape, out.dtype, out.device) == (q.shape, dtype, CUDA) and out.stride(-1) == 1
+        assert (lse.shape, lse.dtype) == ((2, heads, query_length), torch.float32)
+        # The efficient kernel has no grouped heads: folded into the query length when non-causal, never a copy
+        # of the keys and values per query head there
+        folds = kernel == "cuda_efficient" and not causal and heads != kv_heads
+        assert state.folded == folds
+        expanded = [entry for entry in chosen if entry[0] == "expanded keys"]
+        assert not expanded if kernel == "cuda_flash" or heads == kv_heads or folds else expanded
+        assert chosen[0] == (kernel, kv_heads // kv_heads if folds else heads // kv_heads)
+        token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)  # as the packed forward keeps it
+        grads = kernels._backward(state, g, q, k, v, bias, out, token_major, causal, dim**-0.5)
+        for grad, like in zip(grads, (q, k, v), strict=True):
+            assert (grad.shape, grad.dtype, grad.device) == (like.shape, dtype, CUDA) and grad.stride(-1) == 1
+
+
+# -- the model: packed forward, packed attention's backward, two decoding steps --------------------------------------
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+
+
+def fake_model(arch: str, dtype: torch.dtype):
+    config_class, model_class = ARCHITECTURES[arch]
+    # 4 query heads on 2 key/value heads, head_dim 64: the smallest shapes the CUDA kernels take as real models do
+    config = config_class(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, pad_token_id=0)  # fmt: skip
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(CUDA):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    prefix_attention.install(model)
+    return model
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
+    # Two groups, prompts of 20 and 14 tokens (the shorter padded: the prefix part carries a bias), 3 rows each
+    ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, dtype)
+        packed = pack_groups(ids.to(CUDA), 5, rows, dtype)
+        assert packed.input_ids.device == CUDA and packed.layout.split.prefix_bias.dtype == dtype
+        logits = model(**packed.model_inputs()).logits
+        assert (logits.shape, logits.dtype, logits.device) == ((1, packed.num_tokens, 64), dtype, CUDA)
+        # Per layer: the prompt bodies (causal) and each row's own tokens (causal) on flash; the rows' queries over
+        # their padded prompt on the efficient kernel with its grouped heads folded; never the math path
+        assert chosen == [("cuda_flash", 2), ("cuda_efficient", 1), ("cuda_flash", 2)] * 2
+
+        # The packed attention's backward, called directly (autograd cannot record fake CUDA tensors)
+        chosen.clear()
+        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype)
+        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype)
+        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False))
+        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
+        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, packed.layout, 0.125)
+        assert out.shape == (1, packed.num_tokens, 4, 64) and out.dtype == dtype
+        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
+        for got, like in zip(grads[:3], (q, k, v), strict=True):
+            assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
+        assert grads[3:] == (None, None)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
+    prompts, order, width = [[5] * 12, [6] * 9], [0, 0, 0, 1, 1, 1], 12  # the second prompt left-padded
+    ids = torch.tensor([[0] * (width - len(prompts[g])) + prompts[g] for g in order])
+    mask = torch.tensor([[0] * (width - len(prompts[g])) + [1] * len(prompts[g]) for g in order])
+    first, inverse = unique_rows([prompts[g] for g in order])
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, dtype)
+        ids, mask = ids.to(CUDA), mask.to(CUDA)
+        prefilled = prefill_prompts(model, ids, mask, first, padded=True)
+        cache = PrefixCache(prefilled, inverse, [len(prompt) - 1 for prompt in prompts])
+        assert cache.layers[0].prefix_keys.shape == (2, 2, width - 1, 64)  # each prompt once
+        step_ids, step_mask = ids[:, -1:], mask
+        with prefix_attention.decoding_with(cache):
+            for step in (1, 2):
+                chosen.clear()
+                positions = step_mask.sum(-1, keepdim=True) - 1
+                logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
+                               past_key_values=cache, use_cache=True).logits  # fmt: skip
+                assert (logits.shape, logits.dtype) == ((6, 1, 64), dtype)
+                assert cache.layers[0].keys.shape == (6, 2, step, 64)  # each row's own tokens only
+                # Per layer: the rows' queries over their padded prompts (efficient, grouped heads folded), then
+                # over their own decoded tokens (flash, one query per row)
+                assert chosen == [("cuda_efficient", 1), ("cuda_flash", 2)] * 2
+                step_ids = torch.randint(3, 64, (6, 1)).to(CUDA)
+                step_mask = torch.cat([step_mask, torch.ones(6, 1, dtype=step_mask.dtype).to(CUDA)], 1)
