@@ -198,6 +198,7 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
         padded_length, seed, offset = state.extra
         heads, kv_heads = query.shape[1], key.shape[1]
         full_lse = torch.nn.functional.pad(lse, (0, padded_length - lse.shape[-1]))  # contiguous, as it checks
+        out = _token_major_dense(out)
         full_bias = None if bias is None else _aligned_bias(bias, query, key)
         grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
             grad_out, query, _expand_heads(key, heads), _expand_heads(value, heads), full_bias, out, full_lse, seed,
@@ -208,6 +209,15 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
     return _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
+
+
+def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
+    """`x` (B, H, L, D) laid out as dense (B, L, H, D): the efficient kernel's backward reads its `out` argument with a
+    row stride of H * D whatever its strides say (kernel_backward.h: `o_strideM`); a folded output is head-major."""
+    batch, heads, length, dim = x.shape
+    if (x.stride(1), x.stride(2), x.stride(3)) == (dim, heads * dim, 1) or length == 1 and x.stride(1) == dim:
+        return x
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _forward(kernel, query, key, value, bias, causal, scale, config=()):
@@ -246,6 +256,8 @@ LSE_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 1e-5,
 # and reach the split-key paths; decoding has one query per row (flash then swaps grouped heads into it)
 PROBLEMS = {"causal": ((24, 24), (200, 200)), "prefix": ((12, 24), (40, 300)), "decode": ((1, 24), (1, 300))}
 
+# Exceptions that are not a kernel's problem: the math path would run out of memory sooner, or on a broken device
+NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 # configuration -> None when its kernel is used, else why the math path runs instead
 _status: dict[tuple, str | None] = {}
 
@@ -296,16 +308,18 @@ def check_kernel(config: tuple) -> str | None:
         try:
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 out, lse, state = _forward(kernel, q, k, v, bias, causal, scale)
-                token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
-                grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
-        except Exception as error:  # noqa: BLE001  (any failure sends this configuration to the math path)
-            return f"raised {type(error).__name__}: {error}"
+                grads = ()
+                if use != "decode":  # decoding runs no backward
+                    token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
+                    grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
+        except Exception as error:  # noqa: BLE001  (any other failure sends this configuration to the math path)
+            return _failure(error)
         exact = [None if x is None else x.detach().to("cpu", torch.float64) for x in (q, k, v, g, bias)]
         with torch.autocast("cpu", enabled=False):
             ref_out, ref_lse = math_attention(*exact[:3], exact[4], causal, scale)
-            ref_grads = _math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale)
+            ref_grads = _math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale) if grads else ()
         names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
-        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads), strict=True):
+        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
             error = (got.detach().to("cpu", torch.float64) - want).abs().max().item()
             tolerance, unit = LSE_TOLERANCE[dtype], ""
             if name != "log-sum-exp":
@@ -342,6 +356,10 @@ def _disable(config: tuple, reason: str) -> None:
 
 
 def _failure(error: Exception) -> str:
+    """What a kernel's exception says, for its warning; out-of-memory and device errors propagate (the math path
+    needs more memory, and a device fault leaves the device unusable: neither is the kernel's to recover from)."""
+    if isinstance(error, NOT_RECOVERABLE):
+        raise error
     return f"raised {type(error).__name__}: {error}"
 
 

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from .prefix_attention import LAYOUT_KWARG, MODEL_TYPES, NO_MASK, PackedLayout
+from .prefix_attention import LAYOUT_KWARG, NO_MASK, PackedLayout
+from .prefix_attention import unsupported_reason as attention_reason
 from .prefix_sharing import host_layout, is_multimodal, rope_reason
 
 
@@ -157,8 +158,9 @@ def reward_model_reason(model: nn.Module) -> str | None:
         return f"{type(model).__name__} is not a transformers sequence-classification model"
     if config.is_encoder_decoder or is_multimodal(model):
         return f"{type(model).__name__} is not a decoder-only text model"
-    if config.get_text_config().model_type not in MODEL_TYPES:
-        return f"its attention is only verified for {', '.join(MODEL_TYPES)}, not {config.model_type}"
+    reason = attention_reason(model)
+    if reason is not None:
+        return reason
     if config.get_text_config().pad_token_id is None:
         return "it has no padding token, which stock's pooling needs"
     return rope_reason(model)

@@ -27,7 +27,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe",
+                 "gpt_oss")
 # Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B
 # (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
 PRESETS = {
@@ -59,6 +60,11 @@ class WorkloadConfig:
     intermediate_size: int = field(default=256, metadata={"help": "Tiny model MLP size."})
     max_position_embeddings: int = field(default=8192, metadata={"help": "Tiny model context length."})
     head_dim: int | None = field(default=None, metadata={"help": "Attention head size (default hidden/heads)."})
+    sliding_window: int | None = field(
+        default=None,
+        metadata={"help": "A sliding window for the architectures that have one: every other layer for gemma3 and "
+                  "gpt_oss (default 512 and 128, as the real models), all layers for mistral and phi3 (default none)."},
+    )
     vocab_size: int | None = field(
         default=None,
         metadata={"help": "Pad the byte tokenizer's vocabulary to this size with unused tokens (a real-size LM head)."},
@@ -139,9 +145,12 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
 
 
 def _model_config(cfg: WorkloadConfig, tokenizer):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    import transformers
 
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    config_class = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+                    "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
+                    "smollm3": "SmolLM3Config", "granite": "GraniteConfig", "qwen3_moe": "Qwen3MoeConfig",
+                    "gpt_oss": "GptOssConfig"}[cfg.arch]  # fmt: skip
     kwargs = dict(
         vocab_size=len(tokenizer),  # the padded vocabulary with `vocab_size`
         hidden_size=cfg.hidden_size,
@@ -155,9 +164,28 @@ def _model_config(cfg: WorkloadConfig, tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    if cfg.arch == "qwen3" or cfg.head_dim is not None:
-        kwargs["head_dim"] = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    return config_class[cfg.arch](**kwargs)
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    if cfg.arch in ("qwen3", "gemma3", "qwen3_moe", "gpt_oss") or cfg.head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    # Each family as its real models are built, shrunk: what reaches attention differently is kept
+    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)]
+    if cfg.arch == "gemma3":  # query_pre_attn_scalar scales the scores, embeddings are scaled, every other layer slides
+        kwargs.update(query_pre_attn_scalar=head_dim // 2, sliding_window=cfg.sliding_window or 512,
+                      layer_types=alternating)  # fmt: skip
+    elif cfg.arch == "gpt_oss":  # attention sinks, every other layer slides, mixture of experts
+        kwargs.update(sliding_window=cfg.sliding_window or 128, layer_types=alternating, num_local_experts=4,
+                      num_experts_per_tok=2, max_position_embeddings=max(cfg.max_position_embeddings, 131072))  # fmt: skip
+    elif cfg.arch == "qwen3_moe":
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
+    elif cfg.arch == "smollm3":  # every other layer without rotary embeddings (NoPE)
+        kwargs.update(no_rope_layers=[int(i % 2 == 0) for i in range(cfg.num_hidden_layers)])
+    elif cfg.arch == "granite":  # the multipliers that scale the scores, embeddings, residuals and logits
+        kwargs.update(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)
+    elif cfg.arch == "phi3":  # fused qkv projection, rotary on part of each head
+        kwargs.update(partial_rotary_factor=0.5)
+    if cfg.arch in ("mistral", "phi3") and cfg.sliding_window is not None:  # every layer slides
+        kwargs.update(sliding_window=cfg.sliding_window)
+    return getattr(transformers, config_class)(**kwargs)
 
 
 def build_model_dir(cfg: WorkloadConfig) -> str:
@@ -168,7 +196,8 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     model_keys = ("arch", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "max_position_embeddings", "model_dtype", "workload_seed")  # fmt: skip
     settings = {key: getattr(cfg, key) for key in model_keys}
-    settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size") if getattr(cfg, key) is not None})
+    settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size", "sliding_window")
+                     if getattr(cfg, key) is not None})  # fmt: skip
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
 

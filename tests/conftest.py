@@ -126,16 +126,29 @@ def _exact_rms_norm(self, hidden_states):
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _exact_gemma_rms_norm(self, x):
+    """Gemma's RMSNorm (a weight of 1 + w), in the input's dtype."""
+    import torch
+
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+# Every family's RMSNorm: (module, class); the Gemma ones scale by 1 + w
+RMS_NORMS = [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+             ("qwen3", "Qwen3RMSNorm"), ("gemma3", "Gemma3RMSNorm"), ("phi3", "Phi3RMSNorm"), ("olmo2", "Olmo2RMSNorm"),
+             ("smollm3", "SmolLM3RMSNorm"), ("granite", "GraniteRMSNorm"), ("qwen3_moe", "Qwen3MoeRMSNorm"),
+             ("gpt_oss", "GptOssRMSNorm")]  # fmt: skip
+
+
 @pytest.fixture
 def exact_head(monkeypatch):
     """float64 all the way, for stock TRL and ours alike: TRL's fused head and transformers' RMSNorm otherwise round
     to float32 (patched here, identically for both)."""
+    import importlib
+
     import trl.trainer.utils
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", _ExactLogProbs)
-    for norm in (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm):
-        monkeypatch.setattr(norm, "forward", _exact_rms_norm)
+    for family, name in RMS_NORMS:
+        norm = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+        monkeypatch.setattr(norm, "forward", _exact_gemma_rms_norm if family.startswith("gemma") else _exact_rms_norm)

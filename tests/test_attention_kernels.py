@@ -156,6 +156,26 @@ def test_a_kernel_that_raises_later_falls_back_to_the_math_path_without_a_crash(
     assert len(messages) == len(set(messages)) == sum(reason is not None for reason in kernels._status.values())
 
 
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_running_out_of_memory_in_a_kernel_is_not_hidden(fresh_checks, monkeypatch, where):
+    """The math path needs more memory than the kernel: an out-of-memory error propagates (as for stock's SDPA)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = rand(g, 2, 5, 4, 8), rand(g, 2, 5, 2, 8), rand(g, 2, 5, 2, 8)
+    out, lse, state = attention_forward(q, k, v, None, True, 0.3)  # checked and used
+    original = getattr(kernels, f"_kernel_{where}")
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(kernels, f"_kernel_{where}", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        if where == "forward":
+            attention_forward(q, k, v, None, True, 0.3)
+        else:
+            attention_backward(state, q, q, k, v, None, out, lse, True, 0.3)
+    assert all(reason is None for reason in kernels._status.values()) and original
+
+
 @pytest.mark.parametrize("query_length", [1, 7])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_grouped_heads_folded_into_the_query_length_give_the_same_attention(fresh_checks, monkeypatch, query_length,

@@ -58,6 +58,32 @@ def _getitem(x: torch.Tensor, index):
     return out
 
 
+class _LayoutContracts:
+    """`torch.ops.aten`, with the layouts the CUDA kernels assume but do not check asserted: the efficient kernel's
+    backward reads `out` with a row stride of H * D (kernel_backward.h `o_strideM`), and flash's log-sum-exp as
+    contiguous (B, H, L)."""
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+        if name == "_scaled_dot_product_efficient_attention_backward":
+
+            def checked(grad_out, query, key, value, bias, out, lse, *args, **kwargs):
+                heads, length, dim = out.shape[1:]
+                assert out.stride(3) == 1 and out.stride(1) == dim and (length == 1 or out.stride(2) == heads * dim)
+                assert lse.is_contiguous() and lse.shape[-1] % 32 == 0
+                return op(grad_out, query, key, value, bias, out, lse, *args, **kwargs)
+
+            return checked
+        if name == "_scaled_dot_product_flash_attention_backward":
+
+            def checked_flash(grad_out, query, key, value, out, lse, *args, **kwargs):
+                assert lse.is_contiguous() and out.stride(3) == 1 and grad_out.stride(3) == 1
+                return op(grad_out, query, key, value, out, lse, *args, **kwargs)
+
+            return checked_flash
+        return op
+
+
 @contextlib.contextmanager
 def fake_cuda(monkeypatch, capability=HOPPER):
     """
@@ -100,6 +126,7 @@ def fake_cuda(monkeypatch, capability=HOPPER):
 
     monkeypatch.setattr(kernels, "_kernel_forward", recording)
     monkeypatch.setattr(kernels, "_expand_heads", recorded_expand)
+    monkeypatch.setattr(kernels, "aten", _LayoutContracts())
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         yield chosen
 
@@ -234,6 +261,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         for got, like in zip(grads[:3], (q, k, v), strict=True):
             assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
         assert grads[3:] == (None, None)
+        assert all(reason is None for reason in kernels._status.values())  # no kernel fell back to the math path
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -263,3 +291,4 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
                 assert chosen == [("cuda_efficient", 1), ("cuda_flash", 2)] * 2
                 step_ids = torch.randint(3, 64, (6, 1)).to(CUDA)
                 step_mask = torch.cat([step_mask, torch.ones(6, 1, dtype=step_mask.dtype).to(CUDA)], 1)
+        assert all(reason is None for reason in kernels._status.values())  # no kernel fell back to the math path
