@@ -131,8 +131,11 @@ class KernelState:
 FOLDED_KERNELS = ("cuda_efficient",)
 
 
-def _folds(kernel: str, query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
-    return kernel in FOLDED_KERNELS and not causal and query.shape[1] != key.shape[1]
+def _folds(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, causal: bool) -> bool:
+    """Whether the call's heads are folded: a kernel without grouped heads, no causal mask, and a bias (if any) that
+    depends on the key only (under a sliding window it depends on the query too)."""
+    key_only_bias = bias is None or bias.shape[-2] == 1
+    return kernel in FOLDED_KERNELS and not causal and key_only_bias and query.shape[1] != key.shape[1]
 
 
 def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -222,7 +225,7 @@ def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
 
 def _forward(kernel, query, key, value, bias, causal, scale, config=()):
     """`(out, lse, state)` from `kernel`, grouped-query heads folded into the query length where it needs them."""
-    if _folds(kernel, query, key, causal):
+    if _folds(kernel, query, key, bias, causal):
         heads, kv_heads = query.shape[1], key.shape[1]
         out, lse, state = _kernel_forward(kernel, _fold(query, kv_heads), key, value, bias, causal, scale)
         state.folded = True

@@ -20,10 +20,10 @@ class RLOOConfig(trl.RLOOConfig):
             and its completions, each completion attending to its prompt's keys and values through rloo_efficient's
             prefix-attention backend (fused kernels, no `(L, L)` mask; see `rloo_efficient.prefix_attention`),
             whatever attention implementation the model was loaded with. Exact: same log-probs and gradients as the
-            stock forward, to floating-point tolerance. Models where it cannot be exact (architectures other than
-            Llama, Mistral, Qwen2 and Qwen3, absolute position embeddings, rotary embeddings that depend on the
-            sequence length, active dropout, a sliding window shorter than the sequence, multimodal inputs, a MoE
-            load-balancing loss) use the stock path, with one warning naming the reason.
+            stock forward, to floating-point tolerance; sliding windows and attention sinks included. Models where it
+            cannot be exact (families other than those in `prefix_attention.MODEL_TYPES`, absolute position
+            embeddings, rotary embeddings that depend on the sequence length, bidirectional attention, active dropout,
+            multimodal inputs, a MoE load-balancing loss) use the stock path, with one warning naming the reason.
         share_generation_prefill (`bool`, *optional*, defaults to `True`):
             In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
             to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
@@ -35,13 +35,14 @@ class RLOOConfig(trl.RLOOConfig):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
             tokens and merged exactly (log-sum-exp, as in Hydragen), two fused-kernel calls per layer and step for all
-            rows. For Llama, Mistral, Qwen2 and Qwen3 (a sliding window must hold the whole sequence, checked per
-            batch); other models fan the cache out, with one warning naming the reason.
+            rows, sliding windows and sinks included. For the families in `prefix_attention.MODEL_TYPES`; other models
+            fan the cache out, with one warning naming the reason.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models with each group's rows packed like the policy's forwards: the longest common token
             prefix of the group's rows (in the reward model's own tokenization, chat template included) once, each
-            row's remainder attending to it; each row's score read where the model's pooling reads it. For Llama,
-            Mistral, Qwen2 and Qwen3 sequence classifiers; others are called as stock TRL calls them, with one warning.
+            row's remainder attending to it; each row's score read where the model's pooling reads it. For the
+            sequence classifiers of the families in `prefix_attention.MODEL_TYPES`; others are called as stock TRL
+            calls them, with one warning.
         hydra_reward_adapter (`bool`, *optional*, defaults to `True`):
             When the policy is a PEFT LoRA model and a reward function is the directory of a PEFT sequence-
             classification adapter on the same base (as TRL's `RewardTrainer` saves it), load it onto the policy's

@@ -36,6 +36,8 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .attention_kernels import attention_backward, attention_forward
+from .window_attention import apply_sinks, band_backward, band_forward, decode_window_biases, gather_tail
+from .window_attention import prompt_tail, scatter_tail, sink_gradient, tail_bias
 
 
 ATTENTION_NAME = "rloo_prefix"
@@ -80,7 +82,8 @@ class PackedLayout:
     prompt_length: int  # Pm: the longest prompt body (a prompt less its last token)
     rows: int  # S
     row_length: int  # Cm
-    span: int  # the longest prompt + completion, for the sliding-window check
+    span: int  # the longest prompt + completion: a sliding window at least this long masks nothing
+    body_lengths: torch.Tensor  # (G,) each body's tokens, on the device
 
     @property
     def prompt_tokens(self) -> int:
@@ -146,15 +149,30 @@ def _merge_into(out, lse, out_p, lse_p, out_s, lse_s):
         torch.logaddexp(lse_p, lse_s, out=lse)
 
 
-def _split_into(out, lse, query, prefix_key, prefix_value, key, value, split: SplitLayout, causal, scale):
+@dataclass
+class _Prefix:
+    """What a part of the completions' attention reads of their prompt: keys and values `(G, Hkv, Lp, D)` and an
+    additive bias (`(G, 1, 1, Lp)` for padding, or `(G, 1, Qm, Lp)` under a sliding window); `tail`: under a window,
+    the flat index `(G * Lp,)` of the prompt tokens read (their gradients go back there)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: torch.Tensor | None
+    tail: torch.Tensor | None = None
+
+
+def _split_into(out, lse, query, prefix: _Prefix, key, value, split: SplitLayout, causal, window, scale):
     """
     Each row's attention over [its group's prompt | its own keys], written to `out` (and its log-sum-exp to `lse`,
     for the backward). Rows: `query`, `out` (S, H, L, D), `lse` (S, H, L) or None, `key`/`value` (S, Hkv, Lk, D),
-    all but the keys token-major; `prefix_key`/`prefix_value` (G, Hkv, Lp, D). Returns the kernels' states.
+    all but the keys token-major. Returns the kernels' states.
     """
-    out_p, lse_p, state_p = attention_forward(_to_slots(query, split), prefix_key, prefix_value, split.prefix_bias,
-                                              False, scale)  # fmt: skip
-    out_s, lse_s, state_s = attention_forward(query, key, value, None, causal, scale)
+    out_p, lse_p, state_p = attention_forward(_to_slots(query, split), prefix.key, prefix.value, prefix.bias, False,
+                                              scale)  # fmt: skip
+    if causal:
+        out_s, lse_s, state_s = band_forward(query, key, value, window, scale)
+    else:
+        out_s, lse_s, state_s = attention_forward(query, key, value, None, False, scale)
     if split.rows_per_group is not None:  # merge in the prefix layout, where every operand is a view
         groups = split.groups
         _merge_into(_regroup(out, groups, writable=True), None if lse is None else _regroup(lse, groups, writable=True),
@@ -165,19 +183,18 @@ def _split_into(out, lse, query, prefix_key, prefix_value, key, value, split: Sp
     return state_p, state_s
 
 
-def _split_backward(grad_query, grad, out, lse, query, prefix_key, prefix_value, key, value, split, causal, scale,
-                    states):  # fmt: skip
+def _split_backward(grad_query, grad, out, lse, query, prefix: _Prefix, key, value, split, window, scale, states):
     """
-    Gradients of [`_split_into`]'s output: the query's are written to `grad_query` (rows, token-major); returns the
-    prefix keys' and values' and the rows' own keys' and values'.
+    Gradients of [`_split_into`]'s output (causal rows): the query's are written to `grad_query` (rows,
+    token-major); returns the prefix keys' and values' and the rows' own keys' and values'.
     """
     state_p, state_s = states
-    grad_q, grad_k, grad_v = attention_backward(state_s, grad, query, key, value, None, out, lse, causal, scale)
+    grad_q, grad_k, grad_v = band_backward(state_s, grad, query, key, value, out, lse, window, scale)
     grad_query.copy_(grad_q)
     # Padding slots of the prefix layout hold zeros (query, gradient, output, log-sum-exp): their scores are 0, their
     # probabilities exp(0 + bias - 0) at most 1, their gradient 0
     grad_qp, grad_pk, grad_pv = attention_backward(
-        state_p, _to_slots(grad, split), _to_slots(query, split), prefix_key, prefix_value, split.prefix_bias,
+        state_p, _to_slots(grad, split), _to_slots(query, split), prefix.key, prefix.value, prefix.bias,
         _to_slots(out, split), _to_slots(lse, split), False, scale,
     )  # fmt: skip
     if split.rows_per_group is not None:
@@ -196,95 +213,137 @@ def _token_major(like: torch.Tensor, heads: int, length: int, *rest: int, dtype=
     return like.new_empty_strided((1, heads, length, *rest), strides, dtype=dtype or like.dtype)
 
 
+def _prefix_of(layout: PackedLayout, key, value, window: int | None, dtype) -> _Prefix:
+    """The prompt the completions read: each group's whole body with its padding bias, or under a window shorter
+    than the sequences, the body's last w - 1 tokens with the window's bias ([`window_attention.prompt_tail`])."""
+    split, groups, length = layout.split, layout.split.groups, layout.prompt_length
+    if window is None:
+        return _Prefix(_blocks(key, 0, groups, length), _blocks(value, 0, groups, length), split.prefix_bias)
+    index, valid, tail = prompt_tail(layout.body_lengths, length, window)
+    if split.rows_per_group is not None:  # slot s of a group's queries is token s % Cm of its row
+        offsets = torch.arange(split.slots, device=index.device).remainder(layout.row_length).view(1, -1)
+    else:
+        offsets = split.gather.remainder(layout.row_length).view(groups, -1)
+    bias = tail_bias(offsets, valid, tail, window, dtype)
+    return _Prefix(gather_tail(key, index, groups), gather_tail(value, index, groups), bias, index)
+
+
 class _PackedAttention(torch.autograd.Function):
     """
     Attention of the packed flat sequence (see [`prefix_sharing`]): `query` (1, H, N, D), `key`/`value`
     (1, Hkv, N, D). Prompt bodies attend causally within themselves; completion rows attend to their group's body and
-    their own earlier tokens. One autograd node per layer; its backward is the kernels' backward.
+    their own earlier tokens; under a sliding `window`, to the keys within it only ([`window_attention`]); `sinks`
+    (H,) or None, attention sinks. One autograd node per layer; its backward is the kernels' backward.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, layout: PackedLayout, scale: float):
-        split, groups, length = layout.split, layout.split.groups, layout.prompt_length
+    def forward(ctx, query, key, value, sinks, layout: PackedLayout, window: int | None, scale: float):
+        groups, length = layout.split.groups, layout.prompt_length
         rows, row_length, n_prompt = layout.rows, layout.row_length, layout.prompt_tokens
         heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
         out = _token_major(query, heads, tokens, dim)
-        lse = lse_rows = None  # the merged log-sum-exp, kept for the backward only
-        if any(ctx.needs_input_grad[:3]):
+        lse = lse_rows = None  # the merged log-sum-exp, for the backward and the sinks
+        if any(ctx.needs_input_grad[:4]) or sinks is not None:
             lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32  # the kernels' accumulation
             lse = _token_major(query, heads, rows * row_length, dtype=lse_dtype)
             lse_rows = _blocks(lse, 0, rows, row_length)
         rows_of = lambda x: _blocks(x, n_prompt, rows, row_length)  # noqa: E731
+        prefix = lse_prompt = None
         if length > 0:
             prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
-            out_prompt, lse_prompt, state_prompt = attention_forward(*prompt, None, True, scale)
+            out_prompt, lse_prompt, state_prompt = band_forward(*prompt, window, scale)
+            if sinks is not None:
+                apply_sinks(out_prompt, lse_prompt, sinks)
             _blocks(out, 0, groups, length).copy_(out_prompt)
-            states = _split_into(rows_of(out), lse_rows, rows_of(query), prompt[1], prompt[2], rows_of(key),
-                                 rows_of(value), split, True, scale)  # fmt: skip
-            ctx.prompt_states = (lse_prompt, state_prompt)  # its output is kept in `out`
+            prefix = _prefix_of(layout, key, value, window, query.dtype)
+            states = _split_into(rows_of(out), lse_rows, rows_of(query), prefix, rows_of(key), rows_of(value),
+                                 layout.split, True, window, scale)  # fmt: skip
+            ctx.prompt_state = state_prompt
         else:  # one-token prompts: nothing before the rows, plain causal attention per row
-            out_rows, lse_out, states = attention_forward(rows_of(query), rows_of(key), rows_of(value), None, True,
-                                                          scale)  # fmt: skip
+            out_rows, lse_out, states = band_forward(rows_of(query), rows_of(key), rows_of(value), window, scale)
             rows_of(out).copy_(out_rows)
             if lse_rows is not None:
                 lse_rows.copy_(lse_out)
-        if lse is not None:
-            ctx.save_for_backward(query, key, value, out, lse)
-        ctx.layout, ctx.scale, ctx.states = layout, scale, states
+        if sinks is not None:
+            apply_sinks(rows_of(out), lse_rows, sinks)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(query, key, value, sinks, out, lse, lse_prompt)
+        ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.prefix = layout, window, scale, states, prefix
         return out.transpose(1, 2)  # (1, N, H, D), as transformers' attention functions return
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
-        layout, scale = ctx.layout, ctx.scale
-        split, groups, length = layout.split, layout.split.groups, layout.prompt_length
+        query, key, value, sinks, out, lse, lse_prompt = ctx.saved_tensors
+        layout, window, scale = ctx.layout, ctx.window, ctx.scale
+        groups, length = layout.split.groups, layout.prompt_length
         rows, row_length, n_prompt = layout.rows, layout.row_length, layout.prompt_tokens
         grad = grad_out.transpose(1, 2)  # (1, H, N, D)
         grad_q, grad_k, grad_v = (_token_major(x, x.shape[1], x.shape[2], x.shape[3]) for x in (query, key, value))
         rows_of = lambda x: _blocks(x, n_prompt, rows, row_length)  # noqa: E731
         lse_rows = _blocks(lse, 0, rows, row_length)
+        grad_sinks = None if sinks is None else sink_gradient(rows_of(grad), rows_of(out), lse_rows, sinks)
         if length == 0:
-            parts = attention_backward(ctx.states, rows_of(grad), rows_of(query), rows_of(key), rows_of(value), None,
-                                       rows_of(out), lse_rows, True, scale)  # fmt: skip
+            parts = band_backward(ctx.states, rows_of(grad), rows_of(query), rows_of(key), rows_of(value),
+                                  rows_of(out), lse_rows, window, scale)  # fmt: skip
             for target, part in zip((grad_q, grad_k, grad_v), parts, strict=True):
                 rows_of(target).copy_(part)
-            return grad_q, grad_k, grad_v, None, None
+            return grad_q, grad_k, grad_v, grad_sinks, None, None, None
         prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
-        lse_prompt, state_prompt = ctx.prompt_states
-        prompt_grads = attention_backward(state_prompt, _blocks(grad, 0, groups, length), *prompt, None,
-                                          _blocks(out, 0, groups, length), lse_prompt, True, scale)  # fmt: skip
+        grad_prompt, out_prompt = _blocks(grad, 0, groups, length), _blocks(out, 0, groups, length)
+        if sinks is not None:
+            grad_sinks = grad_sinks + sink_gradient(grad_prompt, out_prompt, lse_prompt, sinks)
+        prompt_grads = band_backward(ctx.prompt_state, grad_prompt, *prompt, out_prompt, lse_prompt, window, scale)
+        prefix = ctx.prefix
         grad_pk, grad_pv, grad_kr, grad_vr = _split_backward(
-            rows_of(grad_q), rows_of(grad), rows_of(out), lse_rows, rows_of(query), prompt[1], prompt[2],
-            rows_of(key), rows_of(value), split, True, scale, ctx.states,
+            rows_of(grad_q), rows_of(grad), rows_of(out), lse_rows, rows_of(query), prefix, rows_of(key),
+            rows_of(value), layout.split, window, scale, ctx.states,
         )  # fmt: skip
-        for target, prompt_part, prefix_part in zip((grad_q, grad_k, grad_v), prompt_grads, (None, grad_pk, grad_pv),
-                                                    strict=True):  # fmt: skip
-            block = _blocks(target, 0, groups, length).copy_(prompt_part)
-            if prefix_part is not None:
-                block.add_(prefix_part)
+        for target, prompt_part in zip((grad_q, grad_k, grad_v), prompt_grads, strict=True):
+            _blocks(target, 0, groups, length).copy_(prompt_part)
         rows_of(grad_k).copy_(grad_kr)
         rows_of(grad_v).copy_(grad_vr)
-        return grad_q, grad_k, grad_v, None, None
+        if prefix.tail is None:  # the whole body was read
+            _blocks(grad_k, 0, groups, length).add_(grad_pk)
+            _blocks(grad_v, 0, groups, length).add_(grad_pv)
+        else:  # its tail, gathered
+            scatter_tail(grad_k, grad_pk, prefix.tail)
+            scatter_tail(grad_v, grad_pv, prefix.tail)
+        return grad_q, grad_k, grad_v, grad_sinks, None, None, None
 
 
-def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLayout, scale: float) -> torch.Tensor:
+def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLayout, scale: float,
+                    prefix_bias=None, own_bias=None, sinks=None) -> torch.Tensor:  # fmt: skip
     """
     Decoding: each row's query `(B, H, 1, D)` over [its group's prompt `(G, Hkv, Lp, D)` | its own decoded keys
-    `(B, Hkv, t, D)`]. Returns `(B, 1, H, D)`. No gradients.
+    `(B, Hkv, t, D)`], the prompt masked by `prefix_bias` (G or 1, 1, 1, Lp) and the row's keys by `own_bias`
+    (1, 1, 1, t), each None when nothing is masked; `sinks` (H,) or None. Returns `(B, 1, H, D)`. No gradients.
     """
     if split.rows_per_group is None:  # prompts of unequal row counts: merge through the gather, into a buffer
         out = torch.empty_like(query)  # token-major, as the query
-        _split_into(out, None, query, prefix_key, prefix_value, key, value, split, False, scale)
+        lse = None
+        if sinks is not None:
+            lse = query.new_empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        out_p, lse_p, _ = attention_forward(_to_slots(query, split), prefix_key, prefix_value, prefix_bias, False,
+                                            scale)  # fmt: skip
+        out_s, lse_s, _ = attention_forward(query, key, value, own_bias, False, scale)
+        rows = query.shape[0]
+        _merge_into(out, lse, _from_slots(out_p, split, rows), _from_slots(lse_p, split, rows), out_s, lse_s)
+        if sinks is not None:
+            apply_sinks(out, lse, sinks)
         return out.transpose(1, 2)
     groups = split.groups
-    out_p, lse_p, _ = attention_forward(_regroup(query, groups), prefix_key, prefix_value, split.prefix_bias, False,
-                                        scale)  # fmt: skip
-    out_s, lse_s, _ = attention_forward(query, key, value, None, False, scale)
-    weight = torch.sigmoid(lse_p - _regroup(lse_s, groups)).unsqueeze(-1)
+    out_p, lse_p, _ = attention_forward(_regroup(query, groups), prefix_key, prefix_value, prefix_bias, False, scale)
+    out_s, lse_s, _ = attention_forward(query, key, value, own_bias, False, scale)
+    lse_s = _regroup(lse_s, groups)
+    weight = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)
     out_s = _regroup(out_s, groups)
     if out_s.dtype != weight.dtype:  # half precision: merge in float32, as the kernels accumulate
         out_s, out_p = out_s.float(), out_p.float()
-    out = torch.lerp(out_s, out_p, weight).to(query.dtype)  # (G, H, R, D)
+    out = torch.lerp(out_s, out_p, weight)  # (G, H, R, D)
+    if sinks is not None:
+        out = out.to(weight.dtype)
+        apply_sinks(out, torch.logaddexp(lse_p, lse_s), sinks)
+    out = out.to(query.dtype)
     rows, heads, _, dim = query.shape
     if out.stride() == (out.shape[2] * heads * dim, dim, heads * dim, 1):  # token-major, as its inputs: a view
         return out.as_strided((rows, 1, heads, dim), (heads * dim, heads * dim, dim, 1), out.storage_offset())
@@ -292,13 +351,20 @@ def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLay
 
 
 # -- the registered attention function -------------------------------------------------------------------------------
-def _decode_attention(module, query, key, value, cache, scale) -> torch.Tensor:
+def _decode_attention(module, query, key, value, cache, window, sinks, scale) -> torch.Tensor:
     """One decoding step: `query` (B, H, 1, D), `key`/`value` the rows' decoded keys (B, Hkv, t, D)."""
     if query.shape[2] != 1:
         raise ValueError(f"{ATTENTION_NAME!r} decodes one token per row at a time, got {query.shape[2]}.")
     layer = cache.layers[module.layer_idx]
     prefix_key, prefix_value = _compute_dtype(query, layer.prefix_keys, layer.prefix_values)[1:]
-    return split_attention(query, prefix_key, prefix_value, key, value, cache.split, scale)
+    prefix_bias, own_bias = layer.prefix_bias, None
+    if window is not None:
+        window_bias, own_bias = decode_window_biases(layer.prefix_columns, prefix_key.shape[2], key.shape[2], window,
+                                                     query.dtype, query.device)  # fmt: skip
+        if window_bias is not None:  # both mask with the dtype's minimum: keep one, not their sum (-inf)
+            prefix_bias = window_bias if prefix_bias is None else torch.minimum(prefix_bias, window_bias)
+    return split_attention(query, prefix_key, prefix_value, key, value, cache.split, scale, prefix_bias, own_bias,
+                           sinks)  # fmt: skip
 
 
 def _base_attention(module, query, key, value, attention_mask, **kwargs):
@@ -322,17 +388,17 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         return _base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if dropout:
         raise ValueError(f"{ATTENTION_NAME!r} attention has no dropout: disable it (disable_dropout=True).")
-    for name in ("softcap", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{ATTENTION_NAME!r} attention cannot apply {name}: this model needs its own attention.")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{ATTENTION_NAME!r} attention cannot apply softcap: this model needs its own attention.")
+    sinks = kwargs.get("s_aux")  # GPT-OSS: one logit per head
     window = kwargs.get("sliding_window")
-    if layout is not None and window is not None and layout.span > window:
-        raise ValueError(f"A sequence of {layout.span} tokens exceeds the sliding window ({window}).")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     query, key, value = _compute_dtype(query, key, value)
     if layout is not None:
-        return _PackedAttention.apply(query, key, value, layout, scale), None
-    return _decode_attention(module, query, key, value, cache, scale), None
+        if window is not None and window >= layout.span:  # every key any query may read is within the window
+            window = None
+        return _PackedAttention.apply(query, key, value, sinks, layout, window, scale), None
+    return _decode_attention(module, query, key, value, cache, window, sinks, scale), None
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -17,20 +17,24 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .prefix_attention import SplitLayout, unsupported_reason
-from .prefix_sharing import sliding_window
 
 
 class PrefixLayer(DynamicLayer):
-    """A layer's decoded keys/values per row (`keys`, `values`: (B, Hkv, t, D)) after a prompt stored once per group
-    (`prefix_keys`, `prefix_values`: (G, Hkv, L_p, D)). Sequence lengths and mask sizes count both."""
+    """
+    A layer's decoded keys/values per row (`keys`, `values`: (B, Hkv, t, D)) after a prompt stored once per group
+    (`prefix_keys`, `prefix_values`: (G, Hkv, L_p, D): the last L_p of the prompt's `prefix_columns` positions, all of
+    them but where a sliding-window layer kept only its window), masked by `prefix_bias` (G, 1, 1, L_p) where a prompt
+    is padded. Sequence lengths and mask sizes count the prompt's positions and the decoded ones.
+    """
 
-    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor):
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, prefix_columns: int,
+                 prefix_bias: torch.Tensor | None):  # fmt: skip
         super().__init__()
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
-        self.prefix_length = prefix_keys.shape[-2]
+        self.prefix_columns, self.prefix_bias = prefix_columns, prefix_bias
 
     def get_seq_length(self) -> int:
-        return self.prefix_length + super().get_seq_length()
+        return self.prefix_columns + super().get_seq_length()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("A shared-prefix cache is built for one generate call and is not cropped.")
@@ -40,6 +44,17 @@ class PrefixLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("A shared-prefix cache's rows are fixed when it is built.")
+
+
+def padding_bias(prompt_lengths: list[int], width: int, device, dtype) -> torch.Tensor | None:
+    """`(G, 1, 1, width)` masking the left padding of prompts of `prompt_lengths` real tokens in the last `width`
+    positions of the cached prompt, or None when none is padded there."""
+    lengths = np.asarray(prompt_lengths, dtype=np.int64)
+    if (lengths >= width).all():
+        return None
+    padded = np.arange(width)[None, :] < (width - lengths)[:, None]
+    bias = torch.from_numpy(np.where(padded, torch.finfo(dtype).min, 0.0)).to(device, dtype)
+    return bias.view(len(lengths), 1, 1, width)
 
 
 def decode_split(inverse: list[int], prompt_lengths: list[int], prefix_width: int, device, dtype) -> SplitLayout:
@@ -65,12 +80,8 @@ def decode_split(inverse: list[int], prompt_lengths: list[int], prefix_width: in
         gather_np[slot_of_row] = np.arange(len(inverse_np))
         gather = torch.from_numpy(gather_np).to(device)
         scatter = torch.from_numpy(slot_of_row).to(device)
-    lengths = np.asarray(prompt_lengths, dtype=np.int64)
-    bias = None
-    if (lengths < prefix_width).any():  # left padding in the cached prompt: mask it
-        padded = np.arange(prefix_width)[None, :] < (prefix_width - lengths)[:, None]
-        bias = torch.from_numpy(np.where(padded, torch.finfo(dtype).min, 0.0)).to(device, dtype).view(groups, 1, 1, -1)
-    return SplitLayout(groups, rows_per_group, slots, gather, scatter, bias)
+    return SplitLayout(groups, rows_per_group, slots, gather, scatter, padding_bias(prompt_lengths, prefix_width,
+                                                                                 device, dtype))  # fmt: skip
 
 
 class PrefixCache(DynamicCache):
@@ -85,23 +96,37 @@ class PrefixCache(DynamicCache):
             For each decoded row, its prompt's row in `prefilled`.
         prompt_lengths (`list[int]`):
             Each distinct prompt's real (unpadded) tokens in `prefilled`; the rest of its row is left padding.
+        prefix_columns (`int`):
+            The prompt positions the prefill forwarded (sliding-window layers may keep only the last of them).
     """
 
-    def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int]):
+    def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int):
         super().__init__()
-        self.layers = [PrefixLayer(layer.keys, layer.values) for layer in prefilled.layers]
-        keys = self.layers[0].prefix_keys
-        self.split = decode_split(inverse, prompt_lengths, keys.shape[-2], keys.device, keys.dtype)
+        keys = prefilled.layers[0].keys
+        self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, keys.dtype)
+        # A sliding-window layer kept the prompt's last positions only: its own padding mask, one per width
+        biases = {prefix_columns: self.split.prefix_bias}
+        for layer in prefilled.layers:
+            width = layer.keys.shape[-2]
+            if width not in biases:
+                biases[width] = padding_bias(prompt_lengths, width, keys.device, keys.dtype)
+        self.layers = [PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]])
+                       for layer in prefilled.layers]  # fmt: skip
 
 
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:
-    """Why the once-per-group prompt cache cannot be exact for `model`, or None (a sliding window is checked per batch
-    by [`window_allows`])."""
+    """Why the once-per-group prompt cache cannot be exact for `model`, or None (a length limit is checked per batch
+    by [`cache_limit`])."""
     return unsupported_reason(model)
 
 
-def window_allows(model: nn.Module, total_length: int) -> bool:
-    """Whether decoding up to `total_length` tokens stays within `model`'s sliding window, if it has one: a sliding
-    cache would start dropping prompt tokens beyond it, which a cache holding the prompt once does not reproduce."""
-    window = sliding_window(model)
-    return window is None or total_length <= window
+def cache_limit(model: nn.Module) -> int | None:
+    """
+    The longest sequence `generate` keeps its cache for, or None. Phi-3's `prepare_inputs_for_generation` drops the
+    cache once the sequence passes `original_max_position_embeddings` and forwards the whole sequence again, which a
+    cache holding the prompt once cannot serve (stock's own cache, fanned out, can).
+    """
+    config = model.config.get_text_config()
+    if config.model_type == "phi3":
+        return getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
+    return None

@@ -143,7 +143,7 @@ def host_layout(counts: np.ndarray, body: np.ndarray, row_length: int, span: int
     groups, body_width = len(counts), int(body.max())
     rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
     padded = bool((body < body_width).any())  # bodies of different lengths: the rows must not see the padding
-    arrays = [*parts, *([body] if padded else []), *([] if gather is None else [gather, scatter])]
+    arrays = [*parts, body, *([] if gather is None else [gather, scatter])]
     host = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
     if device.type != "cpu":
         host = host.pin_memory()
@@ -151,13 +151,13 @@ def host_layout(counts: np.ndarray, body: np.ndarray, row_length: int, span: int
     gather_t = scatter_t = bias = None
     if gather is not None:
         scatter_t, gather_t = on_device.pop(), on_device.pop()
+    lengths = on_device.pop()
     if padded:  # the bias built where it is used, from the bodies' lengths: no blocking copy
-        lengths = on_device.pop()
         bias = torch.full((groups, body_width), torch.finfo(dtype).min, dtype=dtype, device=device)
         bias.masked_fill_(torch.arange(body_width, device=device) < lengths[:, None], 0.0)
         bias = bias.view(groups, 1, 1, body_width)
     split = SplitLayout(groups, rows_per_group, slots, gather_t, scatter_t, bias)
-    return PackedLayout(split, body_width, int(counts.sum()), row_length, span), on_device
+    return PackedLayout(split, body_width, int(counts.sum()), row_length, span, lengths), on_device
 
 
 def pack_groups(
@@ -238,8 +238,7 @@ def pack_groups(
 # -- when packing is exact -------------------------------------------------------------------------------------------
 def unsupported_reason(model: nn.Module) -> str | None:
     """
-    Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. Per-batch
-    conditions (a sliding window shorter than the sequence) are checked by [`sliding_window_exceeded`].
+    Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can.
     """
     from .prefix_attention import unsupported_reason as attention_reason
 
@@ -287,24 +286,3 @@ def dropout_reason(model: nn.Module) -> str | None:
 def is_multimodal(model: nn.Module) -> bool:
     config = model.config
     return config.get_text_config() is not config or getattr(config, "vision_config", None) is not None
-
-
-def sliding_window(model: nn.Module) -> int | None:
-    """The sliding window some of `model`'s attention layers apply, or None when none does."""
-    text_config = model.config.get_text_config()
-    window = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
-    if window is None or getattr(text_config, "use_sliding_window", True) is False:
-        return None
-    return window if layer_types is None or "sliding_attention" in layer_types else None
-
-
-def sliding_window_exceeded(model: nn.Module, longest_sequence: int) -> str | None:
-    """The reason to use the stock path for a batch whose longest prompt + completion exceeds a sliding window."""
-    window = sliding_window(model)
-    if window is not None and longest_sequence > window:
-        return (
-            f"a sequence of {longest_sequence} tokens exceeds the sliding window ({window}); the packed layout does "
-            f"not reproduce the window"
-        )
-    return None

@@ -17,7 +17,7 @@ from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.trainer.utils import is_async_callable
 
 from .prefix_attention import install
-from .prefix_sharing import group_ids_for, sliding_window_exceeded
+from .prefix_sharing import group_ids_for
 from .reward_sharing import HydraReward, pack_reward_rows, packed_scores, padded_scores, reward_model_reason
 
 
@@ -150,8 +150,6 @@ class GroupedRewardMixin:
             score = reward_func.score if hydra else None
             batch = pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.accelerator.device,
                                      inner.dtype) if self.args.share_reward_prefix else "share_reward_prefix=False"  # fmt: skip
-            if not isinstance(batch, str) and sliding_window_exceeded(inner, batch.layout.span):
-                batch = "a text is longer than the reward model's sliding window (for such batches)"
             if isinstance(batch, str):
                 if not hydra:
                     self._fall_back_reward(batch)

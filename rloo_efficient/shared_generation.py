@@ -24,7 +24,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_attention import decoding_with, install
-from .prefix_cache import PrefixCache, window_allows
+from .prefix_cache import PrefixCache, cache_limit
 from .prefix_sharing import dropout_reason, is_multimodal, rope_reason
 
 
@@ -151,14 +151,15 @@ def generate_with_shared_prefill(
     prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded)
     config = kwargs.get("generation_config") or model.generation_config
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    if prompt_cache_once and window_allows(model, longest):
+    limit = cache_limit(model)
+    if prompt_cache_once and (limit is None or longest <= limit):
         install(model)
-        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first])
+        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1)
         attention = decoding_with(cache)
     else:
         if prompt_cache_once:  # a constant message: Python shows it once
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
-                          "a prompt and its completion can exceed the model's sliding window.", stacklevel=2)  # fmt: skip
+                          "generate drops its cache past the model's original context (Phi-3).", stacklevel=2)  # fmt: skip
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     with attention:

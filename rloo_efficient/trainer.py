@@ -16,7 +16,7 @@ from . import prefix_attention
 from .batch_structure import GroupedBatchMixin
 from .config import RLOOConfig
 from .prefix_cache import prefix_cache_unsupported_reason
-from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_dict, sliding_window_exceeded
+from .prefix_sharing import ROWS_KEY, pack_groups, prompt_key, shuffle_groups_dict
 from .prefix_sharing import unsupported_reason
 from .profiling import MemoryProfilingMixin
 from .reward_phase import GroupedRewardMixin
@@ -284,9 +284,8 @@ class _SharedPrefixRLOOTrainer(GroupedBatchMixin, GroupedRewardMixin, trl.RLOOTr
                 dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else unwrapped.dtype)  # fmt: skip
                 packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype)
-                reason = packed if isinstance(packed, str) else sliding_window_exceeded(unwrapped, packed.layout.span)
-                if reason is not None:
-                    self._fall_back(reason, permanent=False)
+                if isinstance(packed, str):
+                    self._fall_back(packed, permanent=False)
                     logps, entropies, _ = _stock_logps_and_entropies(
                         self, model, input_ids[start:end], attention_mask[start:end], logits_to_keep, end - start,
                         compute_entropy,

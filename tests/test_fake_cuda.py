@@ -253,14 +253,14 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         chosen.clear()
         q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype)
         k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype)
-        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False))
+        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False))
         ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, packed.layout, 0.125)
+        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, packed.layout, None, 0.125)
         assert out.shape == (1, packed.num_tokens, 4, 64) and out.dtype == dtype
         grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
         for got, like in zip(grads[:3], (q, k, v), strict=True):
             assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
-        assert grads[3:] == (None, None)
+        assert grads[3:] == (None,) * 4
         assert all(reason is None for reason in kernels._status.values())  # no kernel fell back to the math path
 
 
@@ -275,7 +275,7 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
         model = fake_model(arch, dtype)
         ids, mask = ids.to(CUDA), mask.to(CUDA)
         prefilled = prefill_prompts(model, ids, mask, first, padded=True)
-        cache = PrefixCache(prefilled, inverse, [len(prompt) - 1 for prompt in prompts])
+        cache = PrefixCache(prefilled, inverse, [len(prompt) - 1 for prompt in prompts], width - 1)
         assert cache.layers[0].prefix_keys.shape == (2, 2, width - 1, 64)  # each prompt once
         step_ids, step_mask = ids[:, -1:], mask
         with prefix_attention.decoding_with(cache):

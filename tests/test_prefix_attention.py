@@ -37,10 +37,12 @@ def stock_batch(prompt_lengths, group_of_row, scored, width_c, seed):
     return torch.tensor(ids), rows
 
 
-def dense_mask(prompt_lengths, group_of_row, scored, packed):
+def dense_mask(prompt_lengths, group_of_row, scored, packed, window=None):
     """
     Independently of the layout code: which flat positions are real, and the (N, N) mask of who sees whom. Groups are
     numbered by first appearance among scored rows, rows grouped by prompt in batch order (the documented layout).
+    Under a sliding `window`, a query at position p sees keys at positions (p - w, p] only, positions being the
+    columns of stock's left-padded rows.
     """
     layout = packed.layout
     scored_rows = [row for row, n in enumerate(scored) if n > 0]
@@ -55,6 +57,11 @@ def dense_mask(prompt_lengths, group_of_row, scored, packed):
         kind += [("row", slot, g, c) if c < scored[row] else None for c in range(row_length)]
     n = len(kind)
     assert n == packed.num_tokens
+    width_p = max(prompt_lengths)
+
+    def column(k):  # a body token's column in stock's row, or a row token's ([prompt[-1], c0, ...] from width_p - 1)
+        return width_p - prompt_lengths[groups[k[1]]] + k[2] if k[0] == "body" else width_p - 1 + k[3]
+
     allowed = torch.eye(n, dtype=torch.bool)  # padding sees itself (its output is never read)
     for i, qi in enumerate(kind):
         for j, kj in enumerate(kind):
@@ -65,6 +72,8 @@ def dense_mask(prompt_lengths, group_of_row, scored, packed):
             else:
                 allowed[i, j] = (kj[0] == "body" and kj[1] == qi[2]) or (kj[0] == "row" and kj[1] == qi[1]
                                                                           and kj[3] <= qi[3])  # fmt: skip
+            if window is not None and allowed[i, j]:
+                allowed[i, j] = column(kj) > column(qi) - window
     return allowed, torch.tensor([k is not None for k in kind])
 
 
@@ -81,23 +90,34 @@ def layouts(draw):
     return prompt_lengths, list(group_of_row), scored, draw(st.integers(0, 2**16))
 
 
-def check_against_dense(prompt_lengths, group_of_row, scored, seed, magnitude=1.0):
+def dense_attention(q, k, v, allowed, scale, sinks=None):
+    """The reference: materialized scores over the (N, N) mask, and a sink logit per head beside them."""
+    scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    probs = torch.softmax(scores, -1)[..., : allowed.shape[-1]]
+    return (probs @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)).transpose(1, 2)
+
+
+def check_against_dense(prompt_lengths, group_of_row, scored, seed, magnitude=1.0, window=None, sinks=False):
     ids, rows = stock_batch(prompt_lengths, group_of_row, scored, width_c=5, seed=seed)
     packed = pack_groups(ids, 5, rows, torch.float64)
-    allowed, real = dense_mask(prompt_lengths, group_of_row, scored, packed)
+    allowed, real = dense_mask(prompt_lengths, group_of_row, scored, packed, window)
     n = packed.num_tokens
     g = torch.Generator().manual_seed(seed)
     # Token-major, as the model lays them out
     q, k, v = (torch.randn(1, n, h, DIM, generator=g, dtype=torch.float64).transpose(1, 2).mul(magnitude)
                .requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+    s_aux = torch.randn(HEADS, generator=g, dtype=torch.float64).requires_grad_() if sinks else None
     weights = torch.randn(1, n, HEADS, DIM, generator=g, dtype=torch.float64) * real.view(1, n, 1, 1)
 
-    ours, _ = prefix_attention.prefix_attention(None, q, k, v, None, scaling=0.3, rloo_prefix_layout=packed.layout)
+    ours, _ = prefix_attention.prefix_attention(None, q, k, v, None, scaling=0.3, rloo_prefix_layout=packed.layout,
+                                                sliding_window=window, s_aux=s_aux)  # fmt: skip
     (ours * weights).sum().backward()
-    grads = [x.grad for x in (q, k, v)]
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=allowed, scale=0.3, enable_gqa=True)
-    ref = ref.transpose(1, 2)
+    grads = [x.grad for x in (q, k, v, s_aux) if x is not None]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, s_aux) if x is not None]
+    ref = dense_attention(*leaves[:3], allowed, 0.3, *leaves[3:])
     (ref * weights).sum().backward()
     torch.testing.assert_close(ours[0, real], ref[0, real], rtol=1e-10, atol=1e-12)
     for got, leaf in zip(grads, leaves, strict=True):
@@ -108,6 +128,15 @@ def check_against_dense(prompt_lengths, group_of_row, scored, seed, magnitude=1.
 @given(layout=layouts())
 def test_packed_attention_equals_dense_mask_attention(layout):
     check_against_dense(*layout)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=layouts(), window=st.integers(1, 15), sinks=st.booleans())
+def test_packed_attention_with_a_sliding_window_and_sinks_equals_dense_attention(layout, window, sinks):
+    """Windows from 1 token to longer than any sequence (prompts up to 9 tokens, completions up to 5): prompt bodies
+    and rows longer than the window (the banded path), prompts partly and wholly out of a completion token's window;
+    with or without a sink logit per head (its gradient too)."""
+    check_against_dense(*layout, window=window, sinks=sinks)
 
 
 def test_padding_slots_stay_finite_with_large_scores():
@@ -222,7 +251,7 @@ def test_packing_dispatches_no_host_sync():
 
 
 # -- memory linear in the packed length ------------------------------------------------------------------------------
-def attention_peak_bytes(k, prompt_length, width_c=16):
+def attention_peak_bytes(k, prompt_length, width_c=16, window=None):
     ids, rows = stock_batch([prompt_length], [0] * k, [width_c] * k, width_c, seed=0)
     packed = pack_groups(ids, width_c, rows, torch.float32)
     n = packed.num_tokens
@@ -230,18 +259,21 @@ def attention_peak_bytes(k, prompt_length, width_c=16):
                        packed.layout.split.gather, packed.layout.split.scatter) if t is not None)  # fmt: skip
     q, k_, v = (torch.randn(1, n, h, DIM).transpose(1, 2).requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out, _ = prefix_attention.prefix_attention(None, q, k_, v, None, scaling=0.3, rloo_prefix_layout=packed.layout)
+        out, _ = prefix_attention.prefix_attention(None, q, k_, v, None, scaling=0.3, rloo_prefix_layout=packed.layout,
+                                                   sliding_window=window)  # fmt: skip
         out.sum().backward()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     return max(itertools.accumulate((b for _, b in events), initial=0)), layout_bytes, n
 
 
-def test_attention_memory_grows_linearly_with_the_packed_length():
+@pytest.mark.parametrize("window", [None, 128])  # 128: prompts 4 and 16 times longer than the window (banded)
+def test_attention_memory_grows_linearly_with_the_packed_length(window):
     """Four times the packed length (prompt and k) costs about four times the attention's memory (forward and
     backward); a (L, L) mask alone would cost sixteen times (at the larger size it would be 21 MB, more than all of
-    this attention's memory). The CPU kernel's workspace depends on its block sizes, hence the margin."""
-    small, small_layout, n_small = attention_peak_bytes(k=4, prompt_length=512)
-    large, large_layout, n_large = attention_peak_bytes(k=16, prompt_length=2048)
+    this attention's memory). The CPU kernel's workspace depends on its block sizes, hence the margin. Under a sliding
+    window the banded prompt's mask is (chunks, 1, w, 2w - 1): linear in the length too."""
+    small, small_layout, n_small = attention_peak_bytes(k=4, prompt_length=512, window=window)
+    large, large_layout, n_large = attention_peak_bytes(k=16, prompt_length=2048, window=window)
     assert n_large == 4 * n_small + 3  # a prompt body is P - 1 tokens
     assert large / small < 5, (small, large)
     assert large < n_large**2 * 4  # less than the float32 dense mask it replaces

@@ -1,0 +1,80 @@
+"""
+Stock TRL vs rloo_efficient for each model family, on the default workload's shape (hidden 128, 2 layers, float32;
+P = 2048, C = 64, k = 8, 3 steps): the whole run's working memory and the median step time. Each family is built from
+its own config (rloo_efficient.workload): Gemma 3 and GPT-OSS with their real sliding windows (512 and 128, every other
+layer), so the windowed paths run; the MoE families with `router_aux_loss_coef 0` for both trainers (TRL 1.16 adds the
+load-balancing loss by default, and ours then runs stock's log-prob forwards). Each run is its own process, stock and
+ours alternate, and the ratios are medians over `--repeats`.
+
+    python experiments/bench_families.py --repeats 3 --output results/families.md
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss"]
+MOE = ("qwen3_moe", "gpt_oss")
+
+
+def run(method: str, arch: str, args, directory: Path) -> dict:
+    results = directory / f"{method}_{arch}.json"
+    command = [
+        sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--arch", arch,
+        "--prompt_length", str(args.prompt_length), "--max_completion_length", str(args.completion_length),
+        "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", "3",
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+        "--results_file", str(results), "--output_dir", str(directory / "out"),
+        *(["--router_aux_loss_coef", "0"] if arch in MOE else []),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{method} {arch} failed (exit {done.returncode})")
+    return json.loads(results.read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", nargs="+", default=FAMILIES)
+    parser.add_argument("--prompt_length", type=int, default=2048)
+    parser.add_argument("--completion_length", type=int, default=64)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
+    args = parser.parse_args(argv)
+    lines = [
+        f"# python experiments/bench_families.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+        f"# P = {args.prompt_length}, C = {args.completion_length}, k = {args.k}, 3 steps; working memory: peak resident "
+        "set above the loaded models (GiB); step time: median of steps 2-3 (s); medians over repeats",
+        "| family | stock working (GiB) | ours working (GiB) | ratio | stock step (s) | ours step (s) | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    for arch in args.families:
+        samples = {"stock": [], "ours": []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for _ in range(args.repeats):
+                for method in ("stock", "ours"):
+                    samples[method].append(run(method, arch, args, Path(tmp)))
+        working = {m: [r["working_gib"] for r in rs] for m, rs in samples.items()}
+        step = {m: [r["median_step_time_s"] for r in rs] for m, rs in samples.items()}
+        memory_ratio = statistics.median(o / s for o, s in zip(working["ours"], working["stock"], strict=True))
+        time_ratio = statistics.median(o / s for o, s in zip(step["ours"], step["stock"], strict=True))
+        line = (f"| {arch} | {statistics.median(working['stock']):.3f} | {statistics.median(working['ours']):.3f} | "
+                f"{memory_ratio:.2f}x | {statistics.median(step['stock']):.2f} | {statistics.median(step['ours']):.2f} | "
+                f"{time_ratio:.2f}x |")  # fmt: skip
+        lines.append(line)
+        print(line, flush=True)
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""
+Sliding windows and attention sinks in the prefix-attention backend ([`prefix_attention`]).
+
+A sliding window `w` lets the token at position p attend to the keys at positions (p - w, p] (transformers'
+`sliding_window_overlay`). In the packed sequence, every part of a completion's attention keeps its shape:
+
+- causal blocks (prompt bodies, and each row's own tokens) longer than the window: [`band_forward`] splits the run of
+  blocks into chunks of `w` queries, each reading the `2w - 1` keys that can reach it as an overlapping view of the
+  keys (no copy per chunk), with one (chunks, 1, w, 2w - 1) mask for the band and the block boundaries: memory linear
+  in the run, no (L, L) mask;
+- a group's prompt read by its completions: only the prompt's last `w - 1` tokens can be in any completion token's
+  window ([`prompt_tail`]), gathered once per group; a completion token `t` tokens into its row sees the tail's keys
+  from `t` on ([`tail_bias`]);
+- decoding from the prompt stored once per group: one mask per step over the stored prompt and one over the row's own
+  tokens ([`decode_window_biases`]).
+
+An attention sink (GPT-OSS: one learned logit per head) takes softmax mass and adds no value: with a part's output
+`o` and log-sum-exp `l`, the output is `o sigmoid(l - s)` and the log-sum-exp `logaddexp(l, s)` ([`apply_sinks`]).
+It is one more key with a zero value, so the kernels' backward, given that output and log-sum-exp, gives the other
+keys' gradients unchanged; the sink's own is `-sum over queries of sigmoid(s - l') (dO . O')` ([`sink_gradient`]).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .attention_kernels import KernelState, attention_backward, attention_forward
+
+
+# -- causal blocks under a window --------------------------------------------------------------------------------------
+@dataclass
+class BandState:
+    kernel: KernelState | None  # None: the blocks fit the window, and plain causal attention ran
+    chunks: int = 0
+
+
+def _flat(x: torch.Tensor, front: int, total: int) -> torch.Tensor:
+    """Blocks `(B, h, L, *rest)` as one token-major run `(1, h, front + total, *rest)`: `front` zeros, then the B * L
+    tokens, then zeros up to `total` (a copy)."""
+    blocks, heads, length, *rest = x.shape
+    run = x.new_zeros((front + total, heads, *rest))
+    run.narrow(0, front, blocks * length).copy_(x.transpose(1, 2).reshape(blocks * length, heads, *rest))
+    return run.unsqueeze(0).transpose(1, 2)
+
+
+def _windows(run: torch.Tensor, chunks: int, step: int, width: int) -> torch.Tensor:
+    """`(1, h, T, *rest)` token-major -> `(chunks, h, width, *rest)`: chunk j reads tokens [j step, j step + width),
+    an overlapping view."""
+    _, heads, _, *rest = run.shape
+    _, head_stride, token_stride, *rest_strides = run.stride()
+    return run.as_strided((chunks, heads, width, *rest), (step * token_stride, head_stride, token_stride, *rest_strides),
+                          run.storage_offset())  # fmt: skip
+
+
+def _unflat(chunked: torch.Tensor, blocks: int, length: int) -> torch.Tensor:
+    """`(chunks, h, c, *rest)` -> blocks `(B, h, L, *rest)` (the first B * L tokens)."""
+    chunks, heads, c, *rest = chunked.shape
+    tokens = chunked.transpose(1, 2).reshape(chunks * c, heads, *rest)[: blocks * length]
+    return tokens.view(blocks, length, heads, *rest).transpose(1, 2)
+
+
+def _band_bias(chunks: int, window: int, blocks: int, length: int, dtype, device) -> torch.Tensor:
+    """`(chunks, 1, w, 2w - 1)`: query `a` of chunk j (token j w + a of the run) may read key `m` of its window (token
+    j w + m - (w - 1)) when that key is in the run, in the query's block, and `a <= m <= a + w - 1` (causal, and within
+    the window)."""
+    c, width = window, 2 * window - 1
+    query = torch.arange(chunks * c, device=device).view(chunks, 1, c, 1)
+    key = (torch.arange(chunks, device=device) * c).view(chunks, 1, 1, 1) + torch.arange(width, device=device) - (
+        window - 1)  # fmt: skip
+    total = blocks * length
+    allowed = (key >= 0) & (key < total) & (key // length == query // length) & (key <= query) & (key > query - window)
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def band_forward(query, key, value, window: int | None, scale: float):
+    """
+    Blocks `query` (B, H, L, D), `key`/`value` (B, Hkv, L, D), each attending causally within itself, with keys
+    in (i - w, i] under a `window`. Returns `(out, lse, state)` in the blocks' shapes.
+    """
+    blocks, heads, length, dim = query.shape
+    if window is None or length <= window:  # every key in the block is within the window
+        out, lse, state = attention_forward(query, key, value, None, True, scale)
+        return out, lse, BandState(state)
+    chunks = math.ceil(blocks * length / window)
+    total = chunks * window
+    q = _windows(_flat(query, 0, total), chunks, window, window)
+    k, v = (_windows(_flat(x, window - 1, total), chunks, window, 2 * window - 1) for x in (key, value))
+    bias = _band_bias(chunks, window, blocks, length, query.dtype, query.device)
+    out, lse, state = attention_forward(q, k, v, bias, False, scale)
+    return _unflat(out, blocks, length), _unflat(lse, blocks, length), BandState(state, chunks)
+
+
+def band_backward(band: BandState, grad, query, key, value, out, lse, window: int | None, scale: float):
+    """Gradients of [`band_forward`] given the (merged) output and log-sum-exp of the blocks."""
+    if band.chunks == 0:
+        return attention_backward(band.kernel, grad, query, key, value, None, out, lse, True, scale)
+    blocks, heads, length, dim = query.shape
+    chunks, total, width = band.chunks, band.chunks * window, 2 * window - 1
+    q, g, o = (_windows(_flat(x, 0, total), chunks, window, window) for x in (query, grad, out))
+    k, v = (_windows(_flat(x, window - 1, total), chunks, window, width) for x in (key, value))
+    l = _windows(_flat(lse.unsqueeze(-1), 0, total), chunks, window, window).squeeze(-1)  # noqa: E741
+    bias = _band_bias(chunks, window, blocks, length, query.dtype, query.device)
+    grad_q, grad_k, grad_v = attention_backward(band.kernel, g, q, k, v, bias, o, l, False, scale)
+
+    def fold(windows):  # (chunks, Hkv, 2w - 1, D) per chunk -> the run's keys: each key is in two chunks' windows
+        run = windows.new_zeros((window - 1 + total, windows.shape[1], dim))
+        own = run[window - 1 :].view(chunks, window, windows.shape[1], dim)
+        own.copy_(windows[:, :, window - 1 :].transpose(1, 2))
+        # the w - 1 keys before each chunk, read by it again: non-overlapping strided slots (w - 1 <= w)
+        before = run.as_strided((chunks, window - 1, windows.shape[1], dim),
+                                (window * run.stride(0), run.stride(0), run.stride(1), 1))  # fmt: skip
+        before.add_(windows[:, :, : window - 1].transpose(1, 2))
+        return run[window - 1 : window - 1 + blocks * length].view(blocks, length, -1, dim).transpose(1, 2)
+
+    return _unflat(grad_q, blocks, length), fold(grad_k), fold(grad_v)
+
+
+# -- a prompt read by its completions under a window ---------------------------------------------------------------
+def prompt_tail(body_lengths: torch.Tensor, prompt_length: int, window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """
+    `(index, valid, T)`: the flat token index of each group's last `T = min(w - 1, Pm)` body tokens `(G * T,)` (body g
+    holds `body_lengths[g]` tokens from token g Pm on), and which of them exist `(G, T)`. The other body tokens are out
+    of every completion token's window.
+    """
+    tail = max(1, min(window - 1, prompt_length))  # a window of 1 reads none: one key, masked
+    groups = body_lengths.shape[0]
+    offset = body_lengths.view(groups, 1) - tail + torch.arange(tail, device=body_lengths.device)
+    index = torch.arange(groups, device=body_lengths.device).view(groups, 1) * prompt_length + offset.clamp(min=0)
+    return index.view(-1), offset >= 0, tail
+
+
+def gather_tail(x: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """The tokens `index` (G * T,) of the token-major `(1, h, N, D)` -> `(G, h, T, D)`, token-major (a copy)."""
+    picked = x[0].transpose(0, 1).index_select(0, index)  # (G * T, h, D)
+    return picked.view(groups, -1, *picked.shape[1:]).transpose(1, 2)
+
+
+def scatter_tail(target: torch.Tensor, grad: torch.Tensor, index: torch.Tensor) -> None:
+    """Adds the tail's gradient `(G, h, T, D)` to the token-major `(1, h, N, D)` `target` at `index`."""
+    target[0].transpose(0, 1).index_add_(0, index, grad.transpose(1, 2).reshape(-1, *grad.shape[1:2], grad.shape[-1]))
+
+
+def tail_bias(query_offsets: torch.Tensor, valid: torch.Tensor, tail: int, window: int, dtype) -> torch.Tensor:
+    """
+    `(G, 1, Q, T)`: a completion query `t` tokens into its row (`query_offsets` (G, Q) or (1, Q)) sees tail key `m`
+    when it exists and `m >= t + 1 + T - w` (the key's position is within the query's window; for T = w - 1: m >= t).
+    """
+    keys = torch.arange(tail, device=valid.device).view(1, 1, tail)
+    allowed = valid.unsqueeze(1) & (keys >= query_offsets.unsqueeze(-1) + 1 + tail - window)
+    return torch.zeros((), dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+
+
+# -- decoding under a window -----------------------------------------------------------------------------------------
+def decode_window_biases(prefix_columns: int, stored: int, own: int, window: int, dtype, device):
+    """
+    `(prefix_bias, own_bias)`, each `(1, 1, 1, L)` or None when every key is in the window: the step's query sits at
+    position `prefix_columns + own - 1`; the stored prompt holds the last `stored` of the prompt's `prefix_columns`
+    positions, the row its `own` decoded ones after them.
+    """
+    first = prefix_columns + own - window  # the first position in the window
+    biases = []
+    for start, length in ((prefix_columns - stored, stored), (prefix_columns, own)):
+        hidden = first - start  # keys of this part before the window
+        if hidden <= 0:
+            biases.append(None)
+            continue
+        allowed = torch.arange(length, device=device) >= hidden
+        bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+        biases.append(bias.view(1, 1, 1, length))
+    return tuple(biases)
+
+
+# -- sinks -----------------------------------------------------------------------------------------------------------
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """In place: `out` (B, H, L, D) and `lse` (B, H, L) of attention without the sinks -> with them."""
+    sinks = sinks.to(lse.dtype).view(1, -1, 1)
+    weight = torch.sigmoid(lse - sinks).unsqueeze(-1)
+    if out.dtype == weight.dtype:
+        out.mul_(weight)
+    else:  # half precision: scaled in float32, as the kernels accumulate
+        out.copy_(out.float() * weight)
+    torch.logaddexp(lse, sinks, out=lse)
+
+
+def sink_gradient(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`(H,)`: the sinks' gradient from queries with output gradient `grad` and output `out` (B, H, L, D), and the
+    log-sum-exp `lse` (B, H, L), all with the sinks."""
+    delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
+    share = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # the sink's probability
+    return -(share * delta).sum(dim=(0, 2))
