@@ -7,17 +7,15 @@ does not return, so the parts call the kernels underneath it ([`choose_kernel`],
 
 - CPU: `aten._scaled_dot_product_flash_attention_for_cpu` (any float dtype, grouped-query heads, an additive mask);
 - CUDA, half precision without a mask, sm80 to sm121, head_dim a multiple of 8 up to 256:
-  `aten._scaled_dot_product_flash_attention` (grouped-query heads native);
+  `aten._scaled_dot_product_flash_attention` (grouped-query heads native), and for a causal call under a sliding
+  window `aten._flash_attention_forward`, which takes the window;
 - CUDA otherwise (float32, a mask, older GPUs), sm50 to sm121, head_dim aligned for its GEMMs:
-  `aten._scaled_dot_product_efficient_attention`. It has no grouped-query heads: for non-causal calls (a prompt's
-  keys read by its completions, decoding) the query heads that share a key/value head are folded into the query
-  length instead of copying the keys and values to every query head;
+  `aten._scaled_dot_product_efficient_attention`. It has no grouped-query heads: for non-causal calls whose mask
+  depends on the key only (a prompt's keys read by its completions, decoding) the query heads that share a key/value
+  head are folded into the query length instead of copying the keys and values to every query head;
 - anywhere else: [`math_attention`], which materializes the scores.
 
-Each configuration (kernel, device, dtype, heads, head_dim, mask, causal or not, decoding or not) is checked the first
-time it is used ([`check_kernel`]) against a float64 reference with autocast off, on problems shaped like its use; a
-kernel that disagrees, or raises then or later (forward or backward), is replaced by the math path for that
-configuration, with one warning naming the kernel and the reason. The run never stops on a kernel.
+[`kernel_checks`] checks each configuration at its first use and falls back to the math path where a kernel fails.
 
 The backward is the kernels' own, called with the MERGED output and log-sum-exp (as ring attention does): then each
 part's gradients are exactly its share of the gradients of attention over the concatenated keys, and the sum over the
@@ -27,7 +25,6 @@ query's dtype; `lse` (B, H, Lq). `causal` aligns the first query with the first 
 """
 
 import functools
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -62,11 +59,12 @@ def math_attention(query, key, value, bias, causal, scale):
     return out.to(query.dtype), lse
 
 
-def _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale):
+def math_backward(grad_out, query, key, value, bias, out, lse, causal, scale):
     work = torch.promote_types(query.dtype, torch.float32)
     q, k, v, g, o = (x.to(work) for x in (query, key, value, grad_out, out))
     heads, kv_heads = q.shape[1], k.shape[1]
-    probs = torch.exp(_scores(q, k, None if bias is None else bias.to(work), causal, scale) - lse.to(work).unsqueeze(-1))
+    scores = _scores(q, k, None if bias is None else bias.to(work), causal, scale)
+    probs = torch.exp(scores - lse.to(work).unsqueeze(-1))
     grad_v = torch.matmul(probs.transpose(-1, -2), g)
     grad_p = torch.matmul(g, _expand_heads(v, heads).transpose(-1, -2))
     grad_s = probs * (grad_p - (g * o).sum(-1, keepdim=True))
@@ -125,6 +123,7 @@ class KernelState:
     config: tuple = ()  # the configuration ([`_configuration`]), to switch it to the math path if the backward fails
     extra: tuple = field(default_factory=tuple)
     folded: bool = False  # grouped-query heads folded into the query length (see [`_fold`])
+    window: int | None = None  # a causal call under a sliding window (keys in (i - w, i])
 
 
 # Kernels without grouped-query heads that get them folded (non-causal calls; tests add the CPU kernel to run the fold)
@@ -160,7 +159,51 @@ def _aligned_bias(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     return padded.expand(query.shape[0], query.shape[1], query.shape[2], length)
 
 
-def _kernel_forward(kernel, query, key, value, bias, causal, scale):
+def window_bias(length: int, window: int, dtype, device) -> torch.Tensor:
+    """`(1, 1, L, L)`: the keys in (i - w, i) hidden from query i beyond the causal mask (the math path's window)."""
+    distance = torch.arange(length, device=device).view(-1, 1) - torch.arange(length, device=device)
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min).view(
+        1, 1, length, length)  # fmt: skip
+
+
+def _flash_window_forward(query, key, value, scale, window):
+    """
+    Causal attention within each of B blocks `(B, H, L, D)` (token-major views), keys in (i - w, i]: flash's
+    variable-length entry point takes a window; the blocks are its sequences, all of length L (a block's padding comes
+    after its tokens, so causality keeps it out of sight).
+    """
+    blocks, heads, length, dim = query.shape
+    cumulative = torch.arange(0, (blocks + 1) * length, length, dtype=torch.int32, device=query.device)
+    q, k, v = (x.transpose(1, 2).reshape(blocks * length, x.shape[1], dim) for x in (query, key, value))
+    out, lse, rng_state, unused, _ = aten._flash_attention_forward(
+        q, k, v, cumulative, cumulative, length, length, 0.0, True, False, scale=scale, window_size_left=window - 1,
+        window_size_right=0,
+    )  # fmt: skip
+    # out (B L, H, D) -> (B, H, L, D); lse (H, B L) -> (B, H, L), views
+    out = out.view(blocks, length, heads, dim).transpose(1, 2)
+    return out, lse.view(heads, blocks, length).transpose(0, 1), (cumulative, rng_state, unused)
+
+
+def _flash_window_backward(extra, grad_out, query, key, value, out, lse, scale, window):
+    cumulative, rng_state, unused = extra
+    blocks, heads, length, dim = query.shape
+    flat = lambda x: x.transpose(1, 2).reshape(blocks * length, x.shape[1], dim)  # noqa: E731
+    grad_q, grad_k, grad_v = aten._flash_attention_backward(
+        flat(grad_out), flat(query), flat(key), flat(value), flat(out),
+        lse.transpose(0, 1).reshape(heads, blocks * length).contiguous(), cumulative, cumulative, length, length,
+        0.0, True, rng_state, unused, scale=scale, window_size_left=window - 1, window_size_right=0,
+    )  # fmt: skip
+    return tuple(x.view(blocks, length, -1, dim).transpose(1, 2) for x in (grad_q, grad_k, grad_v))
+
+
+def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None):
+    if window is not None:  # a causal call under a window: flash's own, or the math path with the window's mask
+        if kernel == "cuda_flash":
+            out, lse, extra = _flash_window_forward(query, key, value, scale, window)
+            return out, lse, KernelState(kernel, extra=extra, window=window)
+        out, lse = math_attention(query, key, value, window_bias(query.shape[2], window, query.dtype, query.device),
+                                  True, scale)  # fmt: skip
+        return out, lse, KernelState("math", window=window)
     if kernel == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=bias, scale=scale
@@ -186,6 +229,8 @@ def _kernel_forward(kernel, query, key, value, bias, causal, scale):
 
 def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
     kernel = state.kernel
+    if state.window is not None and kernel == "cuda_flash":
+        return _flash_window_backward(state.extra, grad_out, query, key, value, out, lse, scale, state.window)
     if kernel == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key, value, out, lse, 0.0, causal, attn_mask=bias, scale=scale
@@ -211,7 +256,12 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
             grad_k = grad_k.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
-    return _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
+    return math_backward(grad_out, query, key, value, with_window(bias, query, state.window), out, lse, causal, scale)
+
+
+def with_window(bias, query, window):
+    """The math path's mask for a windowed causal call (it has no bias otherwise)."""
+    return bias if window is None else window_bias(query.shape[2], window, query.dtype, query.device)
 
 
 def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
@@ -223,7 +273,7 @@ def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _forward(kernel, query, key, value, bias, causal, scale, config=()):
+def forward(kernel, query, key, value, bias, causal, scale, config=(), window=None):
     """`(out, lse, state)` from `kernel`, grouped-query heads folded into the query length where it needs them."""
     if _folds(kernel, query, key, bias, causal):
         heads, kv_heads = query.shape[1], key.shape[1]
@@ -231,12 +281,12 @@ def _forward(kernel, query, key, value, bias, causal, scale, config=()):
         state.folded = True
         out, lse = _unfold(out, heads), _unfold(lse, heads)
     else:
-        out, lse, state = _kernel_forward(kernel, query, key, value, bias, causal, scale)
+        out, lse, state = _kernel_forward(kernel, query, key, value, bias, causal, scale, window)
     state.config = config
     return out, lse, state
 
 
-def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
+def backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
     if state.folded:
         heads, kv_heads = query.shape[1], key.shape[1]
         grad_q, grad_k, grad_v = _kernel_backward(state, _fold(grad_out, kv_heads), _fold(query, kv_heads), key,
@@ -244,156 +294,3 @@ def _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
                                                    scale)  # fmt: skip
         return _unfold(grad_q, heads), grad_k, grad_v
     return _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
-
-
-# -- first-use check and fallback --------------------------------------------------------------------------------------
-# Largest error allowed against the float64 reference, relative to the reference's largest magnitude, per dtype: about
-# 5 units in the last place for half precision (the CPU kernel measured at most 1.2: bf16 9.5e-3 in a key gradient,
-# fp16 1.3e-3), and room for other accumulation orders in float32 (1.7e-6 measured). A wrong layout, scale, mask or
-# log-sum-exp is off by more than 0.1.
-TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-10}
-# The log-sum-exp is compared absolutely (it sets the merge's weights: an error e scales them by up to exp(e)). Every
-# kernel computes it in float32 from the same inputs as the reference: 1e-4 off measured for half precision inputs.
-LSE_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-10}
-# The problems a check runs, (query length, key length) per use: long enough to pass one kernel block (64 to 256 keys)
-# and reach the split-key paths; decoding has one query per row (flash then swaps grouped heads into it)
-PROBLEMS = {"causal": ((24, 24), (200, 200)), "prefix": ((12, 24), (40, 300)), "decode": ((1, 24), (1, 300))}
-
-# Exceptions that are not a kernel's problem: the math path would run out of memory sooner, or on a broken device
-NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
-# configuration -> None when its kernel is used, else why the math path runs instead
-_status: dict[tuple, str | None] = {}
-
-
-def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None,
-                   causal: bool) -> tuple:  # fmt: skip
-    use = "causal" if causal else "decode" if query.shape[2] == 1 else "prefix"
-    return (kernel, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], bias is not None, use)
-
-
-def configuration(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, with_bias: bool,
-                  use: str) -> tuple:  # fmt: skip
-    """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "prefix" or
-    "decode")."""
-    query = torch.empty(1, heads, 1, dim, device=device, dtype=dtype)
-    bias = torch.empty(1, 1, 1, 1, device=device, dtype=dtype) if with_bias else None
-    return (choose_kernel(query, bias), device, dtype, heads, kv_heads, dim, with_bias, use)
-
-
-def describe(config: tuple) -> str:
-    kernel, device, dtype, heads, kv_heads, dim, with_bias, use = config
-    return (f"{kernel} on {device} ({str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads, head_dim {dim}, "
-            f"{use}{', masked' if with_bias else ''})")  # fmt: skip
-
-
-def check_kernel(config: tuple) -> str | None:
-    """
-    Runs the configuration's kernel, forward and backward (with a token-major log-sum-exp, as the packed forward hands
-    it over), on problems shaped like its use, and compares every output with a float64 reference computed with
-    autocast off. Returns None when all agree within [`TOLERANCE`], else what went wrong (a mismatch, or the exception
-    the kernel raised).
-    """
-    kernel, device, dtype, heads, kv_heads, dim, with_bias, use = config
-    causal = use == "causal"
-    generator = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(batch, length, count):  # (B, L, h, D) laid out, used transposed, as the model hands them over
-        return torch.randn(batch, length, count, dim, generator=generator, dtype=torch.float64).to(device, dtype)
-
-    for query_length, key_length in PROBLEMS[use]:
-        q, k, v, g = (rand(2, length, count).transpose(1, 2) for length, count in
-                      ((query_length, heads), (key_length, kv_heads), (key_length, kv_heads), (query_length, heads)))  # fmt: skip
-        bias = None
-        if with_bias:  # the first row's first keys are padding, as a shorter prompt's
-            bias = torch.zeros(2, 1, 1, key_length, dtype=dtype, device=device)
-            bias[0, ..., : key_length // 4] = torch.finfo(dtype).min
-        scale = dim**-0.5
-        try:
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                out, lse, state = _forward(kernel, q, k, v, bias, causal, scale)
-                grads = ()
-                if use != "decode":  # decoding runs no backward
-                    token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
-                    grads = _backward(state, g, q, k, v, bias, out, token_major, causal, scale)
-        except Exception as error:  # noqa: BLE001  (any other failure sends this configuration to the math path)
-            return _failure(error)
-        exact = [None if x is None else x.detach().to("cpu", torch.float64) for x in (q, k, v, g, bias)]
-        with torch.autocast("cpu", enabled=False):
-            ref_out, ref_lse = math_attention(*exact[:3], exact[4], causal, scale)
-            ref_grads = _math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale) if grads else ()
-        names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
-        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
-            error = (got.detach().to("cpu", torch.float64) - want).abs().max().item()
-            tolerance, unit = LSE_TOLERANCE[dtype], ""
-            if name != "log-sum-exp":
-                error, tolerance, unit = error / want.abs().max().item(), TOLERANCE[dtype], " of its largest value"
-            if not error <= tolerance:  # NaN fails too
-                return (f"did not match the float64 reference: {name} off by {error:.1e}{unit} (tolerance "
-                        f"{tolerance:.0e}) at {query_length} queries x {key_length} keys")  # fmt: skip
-    return None
-
-
-def _usable(config: tuple) -> bool:
-    """Whether `config`'s fused kernel is used: checked at its first use; one warning when it is not."""
-    kernel, device, dtype = config[:3]
-    if kernel == "math":
-        if config not in _status:  # no fused kernel for this device or dtype: say so once
-            _status[config] = "no fused kernel"
-            warnings.warn(f"rloo_efficient: no fused attention kernel for {device.type} ({dtype}); prefix "
-                          "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
-        return False
-    if config not in _status:
-        reason = check_kernel(config)
-        _status[config] = None
-        if reason is not None:
-            _disable(config, reason)
-    return _status[config] is None
-
-
-def _disable(config: tuple, reason: str) -> None:
-    """Sends `config` to the math path from now on, with one warning."""
-    if _status.get(config) is None:
-        _status[config] = reason
-        warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses the "
-                      "slower math path there (its scores in memory).", stacklevel=4)  # fmt: skip
-
-
-def _failure(error: Exception) -> str:
-    """What a kernel's exception says, for its warning; out-of-memory and device errors propagate (the math path
-    needs more memory, and a device fault leaves the device unusable: neither is the kernel's to recover from)."""
-    if isinstance(error, NOT_RECOVERABLE):
-        raise error
-    return f"raised {type(error).__name__}: {error}"
-
-
-# -- the entry points ------------------------------------------------------------------------------------------------
-def _bias_in(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The bias in the query's dtype; its masking value clamped to that dtype's range (another dtype's minimum would
-    overflow to -inf, and a row with every key masked would turn NaN)."""
-    if bias is None or bias.dtype == dtype:
-        return bias
-    return bias.to(dtype).clamp(min=torch.finfo(dtype).min)
-
-
-def attention_forward(query, key, value, bias, causal: bool, scale: float):
-    """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes)."""
-    bias = _bias_in(bias, query.dtype)
-    kernel = choose_kernel(query, bias)
-    config = _configuration(kernel, query, key, bias, causal)
-    if _usable(config):
-        try:
-            return _forward(kernel, query, key, value, bias, causal, scale, config)
-        except Exception as error:  # noqa: BLE001  (a kernel that raises after its check: the math path, not a crash)
-            _disable(config, _failure(error))
-    return _forward("math", query, key, value, bias, causal, scale, config)
-
-
-def attention_backward(state: KernelState, grad_out, query, key, value, bias, out, lse, causal: bool, scale: float):
-    """`(grad_query, grad_key, grad_value)` given the output and log-sum-exp of the whole (merged) attention."""
-    bias = _bias_in(bias, query.dtype)
-    if state.kernel != "math":
-        try:
-            return _backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
-        except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
-            _disable(state.config, _failure(error))
-    return _math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)

@@ -2,7 +2,7 @@
 The check to run first on a new machine, a GPU one above all: `python -m rloo_efficient.doctor`.
 
 1. The versions that matter, and the device (its compute capability on a GPU).
-2. Each fused attention kernel's first-use check ([`attention_kernels.check_kernel`]) for every dtype and every use
+2. Each fused attention kernel's first-use check ([`kernel_checks.check_kernel`]) for every dtype and every use
    (prompt-causal, a prompt's keys read by its completions, decoding; with and without prompt padding), with the head
    layouts of common models, under TRL's default bf16 autocast: which kernel each configuration gets, and whether it
    matches the float64 reference.
@@ -28,12 +28,15 @@ from importlib import metadata
 
 import torch
 
-from . import attention_kernels
+from . import kernel_checks
 
 
 # (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256
 HEAD_LAYOUTS = ((32, 8, 64), (16, 8, 128), (8, 4, 256))
-USES = (("causal", False), ("prefix", False), ("prefix", True), ("decode", False), ("decode", True))
+# (use, masked): prompt-causal, and under a sliding window; a prompt read by its completions, whole, padded or under a
+# sliding window; decoding
+USES = (("causal", None), ("causal window", None), ("prefix", None), ("prefix", "by key"), ("prefix", "by query"),
+        ("decode", None), ("decode", "by key"))  # fmt: skip
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "rloo_efficient")
 METRICS = ("loss", "reward", "kl", "grad_norm", "entropy")
 # float32 on both sides, TF32 off: the runs differ only in summation order (~1e-6 relative per step)
@@ -67,18 +70,20 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
     lines, failures = [], 0
     for dtype in dtypes:
         for heads, kv_heads, dim in HEAD_LAYOUTS:
-            for use, with_bias in USES:
-                config = attention_kernels.configuration(device, dtype, heads, kv_heads, dim, with_bias, use)
+            for use, masked in USES:
+                config = kernel_checks.configuration(device, dtype, heads, kv_heads, dim, masked, use)
                 kernel = config[0]
-                if kernel == "math":
+                if use == "causal window" and kernel != "cuda_flash":
+                    result = "no windowed kernel: chunks with a mask per query (the prefix line masked by query)"
+                elif kernel == "math":
                     result = "no fused kernel for this device and dtype (math path)"
                 else:
                     # Under TRL's default autocast, which a correct check must not depend on
                     with torch.autocast(device.type, dtype=torch.bfloat16):
-                        reason = attention_kernels.check_kernel(config)
+                        reason = kernel_checks.check_kernel(config)
                     failures += reason is not None
                     result = "ok" if reason is None else f"FAILED: {reason}"
-                lines.append(f"{attention_kernels.describe(config)}: {result}")
+                lines.append(f"{kernel_checks.describe(config)}: {result}")
     return lines, failures
 
 

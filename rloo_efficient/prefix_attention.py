@@ -9,7 +9,7 @@ ring attention merges the same way):
     suffix:  each row's queries against its own keys (causal in training, all of them while decoding)
     merge:   out = lerp(out_s, out_p, sigmoid(lse_p - lse_s)),  lse = logaddexp(lse_p, lse_s)
 
-Each part is one fused-kernel call over all rows of all groups ([`attention_kernels`]); the backward calls the
+Each part is one fused-kernel call over all rows of all groups ([`kernel_checks`]); the backward calls the
 kernels' backward with the merged output and log-sum-exp. No (L, L) mask exists: a padded prompt is masked by a
 (G, 1, 1, Lp) bias. Where the rows of every group are consecutive and equally many, the prefix layout of the queries is
 a view of their row layout; otherwise one gather maps between them.
@@ -35,7 +35,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention_kernels import attention_backward, attention_forward
+from .kernel_checks import attention_backward, attention_forward
 from .window_attention import apply_sinks, band_backward, band_forward, decode_window_biases, gather_tail
 from .window_attention import prompt_tail, scatter_tail, sink_gradient, tail_bias
 
@@ -322,7 +322,8 @@ def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLay
         out = torch.empty_like(query)  # token-major, as the query
         lse = None
         if sinks is not None:
-            lse = query.new_empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+            lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+            lse = query.new_empty(query.shape[:3], dtype=lse_dtype)
         out_p, lse_p, _ = attention_forward(_to_slots(query, split), prefix_key, prefix_value, prefix_bias, False,
                                             scale)  # fmt: skip
         out_s, lse_s, _ = attention_forward(query, key, value, own_bias, False, scale)

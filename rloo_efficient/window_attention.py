@@ -4,10 +4,11 @@ Sliding windows and attention sinks in the prefix-attention backend ([`prefix_at
 A sliding window `w` lets the token at position p attend to the keys at positions (p - w, p] (transformers'
 `sliding_window_overlay`). In the packed sequence, every part of a completion's attention keeps its shape:
 
-- causal blocks (prompt bodies, and each row's own tokens) longer than the window: [`band_forward`] splits the run of
-  blocks into chunks of `w` queries, each reading the `2w - 1` keys that can reach it as an overlapping view of the
-  keys (no copy per chunk), with one (chunks, 1, w, 2w - 1) mask for the band and the block boundaries: memory linear
-  in the run, no (L, L) mask;
+- causal blocks (prompt bodies, and each row's own tokens) longer than the window: flash applies the window itself
+  on CUDA (its variable-length entry point, the blocks as sequences); elsewhere [`band_forward`] splits the run of
+  blocks into chunks of `w` queries, each reading the `2w - 1` keys that can reach it as an overlapping view of a
+  copy of the keys, with one (chunks, 1, w, 2w - 1) mask for the band and the block boundaries: memory linear in the
+  run, no (L, L) mask;
 - a group's prompt read by its completions: only the prompt's last `w - 1` tokens can be in any completion token's
   window ([`prompt_tail`]), gathered once per group; a completion token `t` tokens into its row sees the tail's keys
   from `t` on ([`tail_bias`]);
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_kernels import KernelState, attention_backward, attention_forward
+from .attention_kernels import KernelState
+from .kernel_checks import attention_backward, attention_forward, windowed_kernel
 
 
 # -- causal blocks under a window --------------------------------------------------------------------------------------
@@ -82,6 +84,10 @@ def band_forward(query, key, value, window: int | None, scale: float):
     if window is None or length <= window:  # every key in the block is within the window
         out, lse, state = attention_forward(query, key, value, None, True, scale)
         return out, lse, BandState(state)
+    if windowed_kernel(query, key):  # flash on CUDA applies the window itself: no chunks, no mask
+        out, lse, state = attention_forward(query, key, value, None, True, scale, window=window)
+        if state.kernel != "math":  # (it raised, and was disabled: chunks, rather than the math path's (L, L) mask)
+            return out, lse, BandState(state)
     chunks = math.ceil(blocks * length / window)
     total = chunks * window
     q = _windows(_flat(query, 0, total), chunks, window, window)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from rloo_efficient import attention_kernels as kernels
+from rloo_efficient import kernel_checks as checks
 from rloo_efficient import prefix_attention
-from rloo_efficient.attention_kernels import attention_backward, attention_forward, math_attention
+from rloo_efficient.attention_kernels import math_attention
+from rloo_efficient.kernel_checks import attention_backward, attention_forward
 from rloo_efficient.prefix_sharing import pack_groups
 
 
@@ -81,7 +83,7 @@ def test_a_fully_masked_row_stays_finite_and_carries_no_weight():
 @pytest.fixture
 def fresh_checks(monkeypatch):
     """No configuration checked or disabled yet (the module keeps them for the process)."""
-    monkeypatch.setattr(kernels, "_status", {})
+    monkeypatch.setattr(checks, "_status", {})
 
 
 USES = ("causal", "prefix", "decode")
@@ -91,27 +93,28 @@ USES = ("causal", "prefix", "decode")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(8, 2, 64), (4, 4, 128)])
 # A bias (prompt padding) comes with the non-causal uses only: causal calls attend within one unpadded sequence
-@pytest.mark.parametrize("use, with_bias", [("causal", False), ("prefix", False), ("prefix", True), ("decode", False),
-                                            ("decode", True)])  # fmt: skip
-def test_the_check_passes_the_cpu_kernel_for_every_use_also_under_autocast(dtype, heads, kv_heads, dim, use, with_bias,
+# (use, masked): a bias (prompt padding by key, a sliding window by query) comes with the non-causal uses only
+@pytest.mark.parametrize("use, masked", [("causal", None), ("prefix", None), ("prefix", "by key"),
+                                         ("prefix", "by query"), ("decode", None), ("decode", "by key")])  # fmt: skip
+def test_the_check_passes_the_cpu_kernel_for_every_use_also_under_autocast(dtype, heads, kv_heads, dim, use, masked,
                                                                            autocast):  # fmt: skip
     """The check runs the same code on the CPU kernel as on a GPU's: under TRL's default bf16 autocast too, where a
     reference computed in the caller's autocast would be rounded to bf16 and reject a correct kernel."""
-    config = ("cpu_flash", torch.device("cpu"), dtype, heads, kv_heads, dim, with_bias, use)
+    config = ("cpu_flash", torch.device("cpu"), dtype, heads, kv_heads, dim, masked, use)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        assert kernels.check_kernel(config) is None
+        assert checks.check_kernel(config) is None
 
 
 def test_the_check_rejects_a_kernel_that_is_slightly_wrong(monkeypatch):
     """A kernel whose log-sum-exp or gradient is off (here: the log-sum-exp of the wrong scale, a key gradient
     halved) fails its check, with what was off."""
     forward, backward = kernels._kernel_forward, kernels._kernel_backward
-    config = ("cpu_flash", torch.device("cpu"), torch.bfloat16, 8, 2, 64, True, "prefix")
+    config = ("cpu_flash", torch.device("cpu"), torch.bfloat16, 8, 2, 64, "by key", "prefix")
     monkeypatch.setattr(kernels, "_kernel_forward", lambda *a: (lambda o, l, s: (o, l * 1.01, s))(*forward(*a)))
-    assert "log-sum-exp off by" in kernels.check_kernel(config)
+    assert "log-sum-exp off by" in checks.check_kernel(config)
     monkeypatch.setattr(kernels, "_kernel_forward", forward)
     monkeypatch.setattr(kernels, "_kernel_backward", lambda *a: (lambda q, k, v: (q, k / 2, v))(*backward(*a)))
-    assert "key gradient off by" in kernels.check_kernel(config)
+    assert "key gradient off by" in checks.check_kernel(config)
 
 
 def packed_grads(model, ids, rows, width_c):
@@ -153,7 +156,7 @@ def test_a_kernel_that_raises_later_falls_back_to_the_math_path_without_a_crash(
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
     assert messages and all("cpu_flash on cpu" in m and f"raised {error.__name__}" in m for m in messages)
-    assert len(messages) == len(set(messages)) == sum(reason is not None for reason in kernels._status.values())
+    assert len(messages) == len(set(messages)) == sum(reason is not None for reason in checks._status.values())
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -173,7 +176,7 @@ def test_running_out_of_memory_in_a_kernel_is_not_hidden(fresh_checks, monkeypat
             attention_forward(q, k, v, None, True, 0.3)
         else:
             attention_backward(state, q, q, k, v, None, out, lse, True, 0.3)
-    assert all(reason is None for reason in kernels._status.values()) and original
+    assert all(reason is None for reason in checks._status.values()) and original
 
 
 @pytest.mark.parametrize("query_length", [1, 7])

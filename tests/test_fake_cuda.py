@@ -1,13 +1,15 @@
 """
 The CUDA branches on this CPU-only build, with fake CUDA tensors (`FakeTensorMode`, device `cuda:0`): every call of
-the flash and memory-efficient kernels, forward and backward, and the packed forward and two decoding steps of tiny
-Llama and Qwen3 through transformers' own model code. Shapes, dtypes, strides and which kernel is chosen are checked;
-values are not computed, so these tests catch signatures, shapes and plumbing, not numbers (the first-use check does
-that on a GPU; the CPU tests do it for the code the devices share).
+the flash (windowed too) and memory-efficient kernels, forward and backward; the packed forward and two decoding steps
+of tiny Llama and Qwen3 through transformers' own model code; and Gemma 3's and GPT-OSS's packed forward under a
+sliding window, with GPT-OSS's sinks. Shapes, dtypes, strides, the layouts the kernels assume, and which kernel is
+chosen are checked; values are not computed, so these tests catch signatures, shapes and plumbing, not numbers (the
+first-use check does that on a GPU; the CPU tests do it for the code the devices share).
 
-What it takes on a CPU-only build: its Python bindings for indexing, `copy_`, `contiguous` and `~` ask for CUDA's
-device guard, which it lacks, so the tests route them through the aten operators; autograd cannot record fake CUDA
-tensors, so the backward functions are called directly; and host values (`.numpy()`) are read outside the fake mode.
+What it takes on a CPU-only build: its Python bindings for indexing (reads and writes), `copy_`, `contiguous` and `~`
+ask for CUDA's device guard, which it lacks, so the tests route them through the aten operators; autograd cannot
+record fake CUDA tensors, so the backward functions are called directly; host values (`.numpy()`) are read outside
+the fake mode; and the compute capability transformers' experts ask for is the fake one.
 """
 
 import contextlib
@@ -19,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient import attention_kernels as kernels
+from rloo_efficient import kernel_checks as checks
 from rloo_efficient import prefix_attention
 from rloo_efficient.prefix_cache import PrefixCache
 from rloo_efficient.prefix_sharing import pack_groups
@@ -58,6 +61,19 @@ def _getitem(x: torch.Tensor, index):
     return out
 
 
+def _setitem(x: torch.Tensor, index, value) -> None:
+    """`x[index] = value` through aten operators: tensor indices (index_put_), or basic ones (a view written)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, torch.Tensor) for i in index):
+        assert all(isinstance(i, torch.Tensor) for i in index), "tensor indices only"
+        value = value if isinstance(value, torch.Tensor) else torch.full((), value, dtype=x.dtype).to(x.device)
+        aten.index_put_.default(x, list(index), value)
+    elif isinstance(value, torch.Tensor):
+        aten.copy_.default(_getitem(x, index), value)
+    else:
+        aten.fill_.Scalar(_getitem(x, index), value)
+
+
 class _LayoutContracts:
     """`torch.ops.aten`, with the layouts the CUDA kernels assume but do not check asserted: the efficient kernel's
     backward reads `out` with a row stride of H * D (kernel_backward.h `o_strideM`), and flash's log-sum-exp as
@@ -74,6 +90,14 @@ class _LayoutContracts:
                 return op(grad_out, query, key, value, bias, out, lse, *args, **kwargs)
 
             return checked
+        if name == "_flash_attention_backward":  # the windowed (variable-length) entry point
+
+            def checked_varlen(grad_out, query, key, value, out, lse, cum_q, cum_k, *args, **kwargs):
+                assert lse.is_contiguous() and lse.shape == (query.shape[1], query.shape[0])  # (H, total)
+                assert cum_q.dtype == cum_k.dtype == torch.int32 and all(x.stride(-1) == 1 for x in (grad_out, out))
+                return op(grad_out, query, key, value, out, lse, cum_q, cum_k, *args, **kwargs)
+
+            return checked_varlen
         if name == "_scaled_dot_product_flash_attention_backward":
 
             def checked_flash(grad_out, query, key, value, out, lse, *args, **kwargs):
@@ -100,6 +124,7 @@ def fake_cuda(monkeypatch, capability=HOPPER):
 
     for name, function in {
         "__getitem__": _getitem,
+        "__setitem__": _setitem,
         "copy_": lambda self, src, non_blocking=False: aten.copy_.default(self, src, non_blocking),
         "contiguous": lambda self, memory_format=torch.contiguous_format: (
             self if self.is_contiguous(memory_format=memory_format) else aten.clone.default(self, memory_format=memory_format)),
@@ -108,9 +133,10 @@ def fake_cuda(monkeypatch, capability=HOPPER):
         "numpy": host_numpy,
     }.items():  # fmt: skip
         monkeypatch.setattr(tensor, name, function)
-    monkeypatch.setattr(kernels, "_status", {})
-    monkeypatch.setattr(kernels, "check_kernel", lambda config: None)
+    monkeypatch.setattr(checks, "_status", {})
+    monkeypatch.setattr(checks, "check_kernel", lambda config: None)
     monkeypatch.setattr(kernels, "device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: capability)  # transformers' MoE asks
     chosen = []
     forward = kernels._kernel_forward
     expand = kernels._expand_heads
@@ -168,45 +194,52 @@ def test_kernel_choice_follows_pytorchs_constraints(monkeypatch, capability, dty
 # -- every kernel call, forward and backward -------------------------------------------------------------------------
 CALLS = {  # use: (query length, key length, causal)
     "causal": (40, 40, True),
+    "causal window": (40, 40, True),  # keys in (i - 16, i]: flash's own window (the blocks longer than a window)
     "prefix": (12, 150, False),
     "decode": (1, 150, False),
 }
 
 
 KERNEL_CALLS = [
-    (kernel, dtype, use, with_bias)
+    (kernel, dtype, use, masked)
     for kernel, dtype in [("cuda_flash", torch.bfloat16), ("cuda_flash", torch.float16), ("cuda_efficient",
                           torch.bfloat16), ("cuda_efficient", torch.float16), ("cuda_efficient", torch.float32)]
     for use in CALLS
-    for with_bias in (False, True)
-    if not with_bias or (kernel == "cuda_efficient" and use != "causal")  # flash takes no bias; causal calls have none
+    for masked in (None, "by key", "by query")
+    if not (masked and use.startswith("causal"))
+    # flash takes no bias; causal calls have none; a window's mask by query is for the prefix part (and the banded
+    # chunks, shaped alike)
+    if masked is None or (kernel == "cuda_efficient" and use != "causal" and (masked == "by key" or use == "prefix"))
+    if use != "causal window" or kernel == "cuda_flash"  # elsewhere a window is applied by chunks with a mask
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel, dtype, use, with_bias", KERNEL_CALLS)
+@pytest.mark.parametrize("kernel, dtype, use, masked", KERNEL_CALLS)
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_every_kernel_call_has_the_right_signature_shapes_and_strides(monkeypatch, kernel, dtype, heads, kv_heads, dim,
-                                                                      use, with_bias):  # fmt: skip
+                                                                      use, masked):  # fmt: skip
     query_length, key_length, causal = CALLS[use]
     with fake_cuda(monkeypatch) as chosen:
         q, g = on_cuda(2, query_length, heads, dim, dtype=dtype), on_cuda(2, query_length, heads, dim, dtype=dtype)
         k, v = on_cuda(2, key_length, kv_heads, dim, dtype=dtype), on_cuda(2, key_length, kv_heads, dim, dtype=dtype)
         bias = None
-        if with_bias:  # the prefix part's padding bias, (B, 1, 1, Lk)
-            bias = torch.zeros(2, 1, 1, key_length, dtype=dtype).to(CUDA)
-        out, lse, state = kernels._forward(kernel, q, k, v, bias, causal, dim**-0.5)
+        if masked:  # the prefix part's padding bias (B, 1, 1, Lk), or a window's (B, 1, Lq, Lk)
+            bias = torch.zeros(2, 1, 1 if masked == "by key" else query_length, key_length, dtype=dtype).to(CUDA)
+        window = 16 if use == "causal window" else None
+        out, lse, state = kernels.forward(kernel, q, k, v, bias, causal, dim**-0.5, window=window)
+        assert state.window == window and (window is None or state.kernel == "cuda_flash")
         assert (out.shape, out.dtype, out.device) == (q.shape, dtype, CUDA) and out.stride(-1) == 1
         assert (lse.shape, lse.dtype) == ((2, heads, query_length), torch.float32)
-        # The efficient kernel has no grouped heads: folded into the query length when non-causal, never a copy
-        # of the keys and values per query head there
-        folds = kernel == "cuda_efficient" and not causal and heads != kv_heads
+        # The efficient kernel has no grouped heads: folded into the query length when non-causal and masked by key
+        # at most, never a copy of the keys and values per query head there
+        folds = kernel == "cuda_efficient" and not causal and heads != kv_heads and masked != "by query"
         assert state.folded == folds
         expanded = [entry for entry in chosen if entry[0] == "expanded keys"]
         assert not expanded if kernel == "cuda_flash" or heads == kv_heads or folds else expanded
         assert chosen[0] == (kernel, kv_heads // kv_heads if folds else heads // kv_heads)
         token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)  # as the packed forward keeps it
-        grads = kernels._backward(state, g, q, k, v, bias, out, token_major, causal, dim**-0.5)
+        grads = kernels.backward(state, g, q, k, v, bias, out, token_major, causal, dim**-0.5)
         for grad, like in zip(grads, (q, k, v), strict=True):
             assert (grad.shape, grad.dtype, grad.device) == (like.shape, dtype, CUDA) and grad.stride(-1) == 1
 
@@ -216,13 +249,26 @@ ARCHITECTURES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
+# Sliding windows (8 tokens, shorter than the packed prompts and rows) on every other layer; GPT-OSS's sinks
+WINDOWED = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(query_pre_attn_scalar=64)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
 
 
 def fake_model(arch: str, dtype: torch.dtype):
-    config_class, model_class = ARCHITECTURES[arch]
+    import transformers
+
+    extra = {}
+    if arch in WINDOWED:
+        config_name, model_name, extra = WINDOWED[arch]
+        config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
+        extra = {**extra, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    else:
+        config_class, model_class = ARCHITECTURES[arch]
     # 4 query heads on 2 key/value heads, head_dim 64: the smallest shapes the CUDA kernels take as real models do
     config = config_class(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, pad_token_id=0)  # fmt: skip
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, pad_token_id=0, **extra)  # fmt: skip
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -261,7 +307,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         for got, like in zip(grads[:3], (q, k, v), strict=True):
             assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
         assert grads[3:] == (None,) * 4
-        assert all(reason is None for reason in kernels._status.values())  # no kernel fell back to the math path
+        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -291,4 +337,39 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
                 assert chosen == [("cuda_efficient", 1), ("cuda_flash", 2)] * 2
                 step_ids = torch.randint(3, 64, (6, 1)).to(CUDA)
                 step_mask = torch.cat([step_mask, torch.ones(6, 1, dtype=step_mask.dtype).to(CUDA)], 1)
-        assert all(reason is None for reason in kernels._status.values())  # no kernel fell back to the math path
+        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch):
+    """A sliding window shorter than the packed prompts (20 and 14 tokens) and rows, and GPT-OSS's sinks: windowed
+    flash for the causal blocks, the efficient kernel for the prompt's tail, flash elsewhere; the packed attention's
+    backward too."""
+    ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [12, 4, 3, 11, 2, 1], 12, seed=0)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, torch.bfloat16)
+        packed = pack_groups(ids.to(CUDA), 12, rows, torch.bfloat16)
+        logits = model(**packed.model_inputs()).logits
+        assert logits.shape == (1, packed.num_tokens, 64) and logits.dtype == torch.bfloat16
+        # The sliding layer: prompt bodies and rows under the window on flash's windowed entry point, the rows'
+        # queries over the prompts' tails on the efficient kernel (a mask per query: not folded); the full layer as
+        # without a window
+        # (the tail's mask is per query: its few keys copied per query head)
+        kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
+        assert kernels_run == [("cuda_flash", 2), ("cuda_efficient", 2), ("cuda_flash", 2)] * 1 + [
+            ("cuda_flash", 2), ("cuda_efficient", 1), ("cuda_flash", 2)]  # fmt: skip
+        layer = model.model.layers[0].self_attn
+        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 4, 64,
+                                                                                     dtype=torch.bfloat16)  # fmt: skip
+        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 2, 64,
+                                                                                  dtype=torch.bfloat16)  # fmt: skip
+        sinks = getattr(layer, "sinks", None)
+        ctx = SimpleNamespace(needs_input_grad=(True, True, True, sinks is not None, False, False, False))
+        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
+        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, sinks, packed.layout, 8, 0.125)
+        assert out.shape == (1, packed.num_tokens, 4, 64)
+        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
+        for got, like in zip(grads[:3], (q, k, v), strict=True):
+            assert (got.shape, got.dtype, got.device) == (like.shape, torch.bfloat16, CUDA)
+        assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
+        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path

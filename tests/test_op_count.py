@@ -25,15 +25,15 @@ def test_a_whole_run_dispatches_at_most_a_tenth_more_than_stock(model_cache, tmp
     # Each kernel configuration's first-use check runs once per process, not per step: left out of the count
     from torch.utils._python_dispatch import _disable_current_modes
 
-    import rloo_efficient.attention_kernels as kernels
+    import rloo_efficient.kernel_checks as checks
 
-    check = kernels.check_kernel
+    check = checks.check_kernel
 
     def uncounted(config):
         with _disable_current_modes():
             return check(config)
 
-    monkeypatch.setattr(kernels, "check_kernel", uncounted)
+    monkeypatch.setattr(checks, "check_kernel", uncounted)
     workload = WorkloadConfig(prompt_length=256, num_hidden_layers=4, hidden_size=32, intermediate_size=64,
                               max_position_embeddings=512, model_cache_dir=str(model_cache))  # fmt: skip
     path, dataset = build_model_dir(workload), build_dataset(workload)

@@ -1,0 +1,186 @@
+"""
+The fused attention kernels, trusted only once checked: each configuration (kernel, device, dtype, heads, head_dim,
+mask, and its use) runs forward and backward at its first use on problems shaped like that use, against a float64
+reference computed with autocast off ([`check_kernel`]); a kernel that disagrees, or raises then or later (forward or
+backward), is replaced by the math path for that configuration, with one warning naming the kernel and the reason.
+Out-of-memory errors and device faults propagate. [`attention_forward`] and [`attention_backward`] are what the
+backend calls.
+"""
+
+import warnings
+
+import torch
+
+from .attention_kernels import KernelState, backward, choose_kernel, forward, math_attention, math_backward
+from .attention_kernels import window_bias, with_window
+
+
+# -- first-use check and fallback ------------------------------------------------------------------------------------
+# Largest error allowed against the float64 reference, relative to the reference's largest magnitude, per dtype: about
+# 5 units in the last place for half precision (the CPU kernel measured at most 1.2: bf16 9.5e-3 in a key gradient,
+# fp16 1.3e-3), and room for other accumulation orders in float32 (1.7e-6 measured). A wrong layout, scale, mask or
+# log-sum-exp is off by more than 0.1.
+TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-10}
+# The log-sum-exp is compared absolutely (it sets the merge's weights: an error e scales them by up to exp(e)). Every
+# kernel computes it in float32 from the same inputs as the reference: 1e-4 off measured for half precision inputs.
+LSE_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-10}
+# The problems a check runs, (query length, key length) per use: long enough to pass one kernel block (64 to 256 keys)
+# and reach the split-key paths; decoding has one query per row (flash then swaps grouped heads into it)
+PROBLEMS = {"causal": ((24, 24), (200, 200)), "prefix": ((12, 24), (40, 300)), "decode": ((1, 24), (1, 300)),
+            "causal window": ((24, 24), (200, 200))}  # fmt: skip
+CHECK_WINDOW = 7  # the window of the "causal window" problems: shorter than both, not a divisor of either
+
+# Exceptions that are not a kernel's problem: the math path would run out of memory sooner, or on a broken device
+NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
+# configuration -> None when its kernel is used, else why the math path runs instead
+_status: dict[tuple, str | None] = {}
+
+
+def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, causal: bool,
+                   window: int | None = None) -> tuple:  # fmt: skip
+    use = ("causal window" if window else "causal") if causal else "decode" if query.shape[2] == 1 else "prefix"
+    masked = None if bias is None else "by key" if bias.shape[-2] == 1 else "by query"  # padding, or a window
+    return (kernel, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], masked, use)
+
+
+def configuration(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, masked: str | None,
+                  use: str) -> tuple:  # fmt: skip
+    """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "prefix" or
+    "decode"; `masked`: None, "by key" (prompt padding) or "by query" (a sliding window))."""
+    query = torch.empty(1, heads, 1, dim, device=device, dtype=dtype)
+    bias = torch.empty(1, 1, 1, 1, device=device, dtype=dtype) if masked else None
+    return (choose_kernel(query, bias), device, dtype, heads, kv_heads, dim, masked, use)
+
+
+def describe(config: tuple) -> str:
+    kernel, device, dtype, heads, kv_heads, dim, masked, use = config
+    return (f"{kernel} on {device} ({str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads, head_dim {dim}, "
+            f"{use}{', masked ' + masked if masked else ''})")  # fmt: skip
+
+
+def check_kernel(config: tuple) -> str | None:
+    """
+    Runs the configuration's kernel, forward and backward (with a token-major log-sum-exp, as the packed forward hands
+    it over), on problems shaped like its use, and compares every output with a float64 reference computed with
+    autocast off. Returns None when all agree within [`TOLERANCE`], else what went wrong (a mismatch, or the exception
+    the kernel raised).
+    """
+    kernel, device, dtype, heads, kv_heads, dim, masked, use = config
+    causal = use.startswith("causal")
+    window = CHECK_WINDOW if use == "causal window" else None
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(batch, length, count):  # (B, L, h, D) laid out, used transposed, as the model hands them over
+        return torch.randn(batch, length, count, dim, generator=generator, dtype=torch.float64).to(device, dtype)
+
+    for query_length, key_length in PROBLEMS[use]:
+        shapes = ((query_length, heads), (key_length, kv_heads), (key_length, kv_heads), (query_length, heads))
+        q, k, v, g = (rand(2, length, count).transpose(1, 2) for length, count in shapes)
+        bias = None
+        if masked == "by key":  # the first row's first keys are padding, as a shorter prompt's
+            bias = torch.zeros(2, 1, 1, key_length, dtype=dtype, device=device)
+            bias[0, ..., : key_length // 4] = torch.finfo(dtype).min
+        elif masked == "by query":  # a mask per query, as a sliding window's (every query keeps two keys in three)
+            hidden = (torch.arange(key_length) - torch.arange(query_length).view(-1, 1)).remainder(3) == 1
+            bias = torch.zeros(2, 1, query_length, key_length, dtype=dtype)
+            bias = bias.masked_fill(hidden, torch.finfo(dtype).min).to(device)
+        scale = dim**-0.5
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out, lse, state = forward(kernel, q, k, v, bias, causal, scale, window=window)
+                grads = ()
+                if use != "decode":  # decoding runs no backward
+                    token_major = lse.transpose(1, 2).contiguous().transpose(1, 2)
+                    grads = backward(state, g, q, k, v, bias, out, token_major, causal, scale)
+        except Exception as error:  # noqa: BLE001  (any other failure sends this configuration to the math path)
+            return _failure(error)
+        if window is not None:  # the reference's mask: the window beyond the causal one
+            bias = window_bias(query_length, window, dtype, device)
+        exact = [None if x is None else x.detach().to("cpu", torch.float64) for x in (q, k, v, g, bias)]
+        with torch.autocast("cpu", enabled=False):
+            ref_out, ref_lse = math_attention(*exact[:3], exact[4], causal, scale)
+            ref_grads = math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale) if grads else ()
+        names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
+        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+            error = (got.detach().to("cpu", torch.float64) - want).abs().max().item()
+            tolerance, unit = LSE_TOLERANCE[dtype], ""
+            if name != "log-sum-exp":
+                error, tolerance, unit = error / want.abs().max().item(), TOLERANCE[dtype], " of its largest value"
+            if not error <= tolerance:  # NaN fails too
+                return (f"did not match the float64 reference: {name} off by {error:.1e}{unit} (tolerance "
+                        f"{tolerance:.0e}) at {query_length} queries x {key_length} keys")  # fmt: skip
+    return None
+
+
+def _usable(config: tuple) -> bool:
+    """Whether `config`'s fused kernel is used: checked at its first use; one warning when it is not."""
+    kernel, device, dtype = config[:3]
+    if kernel == "math":
+        if config not in _status:  # no fused kernel for this device or dtype: say so once
+            _status[config] = "no fused kernel"
+            warnings.warn(f"rloo_efficient: no fused attention kernel for {device.type} ({dtype}); prefix "
+                          "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
+        return False
+    if config not in _status:
+        reason = check_kernel(config)
+        _status[config] = None
+        if reason is not None:
+            _disable(config, reason)
+    return _status[config] is None
+
+
+def _disable(config: tuple, reason: str) -> None:
+    """Sends `config` to the math path from now on, with one warning."""
+    if _status.get(config) is None:
+        _status[config] = reason
+        warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses the "
+                      "slower math path there (its scores in memory).", stacklevel=4)  # fmt: skip
+
+
+def _failure(error: Exception) -> str:
+    """What a kernel's exception says, for its warning; out-of-memory and device errors propagate (the math path
+    needs more memory, and a device fault leaves the device unusable: neither is the kernel's to recover from)."""
+    if isinstance(error, NOT_RECOVERABLE):
+        raise error
+    return f"raised {type(error).__name__}: {error}"
+
+
+# -- the entry points ------------------------------------------------------------------------------------------------
+def _bias_in(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The bias in the query's dtype; its masking value clamped to that dtype's range (another dtype's minimum would
+    overflow to -inf, and a row with every key masked would turn NaN)."""
+    if bias is None or bias.dtype == dtype:
+        return bias
+    return bias.to(dtype).clamp(min=torch.finfo(dtype).min)
+
+
+def windowed_kernel(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether a causal call of these blocks can apply a sliding window in its kernel (flash on CUDA): else the
+    caller splits it into chunks with a mask ([`window_attention.band_forward`])."""
+    kernel = choose_kernel(query, None)
+    return kernel == "cuda_flash" and _usable(_configuration(kernel, query, key, None, True, window=1))
+
+
+def attention_forward(query, key, value, bias, causal: bool, scale: float, window: int | None = None):
+    """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes); a causal
+    call under a `window` only where [`windowed_kernel`] says so."""
+    bias = _bias_in(bias, query.dtype)
+    kernel = choose_kernel(query, bias)
+    config = _configuration(kernel, query, key, bias, causal, window)
+    if _usable(config):
+        try:
+            return forward(kernel, query, key, value, bias, causal, scale, config, window)
+        except Exception as error:  # noqa: BLE001  (a kernel that raises after its check: the math path, not a crash)
+            _disable(config, _failure(error))
+    return forward("math", query, key, value, bias, causal, scale, config, window)
+
+
+def attention_backward(state: KernelState, grad_out, query, key, value, bias, out, lse, causal: bool, scale: float):
+    """`(grad_query, grad_key, grad_value)` given the output and log-sum-exp of the whole (merged) attention."""
+    bias = _bias_in(bias, query.dtype)
+    if state.kernel != "math":
+        try:
+            return backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
+        except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
+            _disable(state.config, _failure(error))
+    return math_backward(grad_out, query, key, value, with_window(bias, query, state.window), out, lse, causal, scale)
