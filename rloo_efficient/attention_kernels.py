@@ -197,7 +197,7 @@ def _flash_window_backward(extra, grad_out, query, key, value, out, lse, scale, 
 
 
 def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None):
-    if window is not None:  # a causal call under a window: flash's own, or the math path with the window's mask
+    if window is not None:  # a causal call under a window: flash's own, or (the check's reference) the math path
         if kernel == "cuda_flash":
             out, lse, extra = _flash_window_forward(query, key, value, scale, window)
             return out, lse, KernelState(kernel, extra=extra, window=window)
@@ -256,10 +256,10 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
             grad_k = grad_k.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
-    return math_backward(grad_out, query, key, value, with_window(bias, query, state.window), out, lse, causal, scale)
+    return math_backward(grad_out, query, key, value, _with_window(bias, query, state.window), out, lse, causal, scale)
 
 
-def with_window(bias, query, window):
+def _with_window(bias, query, window):
     """The math path's mask for a windowed causal call (it has no bias otherwise)."""
     return bias if window is None else window_bias(query.shape[2], window, query.dtype, query.device)
 

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from .attention_kernels import KernelState, backward, choose_kernel, forward, math_attention, math_backward
-from .attention_kernels import window_bias, with_window
+from .attention_kernels import window_bias
 
 
 # -- first-use check and fallback ------------------------------------------------------------------------------------
@@ -154,25 +154,44 @@ def _bias_in(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
     return bias.to(dtype).clamp(min=torch.finfo(dtype).min)
 
 
-def windowed_kernel(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether a causal call of these blocks can apply a sliding window in its kernel (flash on CUDA): else the
-    caller splits it into chunks with a mask ([`window_attention.band_forward`])."""
+def windowed_forward(query, key, value, scale: float, window: int):
+    """
+    `(output, lse, state)` of causal blocks under a sliding `window` from a kernel that applies the window itself
+    (flash on CUDA), or None where there is none, or it failed its check or raises (then disabled, with one warning):
+    the caller splits the blocks into chunks with a mask instead ([`window_attention.band_forward`]), never the math
+    path's (L, L) scores.
+    """
     kernel = choose_kernel(query, None)
-    return kernel == "cuda_flash" and _usable(_configuration(kernel, query, key, None, True, window=1))
+    config = _configuration(kernel, query, key, None, True, window)
+    if kernel != "cuda_flash" or not _usable(config):
+        return None
+    try:
+        return forward(kernel, query, key, value, None, True, scale, config, window)
+    except Exception as error:  # noqa: BLE001
+        _disable(config, _failure(error))
+        return None
 
 
-def attention_forward(query, key, value, bias, causal: bool, scale: float, window: int | None = None):
-    """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes); a causal
-    call under a `window` only where [`windowed_kernel`] says so."""
+def windowed_backward(state: KernelState, grad_out, query, key, value, out, lse, scale: float):
+    """The gradients of [`windowed_forward`]'s blocks, or None if its kernel raises (then disabled, with one warning)."""
+    try:
+        return backward(state, grad_out, query, key, value, None, out, lse, True, scale)
+    except Exception as error:  # noqa: BLE001
+        _disable(state.config, _failure(error))
+        return None
+
+
+def attention_forward(query, key, value, bias, causal: bool, scale: float):
+    """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes)."""
     bias = _bias_in(bias, query.dtype)
     kernel = choose_kernel(query, bias)
-    config = _configuration(kernel, query, key, bias, causal, window)
+    config = _configuration(kernel, query, key, bias, causal)
     if _usable(config):
         try:
-            return forward(kernel, query, key, value, bias, causal, scale, config, window)
+            return forward(kernel, query, key, value, bias, causal, scale, config)
         except Exception as error:  # noqa: BLE001  (a kernel that raises after its check: the math path, not a crash)
             _disable(config, _failure(error))
-    return forward("math", query, key, value, bias, causal, scale, config, window)
+    return forward("math", query, key, value, bias, causal, scale, config)
 
 
 def attention_backward(state: KernelState, grad_out, query, key, value, bias, out, lse, causal: bool, scale: float):
@@ -183,4 +202,4 @@ def attention_backward(state: KernelState, grad_out, query, key, value, bias, ou
             return backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
         except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
             _disable(state.config, _failure(error))
-    return math_backward(grad_out, query, key, value, with_window(bias, query, state.window), out, lse, causal, scale)
+    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)

@@ -28,7 +28,7 @@ import contextlib
 import contextvars
 import copy
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -84,6 +84,8 @@ class PackedLayout:
     row_length: int  # Cm
     span: int  # the longest prompt + completion: a sliding window at least this long masks nothing
     body_lengths: torch.Tensor  # (G,) each body's tokens, on the device
+    # What every layer derives alike from the layout (a window's prompt tail and mask), built by the first
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -219,12 +221,14 @@ def _prefix_of(layout: PackedLayout, key, value, window: int | None, dtype) -> _
     split, groups, length = layout.split, layout.split.groups, layout.prompt_length
     if window is None:
         return _Prefix(_blocks(key, 0, groups, length), _blocks(value, 0, groups, length), split.prefix_bias)
-    index, valid, tail = prompt_tail(layout.body_lengths, length, window)
-    if split.rows_per_group is not None:  # slot s of a group's queries is token s % Cm of its row
-        offsets = torch.arange(split.slots, device=index.device).remainder(layout.row_length).view(1, -1)
-    else:
-        offsets = split.gather.remainder(layout.row_length).view(groups, -1)
-    bias = tail_bias(offsets, valid, tail, window, dtype)
+    if (window, dtype) not in layout.memo:  # once per batch, for every layer with this window
+        index, valid, tail = prompt_tail(layout.body_lengths, length, window)
+        if split.rows_per_group is not None:  # slot s of a group's queries is token s % Cm of its row
+            offsets = torch.arange(split.slots, device=index.device).remainder(layout.row_length).view(1, -1)
+        else:
+            offsets = split.gather.remainder(layout.row_length).view(groups, -1)
+        layout.memo[window, dtype] = (index, tail_bias(offsets, valid, tail, window, dtype))
+    index, bias = layout.memo[window, dtype]
     return _Prefix(gather_tail(key, index, groups), gather_tail(value, index, groups), bias, index)
 
 
@@ -248,7 +252,7 @@ class _PackedAttention(torch.autograd.Function):
             lse = _token_major(query, heads, rows * row_length, dtype=lse_dtype)
             lse_rows = _blocks(lse, 0, rows, row_length)
         rows_of = lambda x: _blocks(x, n_prompt, rows, row_length)  # noqa: E731
-        prefix = lse_prompt = None
+        lse_prompt = None
         if length > 0:
             prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
             out_prompt, lse_prompt, state_prompt = band_forward(*prompt, window, scale)
@@ -268,7 +272,8 @@ class _PackedAttention(torch.autograd.Function):
             apply_sinks(rows_of(out), lse_rows, sinks)
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(query, key, value, sinks, out, lse, lse_prompt)
-        ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.prefix = layout, window, scale, states, prefix
+        # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
+        ctx.layout, ctx.window, ctx.scale, ctx.states = layout, window, scale, states
         return out.transpose(1, 2)  # (1, N, H, D), as transformers' attention functions return
 
     @staticmethod
@@ -281,7 +286,8 @@ class _PackedAttention(torch.autograd.Function):
         grad_q, grad_k, grad_v = (_token_major(x, x.shape[1], x.shape[2], x.shape[3]) for x in (query, key, value))
         rows_of = lambda x: _blocks(x, n_prompt, rows, row_length)  # noqa: E731
         lse_rows = _blocks(lse, 0, rows, row_length)
-        grad_sinks = None if sinks is None else sink_gradient(rows_of(grad), rows_of(out), lse_rows, sinks)
+        sink_grad = ctx.needs_input_grad[3]  # not for frozen sinks (a PEFT policy's)
+        grad_sinks = sink_gradient(rows_of(grad), rows_of(out), lse_rows, sinks) if sink_grad else None
         if length == 0:
             parts = band_backward(ctx.states, rows_of(grad), rows_of(query), rows_of(key), rows_of(value),
                                   rows_of(out), lse_rows, window, scale)  # fmt: skip
@@ -290,10 +296,10 @@ class _PackedAttention(torch.autograd.Function):
             return grad_q, grad_k, grad_v, grad_sinks, None, None, None
         prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
         grad_prompt, out_prompt = _blocks(grad, 0, groups, length), _blocks(out, 0, groups, length)
-        if sinks is not None:
+        if sink_grad:
             grad_sinks = grad_sinks + sink_gradient(grad_prompt, out_prompt, lse_prompt, sinks)
         prompt_grads = band_backward(ctx.prompt_state, grad_prompt, *prompt, out_prompt, lse_prompt, window, scale)
-        prefix = ctx.prefix
+        prefix = _prefix_of(layout, key, value, window, query.dtype)  # again: views, or the tail gathered again
         grad_pk, grad_pv, grad_kr, grad_vr = _split_backward(
             rows_of(grad_q), rows_of(grad), rows_of(out), lse_rows, rows_of(query), prefix, rows_of(key),
             rows_of(value), layout.split, window, scale, ctx.states,
@@ -360,8 +366,8 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
     prefix_key, prefix_value = _compute_dtype(query, layer.prefix_keys, layer.prefix_values)[1:]
     prefix_bias, own_bias = layer.prefix_bias, None
     if window is not None:
-        window_bias, own_bias = decode_window_biases(layer.prefix_columns, prefix_key.shape[2], key.shape[2], window,
-                                                     query.dtype, query.device)  # fmt: skip
+        window_bias, own_bias = decode_window_biases(layer.prefix_columns, prefix_key.shape[2], layer.own_length,
+                                                     key.shape[2], window, query.dtype, query.device)  # fmt: skip
         if window_bias is not None:  # both mask with the dtype's minimum: keep one, not their sum (-inf)
             prefix_bias = window_bias if prefix_bias is None else torch.minimum(prefix_bias, window_bias)
     return split_attention(query, prefix_key, prefix_value, key, value, cache.split, scale, prefix_bias, own_bias,

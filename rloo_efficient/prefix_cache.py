@@ -28,13 +28,22 @@ class PrefixLayer(DynamicLayer):
     """
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, prefix_columns: int,
-                 prefix_bias: torch.Tensor | None):  # fmt: skip
+                 prefix_bias: torch.Tensor | None, window: int | None = None):  # fmt: skip
         super().__init__()
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
         self.prefix_columns, self.prefix_bias = prefix_columns, prefix_bias
+        self.window = window  # a sliding-window layer keeps only its rows' last w - 1 tokens, as transformers' does
+        self.own_length = 0  # the rows' decoded positions so far
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states)  # the new tokens' attention reads all of these
+        self.own_length += key_states.shape[-2]
+        if self.window is not None and keys.shape[-2] > self.window - 1:
+            self.keys, self.values = keys[:, :, 1 - self.window :], values[:, :, 1 - self.window :]
+        return keys, values
 
     def get_seq_length(self) -> int:
-        return self.prefix_columns + super().get_seq_length()
+        return self.prefix_columns + self.own_length
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("A shared-prefix cache is built for one generate call and is not cropped.")
@@ -110,7 +119,8 @@ class PrefixCache(DynamicCache):
             width = layer.keys.shape[-2]
             if width not in biases:
                 biases[width] = padding_bias(prompt_lengths, width, keys.device, keys.dtype)
-        self.layers = [PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]])
+        self.layers = [PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]],
+                                   getattr(layer, "sliding_window", None) if layer.is_sliding else None)
                        for layer in prefilled.layers]  # fmt: skip
 
 

@@ -125,8 +125,8 @@ def generate_with_shared_prefill(
     prefilled once. `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds
     them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
     [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
-    once per distinct row during decoding, where the model's sliding window (if any) allows; otherwise they are fanned
-    out to every row. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
+    once per distinct row during decoding (sliding windows included), unless `generate` would drop its cache midway
+    ([`cache_limit`]); otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
     to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned. With `synced`
     (sharded parameters that every forward gathers from all ranks: DeepSpeed ZeRO-3 without gathering for generation,
     FSDP), every rank takes the same path, or their forwards would fall out of step: the prefill runs on all ranks

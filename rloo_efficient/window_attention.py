@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention_kernels import KernelState
-from .kernel_checks import attention_backward, attention_forward, windowed_kernel
+from .kernel_checks import attention_backward, attention_forward, windowed_backward, windowed_forward
 
 
 # -- causal blocks under a window --------------------------------------------------------------------------------------
@@ -84,30 +84,44 @@ def band_forward(query, key, value, window: int | None, scale: float):
     if window is None or length <= window:  # every key in the block is within the window
         out, lse, state = attention_forward(query, key, value, None, True, scale)
         return out, lse, BandState(state)
-    if windowed_kernel(query, key):  # flash on CUDA applies the window itself: no chunks, no mask
-        out, lse, state = attention_forward(query, key, value, None, True, scale, window=window)
-        if state.kernel != "math":  # (it raised, and was disabled: chunks, rather than the math path's (L, L) mask)
-            return out, lse, BandState(state)
+    windowed = windowed_forward(query, key, value, scale, window)  # flash on CUDA applies the window itself
+    if windowed is not None:
+        out, lse, state = windowed
+        return out, lse, BandState(state)
     chunks = math.ceil(blocks * length / window)
-    total = chunks * window
-    q = _windows(_flat(query, 0, total), chunks, window, window)
-    k, v = (_windows(_flat(x, window - 1, total), chunks, window, 2 * window - 1) for x in (key, value))
-    bias = _band_bias(chunks, window, blocks, length, query.dtype, query.device)
+    q, k, v, bias = _chunked(query, key, value, chunks, window)
     out, lse, state = attention_forward(q, k, v, bias, False, scale)
     return _unflat(out, blocks, length), _unflat(lse, blocks, length), BandState(state, chunks)
 
 
+def _chunked(query, key, value, chunks: int, window: int):
+    """The blocks' queries as `chunks` of `w`, the keys and values each chunk can reach as overlapping windows of
+    `2w - 1`, and their mask."""
+    blocks, _, length, _ = query.shape
+    total = chunks * window
+    q = _windows(_flat(query, 0, total), chunks, window, window)
+    k, v = (_windows(_flat(x, window - 1, total), chunks, window, 2 * window - 1) for x in (key, value))
+    return q, k, v, _band_bias(chunks, window, blocks, length, query.dtype, query.device)
+
+
 def band_backward(band: BandState, grad, query, key, value, out, lse, window: int | None, scale: float):
     """Gradients of [`band_forward`] given the (merged) output and log-sum-exp of the blocks."""
-    if band.chunks == 0:
-        return attention_backward(band.kernel, grad, query, key, value, None, out, lse, True, scale)
     blocks, heads, length, dim = query.shape
+    if band.chunks == 0:
+        if band.kernel.window is None:
+            return attention_backward(band.kernel, grad, query, key, value, None, out, lse, True, scale)
+        grads = windowed_backward(band.kernel, grad, query, key, value, out, lse, scale)
+        if grads is not None:
+            return grads
+        band = BandState(None, math.ceil(blocks * length / window))  # its kernel raised: the chunks instead
     chunks, total, width = band.chunks, band.chunks * window, 2 * window - 1
-    q, g, o = (_windows(_flat(x, 0, total), chunks, window, window) for x in (query, grad, out))
-    k, v = (_windows(_flat(x, window - 1, total), chunks, window, width) for x in (key, value))
+    q, k, v, bias = _chunked(query, key, value, chunks, window)
+    kernel = band.kernel
+    if kernel is None:  # the forward ran another kernel: the chunks' own state, from their forward
+        kernel = attention_forward(q, k, v, bias, False, scale)[2]
+    g, o = (_windows(_flat(x, 0, total), chunks, window, window) for x in (grad, out))
     l = _windows(_flat(lse.unsqueeze(-1), 0, total), chunks, window, window).squeeze(-1)  # noqa: E741
-    bias = _band_bias(chunks, window, blocks, length, query.dtype, query.device)
-    grad_q, grad_k, grad_v = attention_backward(band.kernel, g, q, k, v, bias, o, l, False, scale)
+    grad_q, grad_k, grad_v = attention_backward(kernel, g, q, k, v, bias, o, l, False, scale)
 
     def fold(windows):  # (chunks, Hkv, 2w - 1, D) per chunk -> the run's keys: each key is in two chunks' windows
         run = windows.new_zeros((window - 1 + total, windows.shape[1], dim))
@@ -158,15 +172,15 @@ def tail_bias(query_offsets: torch.Tensor, valid: torch.Tensor, tail: int, windo
 
 
 # -- decoding under a window -----------------------------------------------------------------------------------------
-def decode_window_biases(prefix_columns: int, stored: int, own: int, window: int, dtype, device):
+def decode_window_biases(prefix_columns: int, stored: int, own: int, read: int, window: int, dtype, device):
     """
     `(prefix_bias, own_bias)`, each `(1, 1, 1, L)` or None when every key is in the window: the step's query sits at
     position `prefix_columns + own - 1`; the stored prompt holds the last `stored` of the prompt's `prefix_columns`
-    positions, the row its `own` decoded ones after them.
+    positions, and the row's keys read are the last `read` of its `own` decoded positions after them.
     """
     first = prefix_columns + own - window  # the first position in the window
     biases = []
-    for start, length in ((prefix_columns - stored, stored), (prefix_columns, own)):
+    for start, length in ((prefix_columns - stored, stored), (prefix_columns + own - read, read)):
         hidden = first - start  # keys of this part before the window
         if hidden <= 0:
             biases.append(None)

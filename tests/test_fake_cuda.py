@@ -373,3 +373,31 @@ def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch):
             assert (got.shape, got.dtype, got.device) == (like.shape, torch.bfloat16, CUDA)
         assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
         assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+
+
+def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_math_path(monkeypatch):
+    """Flash's windowed call raising (forward or backward): the blocks go to the chunks with a mask, on the efficient
+    kernel, never the math path's (L, L) scores; one warning names the kernel."""
+    import warnings
+
+    from rloo_efficient import window_attention
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("no windowed flash here")
+
+    with fake_cuda(monkeypatch) as chosen, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        q, g = on_cuda(3, 40, 4, 64, dtype=torch.bfloat16), on_cuda(3, 40, 4, 64, dtype=torch.bfloat16)
+        k, v = on_cuda(3, 40, 2, 64, dtype=torch.bfloat16), on_cuda(3, 40, 2, 64, dtype=torch.bfloat16)
+        out, lse, band = window_attention.band_forward(q, k, v, 16, 0.125)  # windowed flash, as it should
+        assert band.chunks == 0 and band.kernel.window == 16
+        monkeypatch.setattr(kernels, "_flash_window_backward", raising)
+        grads = window_attention.band_backward(band, g, q, k, v, out, lse, 16, 0.125)  # raises: the chunks' backward
+        assert [grad.shape for grad in grads] == [q.shape, k.shape, v.shape]
+        chosen.clear()
+        monkeypatch.setattr(kernels, "_flash_window_forward", raising)
+        out, lse, band = window_attention.band_forward(q, k, v, 16, 0.125)  # disabled: the chunks
+        assert band.chunks == 8 and out.shape == q.shape  # 3 blocks of 40 tokens, 16 queries a chunk
+        assert [entry[0] for entry in chosen if entry[0] != "expanded keys"] == ["cuda_efficient"]
+    messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
+    assert len(messages) == 1 and "causal window" in messages[0] and "no windowed flash here" in messages[0]

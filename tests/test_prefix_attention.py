@@ -344,3 +344,50 @@ def test_under_bf16_autocast_as_sdpa_is():
         ours = generate_with_shared_prefill(model, prompts, prompt_mask, prompt_cache_once=True, **kwargs)[0]
     for a, b in zip(stock.logits, ours.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-2)
+
+
+def _tensors(value, found):
+    """Every tensor in `value`, through dataclasses, tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, found)
+    elif hasattr(value, "__dataclass_fields__"):
+        for name in value.__dataclass_fields__:
+            _tensors(getattr(value, name), found)
+    return found
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_packed_attention_keeps_its_sequence_in_saved_tensors_only(window):
+    """Gradient checkpointing frees what an autograd node saved with `save_for_backward`, not its attributes: none of
+    them may hold the keys, values or anything the size of the sequence (the layout's per-batch indices aside, which
+    every layer shares). Under a window, the prompt tail's mask is built once per batch for every layer."""
+    import rloo_efficient.prefix_attention as backend
+
+    ids, rows = stock_batch([9, 6], [0, 0, 1, 1, 1], [5, 3, 4, 2, 5], 5, seed=0)
+    packed = pack_groups(ids, 5, rows, torch.float64)
+    n = packed.num_tokens
+    g = torch.Generator().manual_seed(0)
+    built = []
+    original = backend.tail_bias
+    backend.tail_bias = lambda *args: built.append(1) or original(*args)
+    try:
+        for _ in range(2):  # two layers, one layout
+            q, k, v = (torch.randn(1, n, h, DIM, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+                       for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+            out, _ = prefix_attention.prefix_attention(None, q, k, v, None, scaling=0.3, sliding_window=window,
+                                                       rloo_prefix_layout=packed.layout)  # fmt: skip
+            node = out.grad_fn
+            kept = _tensors({name: value for name, value in vars(node).items() if name != "layout"}, [])
+            assert all(t.numel() < n for t in kept), [tuple(t.shape) for t in kept]
+            assert all(t.untyped_storage().data_ptr() not in (k.untyped_storage().data_ptr(),
+                                                             v.untyped_storage().data_ptr()) for t in kept)  # fmt: skip
+            out.sum().backward()
+    finally:
+        backend.tail_bias = original
+    assert len(built) == (0 if window is None else 1)

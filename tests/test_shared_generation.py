@@ -61,7 +61,7 @@ def build(arch: str, dtype=torch.float64, attention="sdpa"):
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=256, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         model = GPT2LMHeadModel(config)
-    elif arch == "mistral_sliding":  # a window shorter than the prompts: sliding cache layers are fanned out too
+    elif arch == "mistral_sliding":  # a window shorter than the prompts and the sequences
         config = MistralConfig(sliding_window=8, **SMALL)
         model = MistralForCausalLM(config)
     elif arch == "mistral":  # a window (4096) longer than the sequences: the prompt's cache can stay once per group
@@ -257,3 +257,23 @@ def test_continuous_batching_is_left_to_stock_trl(workload, tmp_path, monkeypatc
     sentinel = [[7]]
     monkeypatch.setattr(trl.RLOOTrainer, "_generate_single_turn", lambda self, *args: sentinel)
     assert trainer._generate_single_turn([[1, 2, 3]] * 2, None, {}) is sentinel
+
+
+def test_a_sliding_layer_keeps_its_rows_last_tokens_only():
+    """As transformers' sliding cache layer does, a sliding layer of the prompt cache keeps the last w - 1 of its rows'
+    decoded tokens (their attention reads them and the new one), whatever the number of steps; a full layer all."""
+    model = build("gemma3_sliding")  # window 8: layer 0 slides, layer 1 does not
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    seen = []
+
+    def record(module, args, kwargs, output):
+        cache = output.past_key_values
+        if isinstance(cache, PrefixCache):
+            seen.append([(layer.keys.shape[-2], layer.own_length) for layer in cache.layers])
+
+    hook = model.model.register_forward_hook(record, with_kwargs=True)
+    config = generation_config(max_new_tokens=14, min_new_tokens=14, eos_token_id=None)
+    generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)
+    hook.remove()
+    (kept_sliding, decoded), (kept_full, _) = seen[-1]
+    assert decoded == 14 and kept_sliding == 8 - 1 and kept_full == 14
