@@ -61,3 +61,38 @@ def test_attention_dispatch_reads_the_module_config_and_forwards_call_kwargs():
     attention.config = proxy
     model(input_ids=torch.tensor([[1, 2, 3]]), probe="here")
     assert seen == [(0, 2, "here", attention.scaling)] and model.config._attn_implementation == "sdpa"
+
+
+def test_sliding_windows_and_sinks_reach_the_attention_function_as_assumed():
+    """A sliding layer hands the attention function `sliding_window` (a query at p sees keys in (p - w, p], as the
+    masks say), GPT-OSS its sinks as `s_aux`; a sliding cache layer keeps the last w - 1 positions."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+    from transformers.masking_utils import sliding_window_overlay
+
+    config = GptOssConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2, head_dim=4,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                          sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+                          max_position_embeddings=131072)  # fmt: skip
+    model = GptOssForCausalLM(config)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.layer_idx, kwargs.get("sliding_window"), kwargs.get("s_aux") is module.sinks))
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("contract_window_spy", spy)
+    for layer in model.model.layers:
+        proxy = copy.copy(layer.self_attn.config)
+        proxy._attn_implementation_internal = "contract_window_spy"
+        layer.self_attn.config = proxy
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+    assert seen == [(0, 3, True), (1, None, True)]
+    window = sliding_window_overlay(3)
+    visible = [[bool(window(0, 0, q, k)) for k in range(6)] for q in range(6)]
+    assert visible[4] == [False, False, True, True, True, True]  # keys in (4 - 3, ...]: causality applies apart
+    layer = DynamicCache(config=config).layers[0]
+    assert isinstance(layer, DynamicSlidingWindowLayer) and layer.is_sliding and layer.sliding_window == 3
+    keys = torch.randn(1, 2, 5, 4)
+    returned, _ = layer.update(keys, keys)
+    assert returned.shape[-2] == 5 and layer.keys.shape[-2] == 2 and torch.equal(layer.keys, keys[:, :, -2:])
