@@ -159,13 +159,6 @@ def _aligned_bias(bias: torch.Tensor, query: torch.Tensor, key: torch.Tensor) ->
     return padded.expand(query.shape[0], query.shape[1], query.shape[2], length)
 
 
-def window_bias(length: int, window: int, dtype, device) -> torch.Tensor:
-    """`(1, 1, L, L)`: the keys in (i - w, i) hidden from query i beyond the causal mask (the math path's window)."""
-    distance = torch.arange(length, device=device).view(-1, 1) - torch.arange(length, device=device)
-    return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min).view(
-        1, 1, length, length)  # fmt: skip
-
-
 def _flash_window_forward(query, key, value, scale, window):
     """
     Causal attention within each of B blocks `(B, H, L, D)` (token-major views), keys in (i - w, i]: flash's
@@ -197,13 +190,11 @@ def _flash_window_backward(extra, grad_out, query, key, value, out, lse, scale, 
 
 
 def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None):
-    if window is not None:  # a causal call under a window: flash's own, or (the check's reference) the math path
-        if kernel == "cuda_flash":
-            out, lse, extra = _flash_window_forward(query, key, value, scale, window)
-            return out, lse, KernelState(kernel, extra=extra, window=window)
-        out, lse = math_attention(query, key, value, window_bias(query.shape[2], window, query.dtype, query.device),
-                                  True, scale)  # fmt: skip
-        return out, lse, KernelState("math", window=window)
+    if window is not None:  # a causal call under a window: flash's own (elsewhere the caller splits it into chunks)
+        if kernel != "cuda_flash":
+            raise ValueError(f"{kernel} applies no sliding window: only cuda_flash does.")
+        out, lse, extra = _flash_window_forward(query, key, value, scale, window)
+        return out, lse, KernelState(kernel, extra=extra, window=window)
     if kernel == "cpu_flash":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=bias, scale=scale
@@ -256,12 +247,7 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
             grad_k = grad_k.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
-    return math_backward(grad_out, query, key, value, _with_window(bias, query, state.window), out, lse, causal, scale)
-
-
-def _with_window(bias, query, window):
-    """The math path's mask for a windowed causal call (it has no bias otherwise)."""
-    return bias if window is None else window_bias(query.shape[2], window, query.dtype, query.device)
+    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
 
 
 def _token_major_dense(x: torch.Tensor) -> torch.Tensor:

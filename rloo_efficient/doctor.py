@@ -29,6 +29,7 @@ from importlib import metadata
 import torch
 
 from . import kernel_checks
+from .memory import get_memory_stats, is_accelerator, release_cached_memory, reset_peak_memory, synchronize
 
 
 # (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256
@@ -87,10 +88,6 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
     return lines, failures
 
 
-def _peak_memory(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
 def train(method: str, device: torch.device, bf16: bool, directory: str, quick: bool) -> dict:
     """One short run of stock TRL or ours on the synthetic workload; its metrics, completions, time and peak."""
     import trl
@@ -112,9 +109,9 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
     args = trl.RLOOConfig(**settings) if method == "stock" else RLOOConfig(**settings, profile_memory=False)
     trainer_class = trl.RLOOTrainer if method == "stock" else RLOOTrainer
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    if is_accelerator(device):  # the other run's cached blocks released, a new peak window
+        release_cached_memory(device)
+        reset_peak_memory(device)
     trainer = trainer_class(model=build_model_dir(workload), reward_funcs=vowel_reward, args=args,
                             train_dataset=build_dataset(workload), processing_class=build_tokenizer())  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # the report below says what matters
@@ -122,12 +119,10 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
     original = trainer.training_step
 
     def timed(*step_args, **step_kwargs):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = original(*step_args, **step_kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         steps.append(time.perf_counter() - start)
         return loss
 
@@ -137,7 +132,7 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
         "metrics": [{key: entry.get(key) for key in METRICS} for entry in trainer.state.log_history if "loss" in entry],
         "completions": list(trainer._logs["completion"]),
         "step_time_s": statistics.median(steps[1:] or steps),  # the first step pays one-time costs
-        "peak_gib": _peak_memory(device),
+        "peak_gib": get_memory_stats(device, reset=False)["peak_allocated_gib"] if is_accelerator(device) else None,
         "packed_tokens": getattr(trainer, "packed_forward_tokens", None),
     }
     del trainer

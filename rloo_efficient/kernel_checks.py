@@ -12,7 +12,6 @@ import warnings
 import torch
 
 from .attention_kernels import KernelState, backward, choose_kernel, forward, math_attention, math_backward
-from .attention_kernels import window_bias
 
 
 # -- first-use check and fallback ------------------------------------------------------------------------------------
@@ -36,6 +35,13 @@ NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasatt
 _status: dict[tuple, str | None] = {}
 
 
+def window_bias(length: int, window: int, dtype, device) -> torch.Tensor:
+    """`(1, 1, L, L)`: the keys in (i - w, i) hidden from query i beyond the causal mask (the reference's window)."""
+    distance = torch.arange(length, device=device).view(-1, 1) - torch.arange(length, device=device)
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min).view(
+        1, 1, length, length)  # fmt: skip
+
+
 def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, causal: bool,
                    window: int | None = None) -> tuple:  # fmt: skip
     use = ("causal window" if window else "causal") if causal else "decode" if query.shape[2] == 1 else "prefix"
@@ -45,8 +51,8 @@ def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: to
 
 def configuration(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, masked: str | None,
                   use: str) -> tuple:  # fmt: skip
-    """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "prefix" or
-    "decode"; `masked`: None, "by key" (prompt padding) or "by query" (a sliding window))."""
+    """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "causal
+    window", "prefix" or "decode"; `masked`: None, "by key" (prompt padding) or "by query" (a sliding window))."""
     query = torch.empty(1, heads, 1, dim, device=device, dtype=dtype)
     bias = torch.empty(1, 1, 1, 1, device=device, dtype=dtype) if masked else None
     return (choose_kernel(query, bias), device, dtype, heads, kv_heads, dim, masked, use)
@@ -130,11 +136,13 @@ def _usable(config: tuple) -> bool:
 
 
 def _disable(config: tuple, reason: str) -> None:
-    """Sends `config` to the math path from now on, with one warning."""
+    """Sends `config` to its fallback from now on (the math path; chunks with a mask for a window), one warning."""
     if _status.get(config) is None:
         _status[config] = reason
-        warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses the "
-                      "slower math path there (its scores in memory).", stacklevel=4)  # fmt: skip
+        instead = ("chunks with a mask there" if config[-1] == "causal window" else
+                   "the slower math path there (its scores in memory)")  # fmt: skip
+        warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses "
+                      f"{instead}.", stacklevel=4)  # fmt: skip
 
 
 def _failure(error: Exception) -> str:
@@ -173,7 +181,7 @@ def windowed_forward(query, key, value, scale: float, window: int):
 
 
 def windowed_backward(state: KernelState, grad_out, query, key, value, out, lse, scale: float):
-    """The gradients of [`windowed_forward`]'s blocks, or None if its kernel raises (then disabled, with one warning)."""
+    """The gradients of [`windowed_forward`]'s blocks, or None if its kernel raises (then disabled, one warning)."""
     try:
         return backward(state, grad_out, query, key, value, None, out, lse, True, scale)
     except Exception as error:  # noqa: BLE001

@@ -163,18 +163,20 @@ class _Prefix:
     tail: torch.Tensor | None = None
 
 
-def _split_into(out, lse, query, prefix: _Prefix, key, value, split: SplitLayout, causal, window, scale):
+def _split_into(out, lse, query, prefix: _Prefix, key, value, split: SplitLayout, causal, window, scale,
+                own_bias=None):  # fmt: skip
     """
     Each row's attention over [its group's prompt | its own keys], written to `out` (and its log-sum-exp to `lse`,
     for the backward). Rows: `query`, `out` (S, H, L, D), `lse` (S, H, L) or None, `key`/`value` (S, Hkv, Lk, D),
-    all but the keys token-major. Returns the kernels' states.
+    all but the keys token-major; the rows' own keys causal (under `window` if any), or read all, masked by
+    `own_bias` (decoding). Returns the kernels' states.
     """
     out_p, lse_p, state_p = attention_forward(_to_slots(query, split), prefix.key, prefix.value, prefix.bias, False,
                                               scale)  # fmt: skip
     if causal:
         out_s, lse_s, state_s = band_forward(query, key, value, window, scale)
     else:
-        out_s, lse_s, state_s = attention_forward(query, key, value, None, False, scale)
+        out_s, lse_s, state_s = attention_forward(query, key, value, own_bias, False, scale)
     if split.rows_per_group is not None:  # merge in the prefix layout, where every operand is a view
         groups = split.groups
         _merge_into(_regroup(out, groups, writable=True), None if lse is None else _regroup(lse, groups, writable=True),
@@ -330,11 +332,8 @@ def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLay
         if sinks is not None:
             lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
             lse = query.new_empty(query.shape[:3], dtype=lse_dtype)
-        out_p, lse_p, _ = attention_forward(_to_slots(query, split), prefix_key, prefix_value, prefix_bias, False,
-                                            scale)  # fmt: skip
-        out_s, lse_s, _ = attention_forward(query, key, value, own_bias, False, scale)
-        rows = query.shape[0]
-        _merge_into(out, lse, _from_slots(out_p, split, rows), _from_slots(lse_p, split, rows), out_s, lse_s)
+        _split_into(out, lse, query, _Prefix(prefix_key, prefix_value, prefix_bias), key, value, split, False, None,
+                    scale, own_bias)  # fmt: skip
         if sinks is not None:
             apply_sinks(out, lse, sinks)
         return out.transpose(1, 2)

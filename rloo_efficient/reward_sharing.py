@@ -334,8 +334,8 @@ def split_hydra_rewards(reward_funcs: list, policy_base: str | None, policy_dtyp
         adapter = reward_adapter_config(func)
         if adapter is None or not enabled:
             continue
-        reason = ("the policy is not a PEFT model" if policy_base is None else
-                  hydra_reason(adapter, policy_base, policy_dtype, policy_quantization, model_init_kwargs, func))  # fmt: skip
+        reason = "the policy is not a PEFT model" if policy_base is None else hydra_reason(
+            adapter, policy_base, policy_dtype, policy_quantization, model_init_kwargs, func)  # fmt: skip
         if reason is not None:
             warn(f"rloo_efficient: the reward adapter {func} is loaded as its own model, as stock TRL does: {reason}.")
             continue

@@ -126,11 +126,12 @@ def generate_with_shared_prefill(
     them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
     [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
     once per distinct row during decoding (sliding windows included), unless `generate` would drop its cache midway
-    ([`cache_limit`]); otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the shared prefill forwarded)`. A batch with nothing
-    to share (all rows distinct, or one-token prompts) goes straight to `generate`, and 0 is returned. With `synced`
-    (sharded parameters that every forward gathers from all ranks: DeepSpeed ZeRO-3 without gathering for generation,
-    FSDP), every rank takes the same path, or their forwards would fall out of step: the prefill runs on all ranks
-    when all of them can run it (one all-reduce per call), even where nothing is shared.
+    ([`cache_limit`]); otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the
+    shared prefill forwarded)`. A batch with nothing to share (all rows distinct, or one-token prompts) goes straight
+    to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
+    DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
+    fall out of step: the prefill runs on all ranks when all of them can run it (one all-reduce per call), even where
+    nothing is shared.
     """
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
@@ -159,7 +160,8 @@ def generate_with_shared_prefill(
     else:
         if prompt_cache_once:  # a constant message: Python shows it once
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
-                          "generate drops its cache past the model's original context (Phi-3).", stacklevel=2)  # fmt: skip
+                          "generate drops its cache past the model's original context (Phi-3).",
+                          stacklevel=2)  # fmt: skip
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     with attention:

@@ -33,8 +33,8 @@ from .kernel_checks import attention_backward, attention_forward, windowed_backw
 # -- causal blocks under a window --------------------------------------------------------------------------------------
 @dataclass
 class BandState:
-    kernel: KernelState | None  # None: the blocks fit the window, and plain causal attention ran
-    chunks: int = 0
+    kernel: KernelState | None  # the call that ran (None: none to reuse, the chunks' backward runs their forward)
+    chunks: int = 0  # 0: one causal call over the blocks (plain, or flash's windowed); else the chunks with a mask
 
 
 def _flat(x: torch.Tensor, front: int, total: int) -> torch.Tensor:
@@ -51,8 +51,8 @@ def _windows(run: torch.Tensor, chunks: int, step: int, width: int) -> torch.Ten
     an overlapping view."""
     _, heads, _, *rest = run.shape
     _, head_stride, token_stride, *rest_strides = run.stride()
-    return run.as_strided((chunks, heads, width, *rest), (step * token_stride, head_stride, token_stride, *rest_strides),
-                          run.storage_offset())  # fmt: skip
+    strides = (step * token_stride, head_stride, token_stride, *rest_strides)
+    return run.as_strided((chunks, heads, width, *rest), strides, run.storage_offset())
 
 
 def _unflat(chunked: torch.Tensor, blocks: int, length: int) -> torch.Tensor:

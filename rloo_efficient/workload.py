@@ -174,7 +174,8 @@ def _model_config(cfg: WorkloadConfig, tokenizer):
                       layer_types=alternating)  # fmt: skip
     elif cfg.arch == "gpt_oss":  # attention sinks, every other layer slides, mixture of experts
         kwargs.update(sliding_window=cfg.sliding_window or 128, layer_types=alternating, num_local_experts=4,
-                      num_experts_per_tok=2, max_position_embeddings=max(cfg.max_position_embeddings, 131072))  # fmt: skip
+                      num_experts_per_tok=2,
+                      max_position_embeddings=max(cfg.max_position_embeddings, 131072))  # fmt: skip
     elif cfg.arch == "qwen3_moe":
         kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
     elif cfg.arch == "smollm3":  # every other layer without rotary embeddings (NoPE)

@@ -401,3 +401,4 @@ def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_ma
         assert [entry[0] for entry in chosen if entry[0] != "expanded keys"] == ["cuda_efficient"]
     messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
     assert len(messages) == 1 and "causal window" in messages[0] and "no windowed flash here" in messages[0]
+    assert "uses chunks with a mask there" in messages[0]
