@@ -15,7 +15,7 @@ import warnings
 import trl
 
 from rloo_efficient import RLOOConfig, RLOOTrainer
-from rloo_efficient.op_count import OpCounter
+from rloo_efficient.profiling.op_count import OpCounter
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 

@@ -20,8 +20,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from rloo_efficient.memory import is_accelerator
-from rloo_efficient.shared_generation import generate_with_shared_prefill
+from rloo_efficient.profiling.memory import is_accelerator
+from rloo_efficient.core.shared_generation import generate_with_shared_prefill
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient.memory import get_memory_stats, headline_peak_stat
-from rloo_efficient import prefix_attention
-from rloo_efficient.prefix_sharing import pack_groups, row_groups
+from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.packing import pack_groups, row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 

@@ -23,9 +23,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from bench_generation import peak_tensor_bytes  # the same measure as the generation benchmark's
-from rloo_efficient import prefix_attention
-from rloo_efficient.memory import current_rss_gib, is_accelerator
-from rloo_efficient.reward_sharing import pack_reward_rows, packed_scores
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.profiling.memory import current_rss_gib, is_accelerator
+from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer
 
@@ -94,7 +94,7 @@ def load_child(method: str, base: str, adapter: str, prompts: str) -> None:
     from peft import LoraConfig
 
     from rloo_efficient import RLOOConfig, RLOOTrainer
-    from rloo_efficient.reward_sharing import HydraReward
+    from rloo_efficient.trainers.hydra import HydraReward
 
     warnings.filterwarnings("ignore")
     before = current_rss_gib()

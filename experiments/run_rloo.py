@@ -23,7 +23,7 @@ import trl
 from trl import TrlParser
 
 from rloo_efficient import RLOOConfig, RLOOTrainer
-from rloo_efficient.profiling import MemoryProfilingMixin, environment_info, write_json_atomic
+from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward
 

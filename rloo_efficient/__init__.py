@@ -1,8 +1,14 @@
-"""A memory-efficient drop-in replacement for TRL's RLOO trainer: `from rloo_efficient import RLOOTrainer, RLOOConfig`."""
+"""
+Memory-efficient drop-in replacements for TRL's group trainers:
+`from rloo_efficient import RLOOTrainer, RLOOConfig` (or `GRPOTrainer, GRPOConfig`).
+"""
 
-from .config import RLOOConfig
-from .trainer import RLOOTrainer
+from .trainers.config import GRPOConfig, RLOOConfig
+from .trainers.grpo import GRPOTrainer
+from .trainers.memory_profiling import MemoryProfilingMixin
+from .trainers.mixin import GroupSharingMixin
+from .trainers.rloo import RLOOTrainer
 
 
-__all__ = ["RLOOConfig", "RLOOTrainer"]
-__version__ = "0.1.0"
+__all__ = ["GRPOConfig", "GRPOTrainer", "GroupSharingMixin", "MemoryProfilingMixin", "RLOOConfig", "RLOOTrainer"]
+__version__ = "0.2.0"

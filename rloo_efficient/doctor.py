@@ -28,8 +28,8 @@ from importlib import metadata
 
 import torch
 
-from . import kernel_checks
-from .memory import get_memory_stats, is_accelerator, release_cached_memory, reset_peak_memory, synchronize
+from .core import kernel_checks
+from .profiling.memory import get_memory_stats, is_accelerator, release_cached_memory, reset_peak_memory, synchronize
 
 
 # (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256

@@ -22,10 +22,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from rloo_efficient import prefix_attention  # noqa: E402
-from rloo_efficient.prefix_sharing import pack_groups, row_groups  # noqa: E402
-from rloo_efficient.reward_sharing import pack_reward_rows, packed_scores  # noqa: E402
-from rloo_efficient.shared_generation import generate_with_shared_prefill  # noqa: E402
+from rloo_efficient.core import prefix_attention  # noqa: E402
+from rloo_efficient.core.packing import pack_groups, row_groups  # noqa: E402
+from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores  # noqa: E402
+from rloo_efficient.core.shared_generation import generate_with_shared_prefill  # noqa: E402
 
 CONFIG = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, pad_token_id=0)  # fmt: skip

@@ -6,12 +6,12 @@ import warnings
 import pytest
 import torch
 
-from rloo_efficient import attention_kernels as kernels
-from rloo_efficient import kernel_checks as checks
-from rloo_efficient import prefix_attention
-from rloo_efficient.attention_kernels import math_attention
-from rloo_efficient.kernel_checks import attention_backward, attention_forward
-from rloo_efficient.prefix_sharing import pack_groups
+from rloo_efficient.core import attention_kernels as kernels
+from rloo_efficient.core import kernel_checks as checks
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.attention_kernels import math_attention
+from rloo_efficient.core.kernel_checks import attention_backward, attention_forward
+from rloo_efficient.core.packing import pack_groups
 
 
 def rand(generator, *shape, dtype=torch.float64):

@@ -4,7 +4,8 @@ skips), and its exit status says when a kernel fails."""
 import subprocess
 import sys
 
-from rloo_efficient import doctor, kernel_checks
+from rloo_efficient import doctor
+from rloo_efficient.core import kernel_checks
 
 
 def test_the_doctor_runs_on_a_machine_without_a_gpu_and_passes():

@@ -20,12 +20,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from rloo_efficient import attention_kernels as kernels
-from rloo_efficient import kernel_checks as checks
-from rloo_efficient import prefix_attention
-from rloo_efficient.prefix_cache import PrefixCache
-from rloo_efficient.prefix_sharing import pack_groups
-from rloo_efficient.shared_generation import prefill_prompts, unique_rows
+from rloo_efficient.core import attention_kernels as kernels
+from rloo_efficient.core import kernel_checks as checks
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.prefix_cache import PrefixCache
+from rloo_efficient.core.packing import pack_groups
+from rloo_efficient.core.shared_generation import prefill_prompts, unique_rows
 
 from .test_prefix_attention import stock_batch
 
@@ -380,7 +380,7 @@ def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_ma
     kernel, never the math path's (L, L) scores; one warning names the kernel."""
     import warnings
 
-    from rloo_efficient import window_attention
+    from rloo_efficient.core import window_attention
 
     def raising(*args, **kwargs):
         raise RuntimeError("no windowed flash here")

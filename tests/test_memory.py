@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-import rloo_efficient.memory as memory
-from rloo_efficient.memory import get_memory_stats, peak_rss_resettable, reset_peak_memory
+import rloo_efficient.profiling.memory as memory
+from rloo_efficient.profiling.memory import get_memory_stats, peak_rss_resettable, reset_peak_memory
 
 CPU = torch.device("cpu")
 MIB = 1024**2

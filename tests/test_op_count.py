@@ -5,7 +5,7 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.op_count import OpCounter
+from rloo_efficient.profiling.op_count import OpCounter
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 from .conftest import training_args
@@ -25,7 +25,7 @@ def test_a_whole_run_dispatches_at_most_a_tenth_more_than_stock(model_cache, tmp
     # Each kernel configuration's first-use check runs once per process, not per step: left out of the count
     from torch.utils._python_dispatch import _disable_current_modes
 
-    import rloo_efficient.kernel_checks as checks
+    import rloo_efficient.core.kernel_checks as checks
 
     check = checks.check_kernel
 

@@ -13,10 +13,11 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient import prefix_attention
-from rloo_efficient.op_count import OpCounter
-from rloo_efficient.prefix_sharing import pack_groups, row_groups
-from rloo_efficient.shared_generation import generate_with_shared_prefill
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.families import attention_reason
+from rloo_efficient.profiling.op_count import OpCounter
+from rloo_efficient.core.packing import pack_groups, row_groups
+from rloo_efficient.core.shared_generation import generate_with_shared_prefill
 
 
 HEADS, KV_HEADS, DIM = 6, 2, 8  # 3 query heads per key/value head, 2 key/value heads: a wrong mapping is caught
@@ -305,7 +306,7 @@ def test_packed_forward_is_the_same_whatever_attention_the_model_was_loaded_with
     model.config._attn_implementation = implementation
     for m in (model, reference):
         add_fused_lm_head(m, outputs=("log_probs", "entropy"))
-    assert prefix_attention.unsupported_reason(model) is None
+    assert attention_reason(model) is None
     prefix_attention.install(model)
     ids, rows = stock_batch([9, 5], [0, 0, 1, 1, 1], [4, 2, 5, 0, 3], 5, seed=3)
     packed = pack_groups(ids, 5, rows, torch.float64)
@@ -367,7 +368,7 @@ def test_the_packed_attention_keeps_its_sequence_in_saved_tensors_only(window):
     """Gradient checkpointing frees what an autograd node saved with `save_for_backward`, not its attributes: none of
     them may hold the keys, values or anything the size of the sequence (the layout's per-batch indices aside, which
     every layer shares). Under a window, the prompt tail's mask is built once per batch for every layer."""
-    import rloo_efficient.prefix_attention as backend
+    import rloo_efficient.core.prefix_attention as backend
 
     ids, rows = stock_batch([9, 6], [0, 0, 1, 1, 1], [5, 3, 4, 2, 5], 5, seed=0)
     packed = pack_groups(ids, 5, rows, torch.float64)

@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient import prefix_attention
-from rloo_efficient.prefix_sharing import ROWS_KEY, group_ids_for, pack_groups, row_groups, shuffle_groups_dict
-from rloo_efficient.prefix_sharing import unsupported_reason
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.families import forward_unsupported_reason as unsupported_reason
+from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_groups, row_groups
+from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer
 
 from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
@@ -249,11 +250,15 @@ def test_group_ids_follow_prompt_strings():
 
 
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
+    """The batch is ordered before TRL shuffles it, so that TRL's own row shuffle (drawn next) keeps each group's rows
+    together; the generator is drawn exactly as for stock's shuffle."""
+    from trl.trainer.utils import shuffle_sequence_dict
+
     group_ids = torch.arange(4).repeat_interleave(3)
     batch = {"group_ids": group_ids, "x": torch.arange(12) * 10, "names": [f"r{i}" for i in range(12)], "n": None,
-             "pairs": tuple((i, i) for i in range(12))}  # a non-list sequence: permuted into a list, as TRL does
+             "pairs": tuple((i, i) for i in range(12)), "count": torch.tensor(5)}  # a scalar passes through, as in TRL
     torch.manual_seed(0)
-    shuffled = shuffle_groups_dict(batch, group_ids)
+    shuffled = shuffle_sequence_dict(GroupSharingMixin._ordered_for_group_shuffle(batch, group_ids))
     after_groups = torch.rand(1)
     torch.manual_seed(0)
     row_permutation = torch.randperm(12)
@@ -261,10 +266,14 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     order = shuffled["x"] // 10
     assert torch.equal(shuffled["group_ids"], group_ids[order]) and shuffled["names"] == [f"r{i}" for i in order.tolist()]
     assert shuffled["pairs"] == [(i, i) for i in order.tolist()] and shuffled["n"] is None
+    assert shuffled["count"].item() == 5
     runs = shuffled["group_ids"].view(4, 3)
     assert (runs == runs[:, :1]).all()  # each group contiguous
     first_seen = list(dict.fromkeys(group_ids[row_permutation].tolist()))
     assert runs[:, 0].tolist() == first_seen
+    rank = {row: place for place, row in enumerate(row_permutation.tolist())}
+    for run_rows in order.view(4, 3).tolist():  # within a group, rows in their row-shuffle order
+        assert [rank[row] for row in run_rows] == sorted(rank[row] for row in run_rows)
 
 
 def test_shuffle_groups_matches_stock_when_micro_batches_share_an_optimizer_step(workload, tmp_path):

@@ -11,9 +11,9 @@ import torch
 from transformers import TrainerCallback
 
 import rloo_efficient
-import rloo_efficient.phase_profiler as phase_profiler
+import rloo_efficient.profiling.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.profiling import PHASES, PhaseProfiler, git_commit
+from rloo_efficient.trainers.memory_profiling import PHASES, PhaseProfiler, git_commit
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import run, training_args

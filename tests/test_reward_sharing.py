@@ -15,7 +15,8 @@ from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2For
 from transformers import PreTrainedTokenizerFast
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.reward_sharing import HydraReward, pack_reward_rows
+from rloo_efficient.core.reward_packing import pack_reward_rows
+from rloo_efficient.trainers.hydra import HydraReward
 from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, _model_config, build_dataset, build_model_dir
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
@@ -274,7 +275,7 @@ def test_a_reward_adapter_without_a_score_head_is_loaded_as_stock_loads_it(workl
 def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(workload, tmp_path, monkeypatch):
     from peft import LoraConfig
 
-    import rloo_efficient.reward_phase as reward_phase
+    import rloo_efficient.trainers.rewards as reward_phase
 
     cfg, path, dataset = workload
     adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
@@ -293,9 +294,9 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     # Packed or padded (share_reward_prefix=False), the adapter's scores are the same
     args = (hydra, trainer.reward_processing_classes[0], ["ab", "ab", "c"], ["abcd", "abde", "cfg"])
     packed = trainer._grouped_reward_scores(*args)
-    trainer.args.share_reward_prefix = False
+    trainer._settings.share_reward_prefix = False
     torch.testing.assert_close(trainer._grouped_reward_scores(*args), packed, rtol=1e-10, atol=1e-12)
-    trainer.args.share_reward_prefix = True
+    trainer._settings.share_reward_prefix = True
 
     # A reward call, also one that raises, leaves the policy's adapter active and every flag as it was, even one the
     # user set (PEFT's set_adapter alone would make all of the policy's adapter trainable again)

@@ -11,9 +11,9 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaCon
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient import prefix_attention
-from rloo_efficient.prefix_cache import PrefixCache, prefix_cache_unsupported_reason
-from rloo_efficient.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.prefix_cache import PrefixCache, prefix_cache_unsupported_reason
+from rloo_efficient.core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
 
 from .conftest import run, training_args
 

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from rloo_efficient import prefix_attention
+from rloo_efficient.core import prefix_attention
 
 
 def tiny():

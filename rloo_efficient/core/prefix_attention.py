@@ -42,13 +42,6 @@ from .window_attention import prompt_tail, scatter_tail, sink_gradient, tail_bia
 
 ATTENTION_NAME = "rloo_prefix"
 LAYOUT_KWARG = "rloo_prefix_layout"
-# Families whose attention modules hand the interface scaled dot-product attention over queries (B, H, L, D) and keys
-# and values (B, Hkv, L, D) once rotary embeddings and q/k norms are applied, with positions from `position_ids` only,
-# and at most a sliding window (kwarg `sliding_window`: keys in (p - w, p]) and attention sinks (kwarg `s_aux`, one
-# logit per head): read from each family's modeling code (transformers 5.23), and each listed only with an
-# equivalence test against stock TRL in the suite
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe",
-               "gpt_oss")
 # A 4-D attention mask is returned as-is by transformers' mask builders: the packed forward needs none, so it passes
 # this empty placeholder and no (L, L) mask is ever built
 NO_MASK = torch.empty(1, 1, 0, 0)
@@ -464,16 +457,3 @@ def decoding_with(cache):
         yield
     finally:
         _decoding.reset(token)
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why [`prefix_attention`] cannot stand in for `model`'s attention, or None when it can."""
-    text_config = model.config.get_text_config()
-    model_type = text_config.model_type
-    if model_type not in MODEL_TYPES:
-        return f"its attention is only verified for {', '.join(MODEL_TYPES)}, not {model_type}"
-    if getattr(text_config, "use_bidirectional_attention", False):
-        return "its attention is bidirectional (use_bidirectional_attention=True), not causal"
-    if not any(True for _ in _attention_modules(model)):
-        return f"none of {type(model).__name__}'s modules is an attention module of the shape it expects"
-    return None

@@ -1,29 +1,24 @@
-from dataclasses import dataclass, field
+"""Our config fields ([`SharingArguments`]) on TRL's RLOO and GRPO configs: [`RLOOConfig`] and [`GRPOConfig`]."""
+
+from dataclasses import dataclass, field, fields
 
 import trl
 
 
 EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
 
-
-@dataclass
-class RLOOConfig(trl.RLOOConfig):
-    r"""
-    Configuration for [`rloo_efficient.RLOOTrainer`]: every field of [`trl.RLOOConfig`], plus the ones below. With
-    `share_prompt_prefix=False`, `share_generation_prefill=False`, `share_reward_prefix=False`,
-    `hydra_reward_adapter=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
-
-    Parameters:
+SHARING_DOC = r"""
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):
             Process each unique prompt once per micro-batch: prompts are tokenized once per unique string, and the
             policy, reference and training forwards pack a micro-batch as one flat sequence holding each prompt once
             and its completions, each completion attending to its prompt's keys and values through rloo_efficient's
-            prefix-attention backend (fused kernels, no `(L, L)` mask; see `rloo_efficient.prefix_attention`),
+            prefix-attention backend (fused kernels, no `(L, L)` mask; see `rloo_efficient.core.prefix_attention`),
             whatever attention implementation the model was loaded with. Exact: same log-probs and gradients as the
             stock forward, to floating-point tolerance; sliding windows and attention sinks included. Models where it
-            cannot be exact (families other than those in `prefix_attention.MODEL_TYPES`, absolute position
-            embeddings, rotary embeddings that depend on the sequence length, bidirectional attention, active dropout,
-            multimodal inputs, a MoE load-balancing loss) use the stock path, with one warning naming the reason.
+            cannot be exact (families other than those in `rloo_efficient.core.families.MODEL_TYPES`, absolute
+            position embeddings, rotary embeddings that depend on the sequence length, bidirectional attention, active
+            dropout, multimodal inputs, a MoE load-balancing loss) use the stock path, with one warning naming the
+            reason.
         share_generation_prefill (`bool`, *optional*, defaults to `True`):
             In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
             to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
@@ -35,14 +30,14 @@ class RLOOConfig(trl.RLOOConfig):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
             tokens and merged exactly (log-sum-exp, as in Hydragen), two fused-kernel calls per layer and step for all
-            rows, sliding windows and sinks included. For the families in `prefix_attention.MODEL_TYPES`; other models
-            fan the cache out, with one warning naming the reason.
+            rows, sliding windows and sinks included. For the families in `MODEL_TYPES`; other models fan the cache
+            out, with one warning naming the reason.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models with each group's rows packed like the policy's forwards: the longest common token
             prefix of the group's rows (in the reward model's own tokenization, chat template included) once, each
             row's remainder attending to it; each row's score read where the model's pooling reads it. For the
-            sequence classifiers of the families in `prefix_attention.MODEL_TYPES`; others are called as stock TRL
-            calls them, with one warning.
+            sequence classifiers of the families in `MODEL_TYPES`; others are called as stock TRL calls them, with one
+            warning.
         hydra_reward_adapter (`bool`, *optional*, defaults to `True`):
             When the policy is a PEFT LoRA model and a reward function is the directory of a PEFT sequence-
             classification adapter on the same base (as TRL's `RewardTrainer` saves it), load it onto the policy's
@@ -66,8 +61,12 @@ class RLOOConfig(trl.RLOOConfig):
             `"after_generation"` gave 0.91x the working memory of `"none"` for 6 ms per step (see README).
         profile_memory (`bool`, *optional*, defaults to `True`):
             Record each phase's peak memory and time (`memory/<phase>/<stat>` and `time/<phase>_s` in the logs) and
-            write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary.
-    """
+            write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary."""
+
+
+@dataclass
+class SharingArguments:
+    """rloo_efficient's own fields, shared by [`RLOOConfig`] and [`GRPOConfig`] (documented there)."""
 
     share_prompt_prefix: bool = field(
         default=True,
@@ -95,43 +94,54 @@ class RLOOConfig(trl.RLOOConfig):
     )
     empty_cache_policy: str = field(
         default="after_generation",
-        metadata={
-            "help": "When to release cached allocator memory.",
-            "choices": list(EMPTY_CACHE_POLICIES),
-        },
+        metadata={"help": "When to release cached allocator memory.", "choices": list(EMPTY_CACHE_POLICIES)},
     )
     profile_memory: bool = field(
         default=True,
         metadata={"help": "Record per-phase peak memory and time in the logs and in `memory_report.json`."},
     )
 
+
+OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
+
+
+def sharing_settings(args) -> SharingArguments:
+    """Our settings as `args` holds them: its own values where it is one of our configs, the defaults otherwise (a
+    stock config, or none)."""
+    return SharingArguments(**{name: getattr(args, name) for name in OUR_FIELDS if hasattr(args, name)})
+
+
+class _SharingConfigMixin:
+    """Validation and conversion shared by our configs; `_stock` is the TRL config class they extend."""
+
+    _stock: type
+
     @classmethod
-    def from_stock(cls, args: trl.RLOOConfig) -> "RLOOConfig":
+    def from_stock(cls, args):
         """A copy of an already validated stock config, with our fields at their defaults."""
         config = cls.__new__(cls)
         config.__dict__.update(args.__dict__)
-        for name in set(cls.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__):
-            setattr(config, name, cls.__dataclass_fields__[name].default)
+        config.__dict__.update(vars(SharingArguments()))
         return config
 
-    def to_stock(self) -> trl.RLOOConfig:
-        """The same settings as a stock [`trl.RLOOConfig`], without our fields (to run stock TRL side by side)."""
-        config = trl.RLOOConfig.__new__(trl.RLOOConfig)
-        ours = set(type(self).__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
-        config.__dict__.update({key: value for key, value in self.__dict__.items() if key not in ours})
+    def to_stock(self):
+        """The same settings as the stock TRL config, without our fields (to run stock TRL side by side)."""
+        config = self._stock.__new__(self._stock)
+        config.__dict__.update({key: value for key, value in self.__dict__.items() if key not in OUR_FIELDS})
         return config
 
     def __post_init__(self):
-        for name in _BOOL_FIELDS:
+        for name in OUR_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, bool):  # "false" would be truthy and turn the feature on
+            if SharingArguments.__dataclass_fields__[name].type in (bool, "bool") and not isinstance(value, bool):
+                # "false" would be truthy and turn the feature on
                 raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."
             )
         try:
-            super().__post_init__()  # stock TRL's checks first
+            super().__post_init__()  # stock TRL's checks
         except ValueError as error:
             if "must be divisible by num_generations" not in str(error):
                 raise
@@ -143,5 +153,27 @@ class RLOOConfig(trl.RLOOConfig):
             ) from error
 
 
-_BOOL_FIELDS = tuple(name for name, spec in RLOOConfig.__dataclass_fields__.items()
-                     if spec.type in (bool, "bool") and name not in trl.RLOOConfig.__dataclass_fields__)  # fmt: skip
+@dataclass
+class RLOOConfig(_SharingConfigMixin, SharingArguments, trl.RLOOConfig):
+    __doc__ = f"""
+    Configuration for [`rloo_efficient.RLOOTrainer`]: every field of [`trl.RLOOConfig`], plus the ones below. With
+    `share_prompt_prefix=False`, `share_generation_prefill=False`, `share_reward_prefix=False`,
+    `hydra_reward_adapter=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
+
+    Parameters:{SHARING_DOC}
+    """
+
+    _stock = trl.RLOOConfig
+
+
+@dataclass
+class GRPOConfig(_SharingConfigMixin, SharingArguments, trl.GRPOConfig):
+    __doc__ = f"""
+    Configuration for [`rloo_efficient.GRPOTrainer`]: every field of [`trl.GRPOConfig`], plus the ones below. With
+    `share_prompt_prefix=False`, `share_generation_prefill=False`, `share_reward_prefix=False`,
+    `hydra_reward_adapter=False`, `shuffle_groups=False` and `empty_cache_policy="none"`, training is stock TRL's.
+
+    Parameters:{SHARING_DOC}
+    """
+
+    _stock = trl.GRPOConfig

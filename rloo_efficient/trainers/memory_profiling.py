@@ -10,13 +10,14 @@ import subprocess
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
-from .memory import device_description, is_accelerator, peak_rss_resettable
-from .phase_profiler import PHASES, PhaseProfiler, max_over_ranks  # noqa: F401 (PHASES: part of this module's API)
+from ..profiling.memory import device_description, is_accelerator, peak_rss_resettable
+from ..profiling.phase_profiler import PHASES, PhaseProfiler, max_over_ranks  # noqa: F401 (PHASES: part of this module's API)
 
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rloo_efficient/
 
 
 def git_commit(package_dir: Path = PACKAGE_DIR) -> str | None:
@@ -53,7 +54,7 @@ def environment_info(device: torch.device) -> dict:
     import transformers
     import trl
 
-    from . import __version__  # here: the package imports this module before it defines its version
+    from .. import __version__  # here: the package imports this module before it defines its version
 
     return {
         "device": device_description(device),
@@ -101,12 +102,12 @@ class _StepBoundaryCallback(TrainerCallback):
 
 class MemoryProfilingMixin:
     """
-    Adds per-phase memory and time profiling to a TRL RLOO trainer without changing what it computes. Mix it in
-    before the trainer class: `class ProfiledRLOOTrainer(MemoryProfilingMixin, trl.RLOOTrainer)`.
+    Adds per-phase memory and time profiling to a TRL group trainer (RLOO, GRPO) without changing what it computes.
+    Mix it in before the trainer class: `class ProfiledRLOOTrainer(MemoryProfilingMixin, trl.RLOOTrainer)`.
 
     Phases: `generation` (`_generate`: tokenization, decoding, detokenization), `policy_logps` and
-    `reference_logps` (the two no-grad `_get_per_token_logps_and_entropies` calls of
-    `_generate_and_score_completions`), `reward` (`_calculate_rewards`), `train` (`training_step` less the phases
+    `reference_logps` (the no-grad `_get_per_token_logps_and_entropies` calls of `_generate_and_score_completions`,
+    named by the model they run), `reward` (`_calculate_rewards`), `train` (`training_step` less the phases
     above: forward, backward, advantage bookkeeping) and `optimizer` (gradient clipping, `optimizer.step()`,
     scheduler and `zero_grad`). Reads `profile_memory` and `empty_cache_policy` from `args` when present (stock
     `trl.RLOOConfig` has neither: profiling on, no release).
@@ -129,9 +130,9 @@ class MemoryProfilingMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._profiler = None
+        self._scoring = False  # within `_generate_and_score_completions`, whose no-grad passes are phases
         if getattr(self.args, "profile_memory", True):
             self._profiler = PhaseProfiler(self.accelerator.device, getattr(self.args, "empty_cache_policy", "none"))
-            self._scoring_pass = None  # index of the next no-grad log-prob pass within a scoring call
             self.add_callback(_StepBoundaryCallback(self))
 
     def _phase(self, name: str, evaluating: bool | None = None):
@@ -149,20 +150,30 @@ class MemoryProfilingMixin:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     def _generate_and_score_completions(self, inputs):
-        self._scoring_pass = 0
+        self._scoring = True
         try:
             return super()._generate_and_score_completions(inputs)
         finally:
-            self._scoring_pass = None
+            self._scoring = False
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        if self._profiler is None or self._scoring_pass is None or torch.is_grad_enabled():
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        # Stock TRL scores with the policy first, then (beta != 0) with the reference
-        name = "policy_logps" if self._scoring_pass == 0 else "reference_logps"
-        self._scoring_pass += 1
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        if self._profiler is None or not self._scoring or torch.is_grad_enabled():
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        # A scoring pass, named by the model it runs: GRPO runs the policy's (old log-probs) only when generation and
+        # optimizer steps are out of step, and the reference's only with beta > 0
+        name = "reference_logps" if self._is_reference_pass(model) else "policy_logps"
         with self._phase(name):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def _is_reference_pass(self, model) -> bool:
+        """Whether a forward of `model` computes the reference's log-probs: the reference model itself, or the PEFT
+        policy with its adapters off or TRL's "ref" adapter active (as TRL's `use_adapter` sets them)."""
+        if self.ref_model is not None and model is self.ref_model:
+            return True
+        unwrapped = self.accelerator.unwrap_model(model)
+        if not is_peft_model(unwrapped):
+            return False
+        return bool(getattr(unwrapped, "_adapters_disabled", False)) or unwrapped.active_adapter == "ref"
 
     def training_step(self, model, inputs, num_items_in_batch):
         # Always training: the model can still be in eval mode on entry (Trainer.training_step calls model.train())

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 from .prefix_attention import NO_MASK, LAYOUT_KWARG, PackedLayout, SplitLayout
 
@@ -57,31 +56,18 @@ def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int]) -> torch.
     return torch.cat([groups.unsqueeze(1), lengths.view(-1, 2)], dim=1)
 
 
-def shuffle_groups_dict(batch: dict, group_ids: torch.Tensor) -> dict:
+def group_shuffle_order(group_ids: torch.Tensor, permutation: torch.Tensor) -> np.ndarray:
     """
-    Shuffles the rows of `batch` keeping each group's rows together, drawing the same `torch.randperm(B)` that
-    TRL's `shuffle_sequence_dict` draws (so the random generator advances identically): groups are ordered by
-    their first row in that permutation, and rows within a group by their order in it. Values are permuted as
-    `shuffle_sequence_dict` permutes them: tensors along their first dimension, any other sequence into a list.
+    `(B,)` row order that keeps each group's rows together while following a row shuffle `permutation` (the one TRL's
+    `shuffle_sequence_dict` draws): groups ordered by their first row in the permutation, rows within a group by their
+    order in it.
     """
-    batch_size = len(group_ids)
-    permutation = torch.randperm(batch_size)
-    rank = torch.empty_like(permutation)
-    rank[permutation] = torch.arange(batch_size)  # rank[row] = where the row lands in the row shuffle
-    group_rank = {}
-    for row in permutation.tolist():
-        group_rank.setdefault(int(group_ids[row]), len(group_rank))
-    order = sorted(range(batch_size), key=lambda row: (group_rank[int(group_ids[row])], int(rank[row])))
-    order_t = torch.tensor(order, dtype=torch.long)
-
-    def take(value):
-        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
-            return value
-        if isinstance(value, torch.Tensor):
-            return value[order_t.to(value.device)]
-        return [value[i] for i in order]
-
-    return {key: take(value) for key, value in batch.items()}
+    group_ids, permutation = group_ids.numpy(), permutation.numpy()
+    rank = np.empty_like(permutation)
+    rank[permutation] = np.arange(len(permutation))  # rank[row] = where the row lands in the row shuffle
+    first = np.full(int(group_ids.max()) + 1, len(permutation))
+    np.minimum.at(first, group_ids, rank)  # each group's first place in the shuffle
+    return np.lexsort((rank, first[group_ids]))
 
 
 @dataclass
@@ -233,56 +219,3 @@ def pack_groups(
         num_cols=logits_to_keep,
         num_real_tokens=int(body.sum() + n.sum()),
     )
-
-
-# -- when packing is exact -------------------------------------------------------------------------------------------
-def unsupported_reason(model: nn.Module) -> str | None:
-    """
-    Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can.
-    """
-    from .prefix_attention import unsupported_reason as attention_reason
-
-    text_config = model.config.get_text_config()
-    if is_multimodal(model):
-        return f"{type(model).__name__} is multimodal; its image tokens are not packed"
-    if getattr(text_config, "rope_parameters", None) is None and getattr(text_config, "rope_theta", None) is None:
-        return (
-            f"{text_config.model_type} has no rotary position embeddings; with absolute positions, stock TRL's "
-            f"left padding shifts every token's position, which a packed row cannot reproduce"
-        )
-    return attention_reason(model) or rope_reason(model) or dropout_reason(model)
-
-
-def rope_reason(model: nn.Module) -> str | None:
-    """
-    Rotary embeddings whose frequencies depend on the longest position in the call ("dynamic" NTK scaling, "longrope")
-    are not the same for a packed sequence (or a prefill one token shorter) as for stock TRL's padded rows.
-    """
-    text_config = model.config.get_text_config()
-    parameters = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
-    found = [parameters] if "rope_type" in parameters else [p for p in parameters.values() if isinstance(p, dict)]
-    for params in found:
-        rope_type = params.get("rope_type") or params.get("type") or ""
-        if "dynamic" in rope_type or rope_type == "longrope":
-            return f"its rotary embedding ({rope_type!r}) changes with the longest position in each forward"
-    return None
-
-
-def dropout_reason(model: nn.Module) -> str | None:
-    """Active dropout draws a mask per token: a shared forward would draw different ones than stock TRL."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            return (
-                f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
-                f"(set disable_dropout=True)"
-            )
-    text_config = model.config.get_text_config()
-    for key in ("attention_dropout", "hidden_dropout", "dropout"):
-        if (getattr(text_config, key, 0.0) or 0.0) > 0:
-            return f"dropout is active ({key}={getattr(text_config, key)}); set disable_dropout=True"
-    return None
-
-
-def is_multimodal(model: nn.Module) -> bool:
-    config = model.config
-    return config.get_text_config() is not config or getattr(config, "vision_config", None) is not None

@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit
-from .prefix_sharing import dropout_reason, is_multimodal, rope_reason
+from .families import dropout_reason, is_multimodal, rope_reason
 
 
 # Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly
@@ -118,6 +118,7 @@ def generate_with_shared_prefill(
     prompt_ids: list[list[int]] | None = None,
     prompt_cache_once: bool = False,
     synced: bool = False,
+    generate=None,
     **kwargs,
 ):
     """
@@ -131,8 +132,10 @@ def generate_with_shared_prefill(
     to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
     DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
     fall out of step: the prefill runs on all ranks when all of them can run it (one all-reduce per call), even where
-    nothing is shared.
+    nothing is shared. `generate`: the model's own `generate` (default `model.generate`), for a caller that has put
+    this function in its place.
     """
+    generate = generate or model.generate
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
@@ -147,7 +150,7 @@ def generate_with_shared_prefill(
     else:
         share = width >= 2 and len(first) < len(inverse)
     if not share:
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
+        return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
     padded = any(len(ids) < width for ids in prompt_ids)
     prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded)
     config = kwargs.get("generation_config") or model.generation_config
@@ -165,5 +168,5 @@ def generate_with_shared_prefill(
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     with attention:
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
     return output, len(first) * (width - 1)

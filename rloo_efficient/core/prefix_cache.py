@@ -16,7 +16,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .prefix_attention import SplitLayout, unsupported_reason
+from .families import attention_reason
+from .prefix_attention import SplitLayout
 
 
 class PrefixLayer(DynamicLayer):
@@ -127,7 +128,7 @@ class PrefixCache(DynamicCache):
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:
     """Why the once-per-group prompt cache cannot be exact for `model`, or None (a length limit is checked per batch
     by [`cache_limit`])."""
-    return unsupported_reason(model)
+    return attention_reason(model)
 
 
 def cache_limit(model: nn.Module) -> int | None:

@@ -1,0 +1,22 @@
+"""[`GRPOTrainer`]: TRL's GRPO trainer with each prompt once per group, profiled per phase."""
+
+import trl
+
+from .config import GRPOConfig
+from .memory_profiling import MemoryProfilingMixin
+from .mixin import GroupSharingMixin
+
+
+class GRPOTrainer(MemoryProfilingMixin, GroupSharingMixin, trl.GRPOTrainer):
+    """
+    A drop-in replacement for [`trl.GRPOTrainer`] (same constructor, same results) that processes each prompt once
+    per group in every phase, profiles memory per phase, and can release cached memory at phase boundaries. See
+    [`GRPOConfig`] for the switches; with all of them off, training is stock TRL's.
+
+    Every GRPO feature runs through TRL's own code: each loss type, the reference and old-log-prob passes, tools (the
+    first turn's prompt is shared; later turns, each row's own history, are generated as stock generates them),
+    `rollout_func` and environments (prompts grouped by their tokens, environment included). TRL methods wrapped:
+    those of [`GroupSharingMixin`] and [`MemoryProfilingMixin`], each calling `super()`; no TRL method is copied.
+    """
+
+    _config_class = GRPOConfig

@@ -1,0 +1,355 @@
+"""
+The one mixin that binds the core to a TRL group trainer: [`trl.RLOOTrainer`], [`trl.GRPOTrainer`], or a subclass of
+either (TRL's own `GMPOTrainer`, a user's). It wraps TRL's methods and calls `super()` in each; no TRL method body is
+copied. The batch's group structure ([`core.packing.row_groups`]) is computed once per generation batch from the token
+lists TRL's `_generate` returns, is active while TRL's own no-grad passes run, travels with the batch TRL returns
+(TRL's shuffle and split carry it), and is active again while TRL's loss runs for each micro-batch.
+"""
+
+import contextlib
+import inspect
+import warnings
+
+import numpy as np
+import torch
+from accelerate.utils import is_peft_model
+from transformers import AutoTokenizer, PreTrainedModel
+from trl.extras.profiling import profiling_context
+from trl.trainer.utils import get_config_model_id
+
+from ..core import prefix_attention
+from ..core.families import forward_unsupported_reason
+from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_key, row_groups
+from ..core.prefix_cache import prefix_cache_unsupported_reason
+from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+from .config import sharing_settings
+from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
+from .hydra import split_hydra_rewards
+from .rewards import RewardSharingMixin
+
+
+def _supported(reason: str | None, consequence: str) -> bool:
+    """True when there is no `reason` against a feature; otherwise warns `consequence: reason` and returns False."""
+    if reason is not None:
+        warnings.warn(f"rloo_efficient: {consequence}: {reason}.", stacklevel=3)
+    return reason is None
+
+
+class GroupSharingMixin(RewardSharingMixin):
+    """
+    Each prompt once per group in every phase of a TRL group trainer. Mix it in before the trainer class,
+    `class MyTrainer(GroupSharingMixin, trl.GRPOTrainer)`; [`RLOOTrainer`] and [`GRPOTrainer`] are built so. The
+    switches are our config's fields ([`config.SharingArguments`]), read from `args` with their defaults where `args`
+    is a stock config.
+
+    TRL methods wrapped (each calls `super()`), and why:
+    - `__init__`: a reward adapter on the policy's base attached to the policy instead of loaded as a second model
+      (Hydra); our attention function installed on the policy and the reference.
+    - `_tokenize_prompts`: each distinct prompt (and environment) tokenized once; its rows get copies.
+    - `_generate_single_turn`: while it runs, the model's `generate` prefills each distinct prompt once
+      ([`core.shared_generation`]); vLLM, continuous batching and multimodal inputs go to TRL untouched.
+    - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes.
+    - `_generate_and_score_completions`: the structure is added to the batch it returns; with `shuffle_groups`, the
+      batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
+    - `_compute_loss`: the micro-batch's structure is active while TRL's loss runs.
+    - `_get_per_token_logps_and_entropies`: the packed forward ([`core.packing`]) when the active structure matches
+      the batch it is given; TRL's otherwise.
+    - `_calculate_rewards` (see [`rewards.RewardSharingMixin`]): reward models scored from packed rows.
+    - `_save`: a Hydra reward adapter is left out of the saved policy.
+    """
+
+    _config_class: type | None = None  # our config for this trainer: a stock config of its base class becomes one
+
+    def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
+        if self._config_class is not None and type(args) is self._config_class._stock:
+            args = self._config_class.from_stock(args)
+        self._settings = sharing_settings(args)
+        self._prefix_warned: set[str] = set()
+        self._active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
+        self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
+        self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
+        self.reward_forward_tokens = 0  # tokens the packed reward forward processed (read by tests)
+        reward_funcs = self._hydra_reward_funcs(model, reward_funcs, args, positional, kwargs)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._attach_hydra_rewards()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        self._share_prefix = self._settings.share_prompt_prefix
+        if self._share_prefix:
+            reason = forward_unsupported_reason(unwrapped)
+            if reason is None and self.aux_loss_enabled:
+                reason = "the MoE load-balancing loss counts every token of every row"
+            if reason is not None:
+                self._fall_back(reason)
+        other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
+        self._share_prefill = (
+            self._settings.share_generation_prefill
+            and not other_backend
+            and _supported(generation_unsupported_reason(unwrapped, self.generation_config),
+                           "the shared generation prefill is off, using stock TRL's generate")
+        )  # fmt: skip
+        self._prompt_cache_once = (
+            self._share_prefill
+            and self._settings.share_prompt_kv_cache
+            and _supported(prefix_cache_unsupported_reason(unwrapped),
+                           "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
+                           "still shared)")
+        )  # fmt: skip
+        if self._share_prefix or self._prompt_cache_once:
+            # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
+            # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
+            for inner in (unwrapped, self.ref_model):
+                if inner is not None:
+                    prefix_attention.install(self.accelerator.unwrap_model(inner))
+
+    @property
+    def _trl_base(self) -> type:
+        """The TRL trainer class this one derives from (the first class of TRL's in the method resolution order)."""
+        return next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
+
+    # -- Hydra -------------------------------------------------------------------------------------------------------
+    def _hydra_reward_funcs(self, model, reward_funcs, args, positional, kwargs) -> list:
+        """`reward_funcs` with each reward adapter that can share the policy's base replaced by a [`HydraReward`]."""
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        if not any(reward_adapter_config(func) for func in funcs):
+            return reward_funcs
+        signature = inspect.signature(self._trl_base.__init__)
+        bound = signature.bind(self, model, reward_funcs, args, *positional, **kwargs)
+        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+        peft_config = bound.arguments.get("peft_config")
+        base = dtype = quantization = None
+        if isinstance(model, str) and peft_config is not None:
+            # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
+            base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
+            quantization = init_kwargs.get("quantization_config") or bound.arguments.get("quantization_config")
+        elif is_peft_model(model) or (peft_config is not None and isinstance(model, PreTrainedModel)):
+            # A PeftModel, or a model object that TRL wraps with `peft_config` further down its constructor
+            policy_base = model.get_base_model() if is_peft_model(model) else model
+            base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
+            quantization = getattr(policy_base.config, "quantization_config", None)
+        return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, self._settings.hydra_reward_adapter,
+                                   lambda message: warnings.warn(message, stacklevel=5))  # fmt: skip
+
+    def _attach_hydra_rewards(self) -> None:
+        """Loads each Hydra reward adapter onto the policy, and its tokenizer where none was given (as stock would)."""
+        for index, func in enumerate(self.reward_funcs):
+            if not isinstance(func, HydraReward):
+                continue
+            func.attach(self.accelerator.unwrap_model(self.model))
+            tokenizer = self.reward_processing_classes[index]
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(func.adapter["base_model_name_or_path"],
+                                                          trust_remote_code=self.args.trust_remote_code)  # fmt: skip
+                self.reward_processing_classes[index] = tokenizer
+            if tokenizer.pad_token_id is None:  # as stock does for a reward model's tokenizer, given or loaded
+                tokenizer.pad_token = tokenizer.eos_token
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """Stock's save, of the policy alone: a Hydra reward adapter on the policy is not part of what it saves (every
+        checkpoint, `save_model` and `push_to_hub` save through here)."""
+        with saving_policy_adapters_only(self.reward_funcs):
+            return super()._save(output_dir, state_dict)
+
+    def _fall_back(self, reason: str, permanent: bool = True) -> None:
+        if permanent:
+            self._share_prefix = False
+        if reason not in self._prefix_warned:
+            self._prefix_warned.add(reason)
+            warnings.warn(
+                f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, using stock "
+                f"TRL's forward: {reason}.",
+                stacklevel=3,
+            )
+
+    # -- generation --------------------------------------------------------------------------------------------------
+    def _tokenize_prompts(self, prompts: list):
+        if not self._settings.share_prompt_prefix or self._is_vlm:
+            return super()._tokenize_prompts(prompts)
+        # With environments (GRPO), each prompt is rendered with its environment's tools: part of the key
+        environments = getattr(self, "_batch_environments", None)
+        if getattr(self, "environment_factories", None) is None:
+            environments = None
+        keys = [(None if environments is None else environments[i], prompt_key(p)) for i, p in enumerate(prompts)]
+        first: dict[tuple, int] = {}
+        for row, key in enumerate(keys):
+            first.setdefault(key, row)
+        if len(first) == len(prompts):
+            return super()._tokenize_prompts(prompts)
+        rows = list(first.values())
+        if environments is not None:
+            self._batch_environments = [environments[row] for row in rows]
+        try:
+            unique_ids, images, fields = super()._tokenize_prompts([prompts[row] for row in rows])
+        finally:
+            if environments is not None:
+                self._batch_environments = environments
+        if fields:  # per-prompt fields would need the same fan-out: tokenize every row, as stock does
+            return super()._tokenize_prompts(prompts)
+        position = {key: index for index, key in enumerate(first)}
+        # Each row gets its own copy of its prompt's tokens (a list later code may edit in place)
+        return [list(unique_ids[position[key]]) for key in keys], images, fields
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        if not self._share_prefill or images is not None or multimodal_fields:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        with self._shared_prefill(prompt_ids):
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _shared_prefill(self, prompt_ids: list[list[int]]):
+        """
+        While TRL's generation runs (its regular transformers path: vLLM and continuous batching never call `generate`),
+        the model's `generate` is [`generate_with_shared_prefill`] for these prompts' token lists: each distinct prompt
+        prefilled once, decoding continued from that cache, sampling exactly as the stock call.
+        """
+        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        stock_generate = model.generate
+
+        def generate(input_ids, attention_mask, **kwargs):
+            output, tokens = generate_with_shared_prefill(
+                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
+                synced=self._forwards_are_collective(model), generate=stock_generate, **kwargs,
+            )  # fmt: skip
+            self.shared_prefill_tokens += tokens
+            return output
+
+        model.generate = generate
+        try:
+            yield
+        finally:
+            del model.generate
+
+    def _forwards_are_collective(self, model) -> bool:
+        """Whether every forward gathers parameters from all ranks (so that ranks must run the same forwards)."""
+        if self.accelerator.num_processes == 1:
+            return False
+        from torch.distributed.fsdp import FSDPModule
+        from transformers.distributed.fsdp import is_fsdp_managed_module
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        # As transformers' generate decides to keep ranks in step (`synced_gpus`), and FSDP2 applied by accelerate
+        return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)
+
+    # -- the group structure: computed, carried, made active ---------------------------------------------------------
+    def _scored_lengths(self, completion_ids_list: list[list[int]]) -> list[int]:
+        """Completion tokens stock TRL scores per row: all of them, or none for a masked truncated completion."""
+        if not self.mask_truncated_completions:
+            return [len(ids) for ids in completion_ids_list]
+        ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        return [len(ids) if ids and ids[-1] in ends else 0 for ids in completion_ids_list]
+
+    def _generate(self, prompts: list):
+        result = super()._generate(prompts)
+        prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
+        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids))
+        return result
+
+    def _generate_and_score_completions(self, inputs):
+        self._active_rows = None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            rows = self._active_rows
+        finally:
+            self._active_rows = None
+        if rows is None:
+            return output
+        output[ROWS_KEY] = rows  # a (B, 3) CPU tensor: TRL's shuffle and split carry it with the batch
+        if self._settings.shuffle_groups and self.model.training:
+            output = self._ordered_for_group_shuffle(output, rows[:, 0])
+        return output
+
+    @staticmethod
+    def _ordered_for_group_shuffle(batch: dict, group_ids: torch.Tensor) -> dict:
+        """
+        `batch` reordered so that TRL's row shuffle, drawn right after from the global generator (one
+        `torch.randperm(B)` in `_prepare_inputs`), lands each group's rows together ([`group_shuffle_order`]). The
+        generator's state is put back: the draws stay stock's.
+        """
+        state = torch.random.get_rng_state()
+        permutation = torch.randperm(len(group_ids))
+        torch.random.set_rng_state(state)
+        wanted = group_shuffle_order(group_ids, permutation)  # the rows TRL's shuffle should put at each place
+        before = np.empty_like(wanted)
+        before[permutation.numpy()] = wanted  # TRL takes before[permutation]: that is wanted
+        index = torch.from_numpy(before)
+
+        def take(value):
+            if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+                return value
+            if isinstance(value, torch.Tensor):
+                return value[index.to(value.device)]
+            return [value[i] for i in before]
+
+        return {key: take(value) for key, value in batch.items()}
+
+    def _compute_loss(self, model, inputs):
+        previous, self._active_rows = self._active_rows, inputs.get(ROWS_KEY)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._active_rows = previous
+
+    # -- the packed forward ------------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal_kwargs):  # fmt: skip
+        """TRL's forward, or the packed one when the active group structure matches the batch."""
+        rows = self._rows_for(input_ids, logits_to_keep, compute_aux_loss, multimodal_kwargs)
+        if rows is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal_kwargs,
+            )  # fmt: skip
+        with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
+            return self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
+                                                    compute_entropy)  # fmt: skip
+
+    def _rows_for(self, input_ids, logits_to_keep, compute_aux_loss, multimodal_kwargs) -> torch.Tensor | None:
+        """The active group structure when the packed forward can serve this call, else None."""
+        rows = self._active_rows
+        if not self._share_prefix or rows is None:
+            return None
+        if compute_aux_loss or any(value is not None for value in multimodal_kwargs.values()):
+            return None
+        group, plen, scored = rows.numpy().T  # host values
+        if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
+            scored.max() > logits_to_keep):  # fmt: skip
+            self._fall_back(
+                f"the group structure ({len(group)} rows, prompts up to {plen.max()} tokens, completions up to "
+                f"{scored.max()}) does not match the batch it is given ({input_ids.shape[0]} rows of "
+                f"{input_ids.shape[1] - logits_to_keep} + {logits_to_keep} tokens)",
+                permanent=False,
+            )  # fmt: skip
+            return None
+        return rows
+
+    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
+                                    compute_entropy):  # fmt: skip
+        """TRL's micro-batch chunking, each chunk packed as one flat sequence (TRL's forward where it can't be)."""
+        batch_size = batch_size or input_ids.size(0)
+        unwrapped = self.accelerator.unwrap_model(model)
+        prefix_attention.install(unwrapped)  # done at init; a model swapped in since (e.g. a synced reference) too
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            with self.accelerator.autocast():
+                device_type = input_ids.device.type
+                dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                         else unwrapped.dtype)  # fmt: skip
+                packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype)
+            if isinstance(packed, str):
+                self._fall_back(packed, permanent=False)
+                stock = super()._get_per_token_logps_and_entropies.__func__
+                stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
+                logps, entropies, _ = stock(self, model, input_ids[start:end], attention_mask[start:end],
+                                            logits_to_keep, end - start, compute_entropy)  # fmt: skip
+            else:
+                self.packed_forward_tokens += packed.num_tokens
+                with self.accelerator.autocast():
+                    outputs = model(**packed.model_inputs(), fused_lm_head=True)
+                logps = packed.unpack(outputs.log_probs)
+                entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+            all_logps.append(logps)
+            if compute_entropy:
+                all_entropies.append(entropies)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return logps, entropies, None
