@@ -17,6 +17,7 @@ from ..profiling.memory import device_description, is_accelerator, peak_rss_rese
 from ..profiling.phase_profiler import PHASES, PhaseProfiler, max_over_ranks  # noqa: F401 (PHASES: part of this module's API)
 
 
+SHARING_COUNTERS = ("packed_forward_tokens", "shared_prefill_tokens", "reward_forward_tokens")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rloo_efficient/
 
 
@@ -240,6 +241,8 @@ class MemoryProfilingMixin:
             "first_steps": profiler.first_steps,
             "timeline": profiler.timeline,
             "config": config,
+            # rloo_efficient's own trainers: tokens each sharing path forwarded (0 where it never engaged)
+            "sharing_tokens": {name: getattr(self, name) for name in SHARING_COUNTERS if hasattr(self, name)},
         }
 
     def write_memory_report(self) -> None:

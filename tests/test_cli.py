@@ -1,0 +1,99 @@
+"""
+The command line as users run it: a YAML recipe (a local model directory, a local dataset directory, a reward
+function named by dotted path, our fields beside TRL's), `trl <command> --config recipe.yaml` for stock and
+`rloo-efficient <command> --config recipe.yaml` for ours, each launched through `accelerate launch` by its console
+script, on one process and on two (`--accelerate_config` with the shipped data-parallel config, on CPU). Both must
+train the same weights, ours with its sharing on.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from rloo_efficient.workload import build_dataset, build_model_dir
+
+from .conftest import tiny_workload
+from .test_launchers import cpu_config, free_port
+
+
+BIN = Path(sys.executable).parent
+# float32 (TRL's scripts load the model in ModelConfig's default dtype): stock and ours sum the same numbers in other
+# orders. AdamW moves each weight by about the learning rate (1e-2) per step whatever its gradient's size, so a wrong
+# gradient shows at ~1e-2; rounding shows most where a gradient is near zero (an LM-head row of a token never
+# sampled), 3e-6 seen
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def recipe_inputs(model_cache, tmp_path_factory):
+    """A local model directory and a local dataset directory (a JSON Lines file, as `load_dataset(dir)` reads one)."""
+    cfg = tiny_workload(model_cache, model_dtype="float32")
+    data = tmp_path_factory.mktemp("dataset")
+    with open(data / "train.jsonl", "w") as f:
+        for prompt in build_dataset(cfg)["prompt"]:
+            f.write(json.dumps({"prompt": prompt}) + "\n")
+    return build_model_dir(cfg), data
+
+
+def launch(console_script: str, command: str, recipe: dict, directory: Path, processes: int) -> Path:
+    directory.mkdir(parents=True)
+    recipe = {**recipe, "output_dir": str(directory / "out")}
+    (directory / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    arguments = [str(BIN / console_script), command, "--config", str(directory / "recipe.yaml")]
+    if processes > 1:  # launch arguments the script does not know go to accelerate, as TRL's CLI passes them
+        arguments += ["--accelerate_config", str(cpu_config("multi_gpu", directory)), "--num_processes",
+                      str(processes), "--main_process_port", str(free_port())]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "ACCELERATE_CONFIG_FILE": str(directory / "none.yaml")}  # no machine-wide accelerate config  # fmt: skip
+    done = subprocess.run(arguments, cwd=directory, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return directory / "out"
+
+
+@pytest.mark.parametrize("command, processes", [("rloo", 1), ("grpo", 2)])
+def test_recipe_runs_as_trl_runs_it(recipe_inputs, tmp_path, command, processes):
+    model, data = recipe_inputs
+    recipe = dict(
+        model_name_or_path=model, dataset_name=str(data), reward_funcs=["rloo_efficient.workload.vowel_reward"],
+        bf16=False,  # CPU
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, learning_rate=1e-2,
+        beta=0.1, logging_steps=1, seed=1, report_to="none", save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    if processes > 1:
+        recipe["use_cpu"] = True  # transformers otherwise runs each CPU process on its own
+    stock = launch("trl", command, recipe, tmp_path / "stock", processes)
+    ours = launch("rloo-efficient", command, {**recipe, "empty_cache_policy": "none"}, tmp_path / "ours", processes)
+
+    report = json.loads((ours / "memory_report.json").read_text())
+    assert report["trainer"] == f"rloo_efficient.trainers.{command}.{command.upper()}Trainer"
+    assert report["world_size"] == processes and report["config"]["empty_cache_policy"] == "none"
+    tokens = report["sharing_tokens"]
+    assert tokens["packed_forward_tokens"] > 0 and tokens["shared_prefill_tokens"] > 0
+    assert not (stock / "memory_report.json").exists()
+    # The same files as stock's save, our profiler's two beside them
+    ours_files = {path.name for path in ours.iterdir()} - {"memory_report.json"}
+    assert ours_files - {name for name in ours_files if name.startswith("memory_steps")} == {
+        path.name for path in stock.iterdir()}
+    stock_weights, our_weights = load_file(stock / "model.safetensors"), load_file(ours / "model.safetensors")
+    assert stock_weights.keys() == our_weights.keys()
+    initial = load_file(Path(model) / "model.safetensors")
+    assert any(not torch.equal(initial[name], stock_weights[name]) for name in initial)  # training moved them
+    for name, weight in stock_weights.items():
+        torch.testing.assert_close(our_weights[name], weight, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_help_lists_trls_arguments_and_ours():
+    done = subprocess.run([str(BIN / "rloo-efficient"), "grpo", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for argument in ("--reward_funcs", "--dataset_name", "--model_name_or_path", "--loss_type", "--share_prompt_prefix",
+                     "--empty_cache_policy"):  # fmt: skip
+        assert argument in done.stdout, argument
+    done = subprocess.run([str(BIN / "rloo-efficient"), "ppo"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "usage: rloo-efficient {rloo,grpo}" in done.stderr

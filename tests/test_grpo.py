@@ -1,0 +1,370 @@
+"""GRPO: TRL's `GRPOTrainer` and ours run the same way, compared metric by metric, with our sharing engaged."""
+
+import math
+
+import pytest
+import torch
+import trl
+
+from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin
+from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+
+from .conftest import run, tiny_workload, training_args
+
+
+# float64 with the exact head and norms (`exact_head`) for both: the same numbers to float64's resolution
+RTOL, ATOL = 1e-9, 1e-12
+# What GRPO logs per step that depends on every log-prob: its loss, kl, entropy, clip ratios and gradient norm
+GRPO_METRICS = ("loss", "reward", "reward_std", "kl", "grad_norm", "entropy", "clip_ratio/region_mean",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "aux_loss")
+
+
+def grpo_args(output_dir, config_class=GRPOConfig, **overrides):
+    # GRPO's own defaults unless a case says otherwise: beta 0, the "dapo" loss; generation every 2 steps with 1
+    # accumulation step (training_args), so that TRL's old-log-prob pass runs
+    return training_args(output_dir, config_class=config_class, **{"beta": 0.0, **overrides})
+
+
+def assert_same_run(stock, ours, rtol=RTOL, atol=ATOL):
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    steps = [(a, b) for a, b in zip(stock.state.log_history, ours.state.log_history, strict=True) if "loss" in a]
+    assert steps
+    for step, (a, b) in enumerate(steps):
+        for key in GRPO_METRICS:
+            if key not in a:
+                assert key not in b, key
+                continue
+            if isinstance(a[key], float) and math.isnan(a[key]):
+                assert math.isnan(b[key]), (step, key)
+                continue
+            assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), f"step {step} {key}: {a[key]} vs {b[key]}"
+
+
+def compare(path, dataset, tmp_path, reward=vowel_reward, run_kwargs=None, stock_class=trl.GRPOTrainer,
+            ours_class=GRPOTrainer, rtol=RTOL, atol=ATOL, prefill=True, **overrides):  # fmt: skip
+    run_kwargs = run_kwargs or {}
+    copy = lambda: list(reward) if isinstance(reward, list) else reward  # noqa: E731 (TRL loads paths in place)
+    stock = run(stock_class, path, grpo_args(tmp_path / "stock", config_class=trl.GRPOConfig, **overrides), dataset,
+                reward=copy(), **run_kwargs)  # fmt: skip
+    ours = run(ours_class, path, grpo_args(tmp_path / "ours", **overrides), dataset, reward=copy(), **run_kwargs)
+    assert ours._share_prefix and ours.packed_forward_tokens > 0  # the packed forwards ran
+    assert (ours.shared_prefill_tokens > 0) == prefill  # and the shared generation prefill, where generation is ours
+    assert_same_run(stock, ours, rtol, atol)
+    return stock, ours
+
+
+def phases_run(trainer) -> set[str]:
+    return {phase for step in trainer.memory_step_records() for phase in step["phases"]}
+
+
+# Each GRPO feature on its own; beta 0 and aligned steps mean no scoring pass at all, only the training forward
+FEATURES = {
+    "defaults_no_scoring_pass": dict(gradient_accumulation_steps=2),  # dapo, beta 0, generation aligned with steps
+    "reference_pass_only": dict(gradient_accumulation_steps=2, beta=0.1),
+    "old_and_reference_passes": dict(beta=0.1),
+    **{f"loss_{loss}": dict(loss_type=loss, beta=0.1) for loss in ("grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo",
+                                                                    "vespo")},
+    "num_iterations_2": dict(num_iterations=2, beta=0.1),
+    "sequence_importance_delta_epsilon_high": dict(importance_sampling_level="sequence", delta=1.5,
+                                                   epsilon_high=0.28, loss_type="grpo"),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5),
+    # 48-token completions: some stop at EOS, the truncated ones are masked to nothing
+    "mask_truncated_completions": dict(mask_truncated_completions=True, max_completion_length=48, max_steps=2),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.01, num_iterations=2),
+    "scale_rewards_batch": dict(scale_rewards="batch"),
+    "scale_rewards_none_per_micro_batch_of_2": dict(scale_rewards="none", per_device_train_batch_size=2,
+                                                    steps_per_generation=4),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
+    cfg, path, dataset = workload
+    stock, ours = compare(path, dataset, tmp_path, **FEATURES[feature])
+    if feature == "mask_truncated_completions":
+        lengths = [e["completions/min_length"] for e in stock.state.log_history if "completions/min_length" in e]
+        assert min(lengths) < 48, "no completion stopped at EOS: the case is not exercised"
+    # The profiler names each scoring pass by the model it runs: GRPO runs the policy's only when generation and
+    # optimizer steps are out of step, and the reference's only with beta > 0
+    expected = {"defaults_no_scoring_pass": set(), "reference_pass_only": {"reference_logps"}}.get(
+        feature, {"policy_logps", "reference_logps"} if FEATURES[feature].get("beta") else {"policy_logps"})
+    assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
+
+
+def test_normalize_then_sum_with_two_rewards_and_a_reward_model(workload, tmp_path, exact_head):
+    """Several reward sources, normalized per function before the sum; one of them a reward model scored from packed
+    rows."""
+    from .test_reward_sharing import build_reward_model
+
+    cfg, path, dataset = workload
+    reward = build_reward_model(tmp_path / "reward", cfg)
+    stock, ours = compare(path, dataset, tmp_path, reward=[vowel_reward, reward],
+                          multi_objective_aggregation="normalize_then_sum", beta=0.1, rtol=1e-6, atol=1e-7)  # fmt: skip
+    assert ours.reward_forward_tokens > 0
+    for a, b in zip(stock.state.log_history, ours.state.log_history, strict=True):
+        for name in stock.reward_func_names:
+            key = f"rewards/{name}/mean"
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7)
+
+
+def test_hydra_reward_adapter(workload, tmp_path, exact_head):
+    """A LoRA policy and a reward adapter on its base: stock loads the adapter as a second model, ours runs it on the
+    policy's base, and the run is the same."""
+    from peft import LoraConfig
+
+    from .test_reward_sharing import POLICY_LORA, build_reward_adapter
+
+    cfg, path, dataset = workload
+    adapter = build_reward_adapter(tmp_path / "adapter", path)
+    stock, ours = compare(path, dataset, tmp_path, reward=[adapter], beta=0.1, max_steps=2, rtol=1e-6, atol=1e-7,
+                          run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)})  # fmt: skip
+    assert type(ours.reward_funcs[0]).__name__ == "HydraReward" and ours.reward_forward_tokens > 0
+    # TRL computes the reference with the PEFT policy's adapter off: the profiler names that pass so
+    assert {"policy_logps", "reference_logps"} <= phases_run(ours)
+
+
+class VLLMStandIn:
+    """
+    The RLOO test's stand-in for TRL's vLLM generation object ([`tests.test_trainer.TransformersSampling`]: each row
+    sampled once with transformers' `generate` from the live policy), returning what GRPO also reads: each sampled
+    token's log-probability (vLLM's top-1 list per token), for TRL's importance-sampling correction.
+    """
+
+    def __init__(self, model, processing_class, max_completion_length, temperature, **kwargs):
+        self.model, self.tokenizer = model, processing_class
+        self.max_completion_length, self.temperature = max_completion_length, temperature
+
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler=None):
+        batch = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
+        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature, top_k=0,
+                                     max_new_tokens=self.max_completion_length, output_scores=True,
+                                     return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
+                                     eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
+        logprobs = self.model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True)
+        completions, token_logprobs = [], []
+        width = batch["input_ids"].shape[1]
+        for row, scores in zip(output.sequences[:, width:].tolist(), logprobs.tolist(), strict=True):
+            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
+            completions.append(row[:end])
+            token_logprobs.append([[value] for value in scores[:end]])
+        return prompts, completions, token_logprobs, None
+
+
+def test_vllm_generation(workload, tmp_path, monkeypatch, exact_head):
+    """With `use_vllm=True` (vLLM stood in for) generation is vLLM's, every other phase ours; TRL then always scores
+    the old log-probs, for its importance-sampling correction."""
+    import trl.trainer.grpo_trainer
+
+    cfg, path, dataset = workload
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", VLLMStandIn)
+    stock, ours = compare(path, dataset, tmp_path, use_vllm=True, max_steps=2, beta=0.1, prefill=False)
+    assert any("sampling/importance_sampling_ratio/mean" in entry for entry in ours.state.log_history)
+
+
+# -- tools, rollout functions, environments ---------------------------------------------------------------------------
+# The workload's chat template, rendering the tools offered and the calls made (TRL checks both)
+TOOL_TEMPLATE = (
+    "{% if tools %}<|tools|>{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<call>{{ call.function.name }}{{ call.function.arguments | tojson }}"
+    "</call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def count_vowels(text: str) -> int:
+    """
+    Counts the vowels in a text.
+
+    Args:
+        text: The text to count in.
+
+    Returns:
+        The number of vowels.
+    """
+    return sum(ch in "aeiou" for ch in text)
+
+
+def scripted_tool_calls(monkeypatch):
+    """
+    A tiny random model never writes a parsable tool call: TRL's response parser is replaced, for stock and ours
+    alike, by one that reads a call into every completion whose first token is even (the first turn only: the
+    tool's answer is followed by plain text), so that TRL's tool loop runs on some rows and not others.
+    """
+    import trl.trainer.grpo_trainer
+
+    def parse_response(tokenizer, ids, prefix=None, tools=None):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        first_turn = prefix is not None and "<|tool|>" not in tokenizer.decode(prefix)
+        if tools and first_turn and ids and ids[0] % 2 == 0:
+            name = tools[0].__name__ if callable(tools[0]) else tools[0]["function"]["name"]
+            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": {"text": text}}}]
+        return message
+
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "parse_response", parse_response)
+
+
+def tool_tokenizer():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.response_template = "scripted"  # parsing is scripted_tool_calls'; TRL only checks that one is set
+    return tokenizer
+
+
+def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
+    trainer = trainer_class(model=path, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head):
+    """The first turn generates from the dataset's prompts (shared); a row that calls a tool continues from its own
+    history (prompt, completion, the tool's answer) and is generated as stock generates it. The training forward packs
+    each prompt once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
+    scripted_tool_calls(monkeypatch)
+    cfg = tiny_workload(model_cache, conversational=True)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(max_steps=2, max_completion_length=24, beta=0.1)
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
+                                              ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
+        args = grpo_args(tmp_path / name, config_class=config_class, **settings)
+        runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
+                              tools=[count_vowels])  # fmt: skip
+    stock, ours = runs["stock"], runs["ours"]
+    calls = [e["tools/call_frequency"] for e in stock.state.log_history if "tools/call_frequency" in e]
+    assert calls and 0 < max(calls), "no tool was called: the case is not exercised"
+    assert ours.shared_prefill_tokens > 0 and ours.packed_forward_tokens > 0
+    assert_same_run(stock, ours)
+
+
+def test_rollout_func(workload, tmp_path, exact_head):
+    """A user's rollout function generates; every other phase is ours, grouped by the token lists it returns."""
+    cfg, path, dataset = workload
+
+    def rollout(prompts, trainer):
+        tokenizer = trainer.processing_class
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        completion_ids, _ = trainer._generate_single_turn(prompt_ids, None, {}, trainer.num_generations)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None,
+                "lengths": [len(ids) for ids in completion_ids]}  # fmt: skip
+
+    def length_reward(completions, lengths, **kwargs):  # reads the rollout's extra field
+        return [n / 10 for n in lengths]
+
+    compare(path, dataset, tmp_path, reward=[vowel_reward, length_reward], run_kwargs={"rollout_func": rollout},
+            beta=0.1, max_steps=2)  # fmt: skip
+
+
+class Counter:
+    """An environment whose observation names its instance: rows of one prompt see different prompts."""
+
+    made = 0
+
+    def __init__(self):
+        type(self).made += 1
+        self.name = f"instance {type(self).made}"
+
+    def reset(self, **kwargs):
+        return f" ({self.name})"
+
+    def count(self, text: str) -> int:
+        """
+        Counts the characters of a text.
+
+        Args:
+            text: The text.
+
+        Returns:
+            Its length.
+        """
+        return len(text)
+
+
+class Shouting:
+    """An environment that adds nothing to the prompt, with a tool of its own."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def shout(self, text: str) -> str:
+        """
+        Repeats a text in capitals.
+
+        Args:
+            text: The text.
+
+        Returns:
+            The text.
+        """
+        return text.upper()
+
+
+class Whispering(Shouting):
+    """The same prompt as [`Shouting`]'s, another tool: rendered differently."""
+
+    shout = None
+
+    def whisper(self, text: str) -> str:
+        """
+        Repeats a text in small letters.
+
+        Args:
+            text: The text.
+
+        Returns:
+            The text.
+        """
+        return text.lower()
+
+
+def test_environments_group_by_prompt_and_environment(model_cache, tmp_path, monkeypatch, exact_head):
+    """
+    One prompt under three environments, all in every generation batch. Each renders its own tools into the prompt, so
+    prompts are tokenized per (prompt, environment): two environments add nothing to the prompt's text, and a key
+    without the environment would give both the first one's tokens. The third's observation differs per rollout, so
+    its group's prompts differ: each of its rows is a group of its own (exact, nothing shared there).
+    """
+    from datasets import Dataset
+
+    scripted_tool_calls(monkeypatch)
+    cfg = tiny_workload(model_cache, conversational=True, num_prompts=1)
+    path = build_model_dir(cfg)
+    prompt = build_dataset(cfg)["prompt"][0]
+    dataset = Dataset.from_dict({"prompt": [prompt] * 3, "environment": ["counter", "shouting", "whispering"]})
+    factories = {"counter": Counter, "shouting": Shouting, "whispering": Whispering}
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
+                                              ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
+        Counter.made = 0  # instance names as stock saw them
+        # 3 steps of 4 rows per generation: the 3 environments' groups in every generation batch
+        args = grpo_args(tmp_path / name, config_class=config_class, max_steps=6, steps_per_generation=3,
+                         max_completion_length=16, beta=0.1)  # fmt: skip
+        runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
+                              environment_factory=factories)  # fmt: skip
+    stock, ours = runs["stock"], runs["ours"]
+    assert_same_run(stock, ours)
+    assert ours.shared_prefill_tokens > 0 and ours.packed_forward_tokens > 0
+    logged = [str(p) for p in stock._logs["prompt"]]
+    assert sum("instance" in p for p in logged) == len(logged) // 3  # the counter's rows, each prompt its own
+
+
+def test_a_subclass_of_grpo_gets_the_mixin(workload, tmp_path, exact_head):
+    """TRL's own GMPOTrainer subclasses GRPOTrainer and replaces `_compute_loss`: the mixin serves it unchanged."""
+    from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+    class SharedGMPOTrainer(GroupSharingMixin, GMPOTrainer):
+        pass
+
+    cfg, path, dataset = workload
+    settings = dict(beta=0.1)
+    stock = run(GMPOTrainer, path, grpo_args(tmp_path / "s", config_class=GMPOConfig, **settings), dataset)
+    ours = run(SharedGMPOTrainer, path, grpo_args(tmp_path / "o", config_class=GMPOConfig, **settings), dataset)
+    assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert_same_run(stock, ours)
