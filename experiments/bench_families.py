@@ -7,6 +7,7 @@ load-balancing loss by default, and ours then runs stock's log-prob forwards). E
 ours alternate, and the ratios are medians over `--repeats`.
 
     python experiments/bench_families.py --repeats 3 --output results/families.md
+    python experiments/bench_families.py --trainer grpo --families llama --repeats 3 --output results/grpo.md
 """
 
 import argparse
@@ -25,7 +26,7 @@ MOE = ("qwen3_moe", "gpt_oss")
 def run(method: str, arch: str, args, directory: Path) -> dict:
     results = directory / f"{method}_{arch}.json"
     command = [
-        sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--arch", arch,
+        sys.executable, str(HERE / "run_rloo.py"), "--trainer", args.trainer, "--method", method, "--arch", arch,
         "--prompt_length", str(args.prompt_length), "--max_completion_length", str(args.completion_length),
         "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", "3",
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
@@ -42,6 +43,7 @@ def run(method: str, arch: str, args, directory: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=FAMILIES)
+    parser.add_argument("--trainer", default="rloo", choices=["rloo", "grpo"], help="TRL's trainer, stock vs ours")
     parser.add_argument("--prompt_length", type=int, default=2048)
     parser.add_argument("--completion_length", type=int, default=64)
     parser.add_argument("--k", type=int, default=8)
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     lines = [
         f"# python experiments/bench_families.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-        f"# P = {args.prompt_length}, C = {args.completion_length}, k = {args.k}, 3 steps; working memory: peak resident "
+        f"# {args.trainer.upper()}; P = {args.prompt_length}, C = {args.completion_length}, k = {args.k}, 3 steps; "
+        "working memory: peak resident "
         "set above the loaded models (GiB); step time: median of steps 2-3 (s); medians over repeats",
         "| family | stock working (GiB) | ours working (GiB) | ratio | stock step (s) | ours step (s) | ratio |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -1,11 +1,13 @@
 """
-Runs stock `trl.RLOOTrainer` or ours on one workload and writes a self-describing results file: per-phase peak
-memory, step times, the whole-run peak, config, versions, device and git commit.
+Runs stock `trl.RLOOTrainer` (or `trl.GRPOTrainer`, with `--trainer grpo`) or ours on one workload and writes a
+self-describing results file: per-phase peak memory, step times, the whole-run peak, config, versions, device and git
+commit.
 
     python experiments/run_rloo.py --method ours --prompt_length 2048 --max_completion_length 64 \
         --num_generations 8 --per_device_train_batch_size 8 --max_steps 3
+    python experiments/run_rloo.py --trainer grpo --method stock ...
 
-Every `RLOOConfig` (TRL's plus ours) and `WorkloadConfig` field is a flag: `--help` lists them. With
+Every `RLOOConfig` / `GRPOConfig` (TRL's plus ours) and `WorkloadConfig` field is a flag: `--help` lists them. With
 `--model_name_or_path` / `--dataset_name` it trains a Hub model on a Hub dataset instead of the offline workload.
 """
 
@@ -22,7 +24,7 @@ import torch
 import trl
 from trl import TrlParser
 
-from rloo_efficient import RLOOConfig, RLOOTrainer
+from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward
@@ -38,9 +40,19 @@ class ProfiledStockRLOOTrainer(MemoryProfilingMixin, trl.RLOOTrainer):
     """Stock TRL's trainer with the same per-phase profiling as ours, and nothing else."""
 
 
+class ProfiledStockGRPOTrainer(MemoryProfilingMixin, trl.GRPOTrainer):
+    """Stock TRL's GRPO trainer with the same per-phase profiling as ours, and nothing else."""
+
+
+# --trainer -> (our trainer, our config, profiled stock trainer)
+TRAINERS = {"rloo": (RLOOTrainer, RLOOConfig, ProfiledStockRLOOTrainer),
+            "grpo": (GRPOTrainer, GRPOConfig, ProfiledStockGRPOTrainer)}  # fmt: skip
+
+
 @dataclass
 class ExperimentArgs:
     method: str = field(default="ours", metadata={"help": "Which trainer runs.", "choices": ["stock", "ours"]})
+    trainer: str = field(default="rloo", metadata={"help": "TRL's RLOO or GRPO trainer.", "choices": list(TRAINERS)})
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A Hub model or local path instead of the offline tiny model."}
     )
@@ -62,11 +74,12 @@ class ExperimentArgs:
     )
 
 
-def workload_name(workload: WorkloadConfig, config: RLOOConfig, exp: ExperimentArgs) -> str:
+def workload_name(workload: WorkloadConfig, config, exp: ExperimentArgs) -> str:
     model = Path(exp.model_name_or_path).name if exp.model_name_or_path else f"tiny-{workload.arch}-h{workload.hidden_size}"
     data = Path(exp.dataset_name).name if exp.dataset_name else f"P{workload.prompt_length}"
     reward = "" if exp.reward_model == "none" else f"_rm-{exp.reward_model}"
-    return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}{reward}"
+    trainer = "" if exp.trainer == "rloo" else f"_{exp.trainer}"
+    return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}{reward}{trainer}"
 
 
 def parse(argv=None):
@@ -75,7 +88,10 @@ def parse(argv=None):
         argv += ["--bf16", "false"]  # TRL defaults to bf16, which fails on a machine without an accelerator
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and "--use_cpu" not in argv:
         argv += ["--use_cpu", "true"]  # without it, transformers runs each CPU process on its own (no gloo group)
-    parser = TrlParser((ExperimentArgs, WorkloadConfig, RLOOConfig))
+    # The config's dataclass depends on the trainer: read --trainer first
+    trainer = argv[argv.index("--trainer") + 1] if "--trainer" in argv[:-1] else "rloo"
+    config_class = TRAINERS[trainer][1] if trainer in TRAINERS else RLOOConfig  # an unknown one: the parser says so
+    parser = TrlParser((ExperimentArgs, WorkloadConfig, config_class))
     return parser.parse_args_and_config(args=argv)
 
 
@@ -89,7 +105,8 @@ def main(argv=None) -> dict:
     results_file = Path(exp.results_file or f"results/{exp.method}_{name}.json")
     if exp.skip_existing and results_file.exists():
         existing = json.loads(results_file.read_text())
-        same = existing.get("reward_model", "none") == exp.reward_model and existing.get("workload") == (
+        same = existing.get("reward_model", "none") == exp.reward_model and existing.get("trainer", "rloo") == (
+            exp.trainer) and existing.get("workload") == (
             None if exp.model_name_or_path else asdict(workload)) and all(
             existing["config"].get(key) == getattr(config, key) for key in SAME_RUN_KEYS
         )
@@ -111,7 +128,8 @@ def main(argv=None) -> dict:
     else:
         dataset = build_dataset(workload)
 
-    trainer_class, args = (RLOOTrainer, config) if exp.method == "ours" else (ProfiledStockRLOOTrainer, config.to_stock())
+    ours, _, stock = TRAINERS[exp.trainer]
+    trainer_class, args = (ours, config) if exp.method == "ours" else (stock, config.to_stock())
     reward_funcs, extra = vowel_reward, {}
     if exp.reward_model != "none":
         from peft import LoraConfig
@@ -138,6 +156,7 @@ def main(argv=None) -> dict:
     summary = report["summary"]
     results = {
         "method": exp.method,
+        "trainer": exp.trainer,
         "workload_name": name,
         "reward_model": exp.reward_model,
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "experiments/run_rloo.py", *argv]),
@@ -159,7 +178,7 @@ def main(argv=None) -> dict:
         "train_wall_s": wall,
         "steps": trainer.memory_step_records(),  # every step (of the main process): these runs are short
         "timeline": report["timeline"],
-        "config": {key: value for key, value in args.to_dict().items() if key in RLOOConfig.__dataclass_fields__},
+        "config": {key: value for key, value in args.to_dict().items() if key in type(config).__dataclass_fields__},
     }
     write_json_atomic(results_file, results)
     print(f"[run_rloo] {exp.method} {name}: peak {results['peak_gib']:.3f} GiB ({results['peak_stat']}), working "
