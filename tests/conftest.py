@@ -12,7 +12,7 @@ from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_d
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
-METRICS = ("loss", "reward", "kl", "grad_norm", "entropy")
+METRICS = ("loss", "reward", "kl", "grad_norm", "entropy", "aux_loss")  # aux_loss: MoE models, TRL's default
 
 
 def tiny_workload(tmp_cache, **overrides) -> WorkloadConfig:

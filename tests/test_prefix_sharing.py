@@ -85,33 +85,18 @@ MOE = ("gpt_oss", "qwen3_moe")
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_every_family_matches_stock_trl(model_cache, tmp_path, exact_head, arch):
+    """Under TRL's default config: for the MoE families, the load-balancing loss on (TRL takes its coefficient from the
+    config), packed and weighted ([`core.moe`]), its logged `aux_loss` compared too."""
     cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
-    # The MoE load-balancing loss (TRL takes its coefficient from the config) counts each prompt k times: off here,
-    # as the fallback test below covers it
-    extra = {"router_aux_loss_coef": 0.0} if arch in MOE else {}
+    stock, ours = None, None
     if cfg.model_dtype == "float32":
         # torch._grouped_mm (the experts) has no float64: float32, where packing regroups the tokens of each expert's
         # GEMM and so its summation order (2e-7 relative per product), grown through 2 layers and 3 steps
-        _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5, **extra)
+        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5)
     else:  # float64 all the way (exact_head): the same numbers to float64's resolution
-        _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-9, atol=1e-12, **extra)
-
-
-def test_the_moe_load_balancing_loss_falls_back_with_one_warning(model_cache, tmp_path):
-    """TRL 1.16 adds the load-balancing loss when the config has a router coefficient (Qwen3-MoE: 0.001). It counts
-    every token of every row, so each prompt k times: that forward is stock's, with one warning; generation and the
-    reward still share."""
-    cfg = tiny_workload(model_cache, arch="qwen3_moe", model_dtype="float32")
-    path, dataset = build_model_dir(cfg), build_dataset(cfg)
-    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, max_steps=2), dataset)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ours = run(RLOOTrainer, path, training_args(tmp_path / "o", max_steps=2), dataset)
-    messages = [str(w.message) for w in caught if "prompt-prefix sharing is off" in str(w.message)]
-    assert len(messages) == 1 and "load-balancing loss" in messages[0]
-    assert ours.packed_forward_tokens == 0 and ours.shared_prefill_tokens > 0
-    assert any("aux_loss" in entry for entry in stock.state.log_history)
-    assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol=1e-6, atol=1e-6)
+        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-9, atol=1e-12)
+    if arch in MOE:
+        assert any("aux_loss" in entry for entry in stock.state.log_history)  # TRL's default turned the loss on
 
 
 # eager attention is tested in float32 only: transformers' eager path returns NaN logits for float64 models with

@@ -82,6 +82,7 @@ class PackedBatch:
     num_rows: int  # B
     num_cols: int  # C, the padded completion width
     num_real_tokens: int  # tokens that are not padding
+    token_weights: torch.Tensor | None = None  # (1, N) int64: how many times stock's batch holds each token
 
     @property
     def num_tokens(self) -> int:
@@ -151,12 +152,19 @@ def pack_groups(
     logits_to_keep: int,
     rows: torch.Tensor,
     dtype: torch.dtype,
+    token_weights: bool = False,
 ) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
     `logits_to_keep` columns being the completion) by its `rows` ([`row_groups`], a CPU tensor). Returns the
     [`PackedBatch`], or the reason the batch cannot be packed (then the stock forward runs). `dtype`: the attention's
     compute dtype, for the padding bias.
+
+    With `token_weights` (for a loss over every token stock's batch holds, the MoE load-balancing loss), every token
+    stock's attention mask holds is also an input here, weighted by how many times stock's batch holds it: a segment
+    also takes its row's last completion token (which predicts nothing), a group whose completions are all unscored
+    keeps one segment of its prompt's last token, and [`PackedBatch.token_weights`] counts a prompt token once per row
+    of its group in the micro-batch (scored or not) and a completion token once.
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
@@ -165,7 +173,11 @@ def pack_groups(
     row_index = np.flatnonzero(scored > 0)
     if len(row_index) == 0:
         return "no completion token is scored in this micro-batch"
-    # Scored rows grouped by prompt, groups in order of first appearance, rows in batch order within a group
+    if token_weights:  # a group with no scored row keeps its first row, for its prompt's tokens
+        ids, first_row, group_rows = np.unique(group, return_index=True, return_counts=True)
+        unscored = ~np.isin(ids, group[row_index])
+        row_index = np.union1d(row_index, first_row[unscored])
+    # Rows grouped by prompt, groups in order of first appearance, rows in batch order within a group
     _, first_seen, group_rank = np.unique(group[row_index], return_index=True, return_inverse=True)
     group_rank = np.argsort(np.argsort(first_seen))[group_rank]
     order = np.lexsort((row_index, group_rank))
@@ -177,10 +189,11 @@ def pack_groups(
         raise ValueError("Rows grouped together have prompts of different lengths: the grouping is wrong.")
     if (prompt_len == 0).any():
         return "an empty prompt has no token to condition its completion on"
-    n = scored[row_index]
+    n = scored[row_index]  # labels per segment
+    m = n + 1 if token_weights else n  # inputs per segment: [prompt[-1], c[0], ..., c[m - 2]]
     body = prompt_len - 1
-    body_width, row_length = int(body.max()), int(n.max())
-    groups, num_scored = len(first), len(row_index)
+    body_width, row_length = int(body.max()), int(m.max())
+    groups, num_segments = len(first), len(row_index)
 
     # Flat index into input_ids (and, for labels, N_in = the -100 sentinel) of every packed position
     flat_width = num_rows * width
@@ -190,22 +203,33 @@ def pack_groups(
     body_tokens = first[:, None] * width + body_col
     body_pos = body_col
     c = np.arange(row_length)
-    in_row = c[None, :] < n[:, None]
+    in_row, labeled = c[None, :] < m[:, None], c[None, :] < n[:, None]
     seg_col = prompt_width - 1 + c[None, :]  # [prompt[-1], c[0], ...] sit in these columns of stock's row
     seg_tokens = row_index[:, None] * width + np.where(in_row, seg_col, prompt_width - 1)
-    seg_labels = np.where(in_row, row_index[:, None] * width + seg_col + 1, flat_width)
+    seg_labels = np.where(labeled, row_index[:, None] * width + seg_col + 1, flat_width)
     tokens = np.concatenate([body_tokens.reshape(-1), seg_tokens.reshape(-1)])
     labels = np.concatenate([np.full(body_tokens.size, flat_width), seg_labels.reshape(-1)])
     positions = np.concatenate([body_pos.reshape(-1), np.broadcast_to(seg_col, seg_tokens.shape).reshape(-1)])
     total = tokens.size
     # Where each (row, column) log-prob of stock's (B, C) layout is: its segment position, or the zero at N
     unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
-    seg_start = groups * body_width + np.arange(num_scored)[:, None] * row_length
-    cols = np.broadcast_to(c, in_row.shape)
-    unpack[np.broadcast_to(row_index[:, None], in_row.shape)[in_row], cols[in_row]] = (seg_start + c[None, :])[in_row]
+    seg_start = groups * body_width + np.arange(num_segments)[:, None] * row_length
+    cols = np.broadcast_to(c, labeled.shape)
+    unpack[np.broadcast_to(row_index[:, None], labeled.shape)[labeled], cols[labeled]] = (
+        seg_start + c[None, :])[labeled]  # fmt: skip
+    parts = [tokens, labels, positions, unpack.reshape(-1)]
+    if token_weights:
+        stock_rows = group_rows[np.searchsorted(ids, group[first])]  # each group's rows in stock's micro-batch
+        body_weight = np.where(in_body, stock_rows[:, None], 0)
+        # The prompt's last token: once per stock row; the group's first segment counts the rows without a segment
+        opening = np.ones(num_segments, dtype=np.int64)
+        opening[np.cumsum(counts) - counts] += stock_rows - counts
+        seg_weight = np.where(c[None, :] == 0, opening[:, None], 1) * in_row
+        parts.append(np.concatenate([body_weight.reshape(-1), seg_weight.reshape(-1)]))
 
-    layout, on_device = host_layout(counts, body, row_length, int((prompt_len[group_rank] + n).max()),
-                                    [tokens, labels, positions, unpack.reshape(-1)], device, dtype)  # fmt: skip
+    layout, on_device = host_layout(counts, body, row_length, int((prompt_len[group_rank] + n).max()), parts, device,
+                                    dtype)  # fmt: skip
+    weights = on_device.pop().view(1, total) if token_weights else None
     index, label_index, position_ids, unpack_index = on_device
     ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
     gathered = ids.index_select(0, torch.cat([index, label_index]))
@@ -217,5 +241,6 @@ def pack_groups(
         layout=layout,
         num_rows=num_rows,
         num_cols=logits_to_keep,
-        num_real_tokens=int(body.sum() + n.sum()),
+        num_real_tokens=int(body.sum() + m.sum()),
+        token_weights=weights,
     )

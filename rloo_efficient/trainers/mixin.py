@@ -19,6 +19,7 @@ from trl.trainer.utils import get_config_model_id
 
 from ..core import prefix_attention
 from ..core.families import forward_unsupported_reason
+from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
 from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
@@ -77,7 +78,7 @@ class GroupSharingMixin(RewardSharingMixin):
         if self._share_prefix:
             reason = forward_unsupported_reason(unwrapped)
             if reason is None and self.aux_loss_enabled:
-                reason = "the MoE load-balancing loss counts every token of every row"
+                reason = aux_loss_reason(unwrapped)
             if reason is not None:
                 self._fall_back(reason)
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
@@ -292,7 +293,7 @@ class GroupSharingMixin(RewardSharingMixin):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal_kwargs):  # fmt: skip
         """TRL's forward, or the packed one when the active group structure matches the batch."""
-        rows = self._rows_for(input_ids, logits_to_keep, compute_aux_loss, multimodal_kwargs)
+        rows = self._rows_for(input_ids, logits_to_keep, multimodal_kwargs)
         if rows is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
@@ -300,14 +301,14 @@ class GroupSharingMixin(RewardSharingMixin):
             )  # fmt: skip
         with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
             return self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                                    compute_entropy)  # fmt: skip
+                                                    compute_entropy, compute_aux_loss)  # fmt: skip
 
-    def _rows_for(self, input_ids, logits_to_keep, compute_aux_loss, multimodal_kwargs) -> torch.Tensor | None:
+    def _rows_for(self, input_ids, logits_to_keep, multimodal_kwargs) -> torch.Tensor | None:
         """The active group structure when the packed forward can serve this call, else None."""
         rows = self._active_rows
         if not self._share_prefix or rows is None:
             return None
-        if compute_aux_loss or any(value is not None for value in multimodal_kwargs.values()):
+        if any(value is not None for value in multimodal_kwargs.values()):
             return None
         group, plen, scored = rows.numpy().T  # host values
         if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
@@ -322,34 +323,44 @@ class GroupSharingMixin(RewardSharingMixin):
         return rows
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                    compute_entropy):  # fmt: skip
-        """TRL's micro-batch chunking, each chunk packed as one flat sequence (TRL's forward where it can't be)."""
+                                    compute_entropy, compute_aux_loss=False):  # fmt: skip
+        """TRL's micro-batch chunking, each chunk packed as one flat sequence (TRL's forward where it can't be); with
+        `compute_aux_loss`, each chunk's MoE load-balancing loss over every token stock's chunk holds ([`core.moe`])."""
         batch_size = batch_size or input_ids.size(0)
         unwrapped = self.accelerator.unwrap_model(model)
         prefix_attention.install(unwrapped)  # done at init; a model swapped in since (e.g. a synced reference) too
-        all_logps, all_entropies = [], []
+        text_config = unwrapped.config.get_text_config()
+        # A config asking for router logits would have TRL's head compute its own loss over our flat sequence
+        extra = {"output_router_logits": False} if hasattr(text_config, "output_router_logits") else {}
+        all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             with self.accelerator.autocast():
                 device_type = input_ids.device.type
                 dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else unwrapped.dtype)  # fmt: skip
-                packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype)
+                packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype,
+                                     token_weights=compute_aux_loss)  # fmt: skip
             if isinstance(packed, str):
                 self._fall_back(packed, permanent=False)
                 stock = super()._get_per_token_logps_and_entropies.__func__
                 stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
-                logps, entropies, _ = stock(self, model, input_ids[start:end], attention_mask[start:end],
-                                            logits_to_keep, end - start, compute_entropy)  # fmt: skip
+                logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
+                                              logits_to_keep, end - start, compute_entropy, compute_aux_loss)  # fmt: skip
             else:
                 self.packed_forward_tokens += packed.num_tokens
-                with self.accelerator.autocast():
-                    outputs = model(**packed.model_inputs(), fused_lm_head=True)
+                routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
+                with self.accelerator.autocast(), routers as router_logits:
+                    outputs = model(**packed.model_inputs(), fused_lm_head=True, **extra)
                 logps = packed.unpack(outputs.log_probs)
                 entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+                aux = weighted_aux_loss(router_logits, packed.token_weights, text_config) if compute_aux_loss else None
             all_logps.append(logps)
             if compute_entropy:
                 all_entropies.append(entropies)
+            if compute_aux_loss:
+                all_aux.append(aux)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        return logps, entropies, None
+        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
+        return logps, entropies, aux_loss
