@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from .tiny_models import ARCHITECTURES, MULTIMODAL, build_processor, image_tokens, model_config, model_from_config
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
@@ -27,8 +29,6 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe",
-                 "gpt_oss")
 # Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B
 # (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
 PRESETS = {
@@ -119,19 +119,22 @@ class WorkloadConfig:
 BYTE_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 
-def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int | None = None, arch: str | None = None) -> PreTrainedTokenizerFast:
     """
     A byte-level tokenizer: three special tokens, then one token per byte. Deterministic across processes. With
     `vocab_size`, unused tokens `<unused_i>` pad the vocabulary (never produced by encoding; a sampled one decodes to
-    its name).
+    its name). With a multimodal `arch`, the family's image tokens follow the bytes, named as its processor reads them.
     """
     # ByteLevel.alphabet() returns a set-ordered list that changes from process to process: sort it
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     extra = [f"<unused_{i}>" for i in range((vocab_size or BYTE_VOCAB_SIZE) - BYTE_VOCAB_SIZE)]
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet, *extra])}
+    family_tokens, roles = image_tokens(arch) if arch is not None else ([], {})
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet, *extra, *family_tokens])}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
+    if family_tokens:
+        backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in family_tokens])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
@@ -139,54 +142,16 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
         eos_token="<eos>",
         padding_side="left",
         truncation_side="left",
+        **({"extra_special_tokens": roles} if roles else {}),
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def _model_config(cfg: WorkloadConfig, tokenizer):
-    import transformers
-
-    config_class = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
-                    "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config",
-                    "smollm3": "SmolLM3Config", "granite": "GraniteConfig", "qwen3_moe": "Qwen3MoeConfig",
-                    "gpt_oss": "GptOssConfig"}[cfg.arch]  # fmt: skip
-    kwargs = dict(
-        vocab_size=len(tokenizer),  # the padded vocabulary with `vocab_size`
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-    if cfg.arch in ("qwen3", "gemma3", "qwen3_moe", "gpt_oss") or cfg.head_dim is not None:
-        kwargs["head_dim"] = head_dim
-    # Each family as its real models are built, shrunk: what reaches attention differently is kept
-    alternating = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.num_hidden_layers)]
-    if cfg.arch == "gemma3":  # query_pre_attn_scalar scales the scores, embeddings are scaled, every other layer slides
-        kwargs.update(query_pre_attn_scalar=head_dim // 2, sliding_window=cfg.sliding_window or 512,
-                      layer_types=alternating)  # fmt: skip
-    elif cfg.arch == "gpt_oss":  # attention sinks, every other layer slides, mixture of experts
-        kwargs.update(sliding_window=cfg.sliding_window or 128, layer_types=alternating, num_local_experts=4,
-                      num_experts_per_tok=2,
-                      max_position_embeddings=max(cfg.max_position_embeddings, 131072))  # fmt: skip
-    elif cfg.arch == "qwen3_moe":
-        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
-    elif cfg.arch == "smollm3":  # every other layer without rotary embeddings (NoPE)
-        kwargs.update(no_rope_layers=[int(i % 2 == 0) for i in range(cfg.num_hidden_layers)])
-    elif cfg.arch == "granite":  # the multipliers that scale the scores, embeddings, residuals and logits
-        kwargs.update(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0)
-    elif cfg.arch == "phi3":  # fused qkv projection, rotary on part of each head
-        kwargs.update(partial_rotary_factor=0.5)
-    if cfg.arch in ("mistral", "phi3") and cfg.sliding_window is not None:  # every layer slides
-        kwargs.update(sliding_window=cfg.sliding_window)
-    return getattr(transformers, config_class)(**kwargs)
+def build_processing_class(cfg: WorkloadConfig):
+    """What TRL would load as the processing class: the tokenizer, or a multimodal family's processor around it."""
+    tokenizer = build_tokenizer(cfg.vocab_size, cfg.arch)
+    return build_processor(cfg, tokenizer) if cfg.arch in MULTIMODAL else tokenizer
 
 
 def build_model_dir(cfg: WorkloadConfig) -> str:
@@ -203,12 +168,11 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
 
     def build():
-        tokenizer = build_tokenizer(cfg.vocab_size)
+        tokenizer = build_tokenizer(cfg.vocab_size, cfg.arch)
         # The weights must not depend on the global RNG state of the caller
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.workload_seed)
-            model = AutoModelForCausalLM.from_config(_model_config(cfg, tokenizer),
-                                                     dtype=getattr(torch, cfg.model_dtype))  # fmt: skip
+            model = model_from_config(cfg, model_config(cfg, tokenizer), getattr(torch, cfg.model_dtype))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         return model, tokenizer
 
@@ -268,7 +232,7 @@ def build_reward_model_dir(cfg: WorkloadConfig) -> str:
         from transformers import AutoModelForSequenceClassification
 
         tokenizer = build_tokenizer(cfg.vocab_size)
-        config = _model_config(cfg, tokenizer)
+        config = model_config(cfg, tokenizer)
         config.num_labels = 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.workload_seed + 1)

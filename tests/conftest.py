@@ -68,10 +68,10 @@ def assert_metrics_close(stock: list[dict], ours: list[dict], rtol: float, atol:
             assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), f"step {step} {key}: stock {a[key]} ours {b[key]}"
 
 
-def run(trainer_class, model_path, args, dataset, reward=vowel_reward, **kwargs):
+def run(trainer_class, model_path, args, dataset, reward=vowel_reward, processing_class=None, **kwargs):
     trainer = trainer_class(
-        model=model_path, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=build_tokenizer(),
-        **kwargs,
+        model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
+        processing_class=processing_class or build_tokenizer(), **kwargs,
     )  # fmt: skip
     trainer.train()
     return trainer
@@ -133,11 +133,34 @@ def _exact_gemma_rms_norm(self, x):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-# Every family's RMSNorm: (module, class); the Gemma ones scale by 1 + w
-RMS_NORMS = [("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
-             ("qwen3", "Qwen3RMSNorm"), ("gemma3", "Gemma3RMSNorm"), ("phi3", "Phi3RMSNorm"), ("olmo2", "Olmo2RMSNorm"),
-             ("smollm3", "SmolLM3RMSNorm"), ("granite", "GraniteRMSNorm"), ("qwen3_moe", "Qwen3MoeRMSNorm"),
-             ("gpt_oss", "GptOssRMSNorm")]  # fmt: skip
+def _exact_gemma4_rms_norm(self, x):
+    """Gemma 4's RMSNorm (a weight of w, or none), in the input's dtype."""
+    import torch
+
+    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    return normed * self.weight if self.with_scale else normed
+
+
+def _exact_layer_norm(self, x):
+    """Cohere's LayerNorm (no bias), in the input's dtype."""
+    import torch
+
+    centered = x - x.mean(-1, keepdim=True)
+    return self.weight * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+# Every family's norm: (module, class, exact forward)
+RMS_NORMS = [
+    *((family, name, _exact_rms_norm) for family, name in (
+        ("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"), ("qwen3", "Qwen3RMSNorm"),
+        ("phi3", "Phi3RMSNorm"), ("olmo2", "Olmo2RMSNorm"), ("smollm3", "SmolLM3RMSNorm"),
+        ("granite", "GraniteRMSNorm"), ("qwen3_moe", "Qwen3MoeRMSNorm"), ("gpt_oss", "GptOssRMSNorm"),
+        ("olmo3", "Olmo3RMSNorm"), ("seed_oss", "SeedOssRMSNorm"), ("qwen2_vl", "Qwen2VLRMSNorm"),
+        ("qwen2_5_vl", "Qwen2_5_VLRMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"))),
+    ("gemma3", "Gemma3RMSNorm", _exact_gemma_rms_norm),  # a weight of 1 + w
+    ("gemma4", "Gemma4RMSNorm", _exact_gemma4_rms_norm),
+    ("cohere2", "Cohere2LayerNorm", _exact_layer_norm),
+]
 
 
 @pytest.fixture
@@ -149,6 +172,6 @@ def exact_head(monkeypatch):
     import trl.trainer.utils
 
     monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", _ExactLogProbs)
-    for family, name in RMS_NORMS:
+    for family, name, exact in RMS_NORMS:
         norm = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
-        monkeypatch.setattr(norm, "forward", _exact_gemma_rms_norm if family.startswith("gemma") else _exact_rms_norm)
+        monkeypatch.setattr(norm, "forward", exact)

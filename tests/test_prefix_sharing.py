@@ -16,7 +16,7 @@ from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.families import forward_unsupported_reason as unsupported_reason
 from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_groups, row_groups
 from rloo_efficient.trainers.mixin import GroupSharingMixin
-from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer
+from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
 from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
 
@@ -66,7 +66,7 @@ def test_matches_stock_trl_across_architectures(model_cache, tmp_path, arch):
     _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path)
 
 
-# Every family beyond the four above, built from its own config (see workload._model_config: Gemma 3's scaled
+# Every family beyond the four above, built from its own config (see tiny_models.model_config: Gemma 3's scaled
 # embeddings and query_pre_attn_scalar, Phi-3's fused qkv and partial rotary, OLMo 2's q/k norms, SmolLM3's NoPE
 # layers, Granite's multipliers, GPT-OSS's sinks), with a sliding window shorter than prompt + completion (40-72
 # tokens) where the family has one: the banded and prompt-tail paths run
@@ -79,8 +79,20 @@ FAMILIES = {
     "smollm3": {},
     "granite": {},
     "qwen3_moe": dict(model_dtype="float32"),
+    "cohere2": dict(sliding_window=16),  # rotary on the sliding layers only
+    "olmo3": dict(sliding_window=16),
+    "seed_oss": {},
+    "glm4_moe": dict(model_dtype="float32"),
+    "ernie4_5_moe": dict(model_dtype="float32"),  # the load-balancing loss on (TRL's default from its config)
+    "minimax_m2": dict(model_dtype="float32"),  # likewise
+    "deepseek_v3": dict(model_dtype="float32"),  # latent attention, value heads narrower than key heads
+    # Multimodal checkpoints (`*ForConditionalGeneration`, with their processors) on text-only prompts
+    "gemma3_vlm": dict(sliding_window=16),
+    "qwen2_vl": {},
+    "qwen2_5_vl": {},
+    "gemma4": dict(sliding_window=16),  # keys and values shared across layers, k = v, a wider global head
 }
-MOE = ("gpt_oss", "qwen3_moe")
+MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2")  # with TRL's default load-balancing loss on
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
@@ -88,13 +100,15 @@ def test_every_family_matches_stock_trl(model_cache, tmp_path, exact_head, arch)
     """Under TRL's default config: for the MoE families, the load-balancing loss on (TRL takes its coefficient from the
     config), packed and weighted ([`core.moe`]), its logged `aux_loss` compared too."""
     cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
-    stock, ours = None, None
+    run_kwargs = {"processing_class": build_processing_class(cfg)}  # a multimodal family's processor, as TRL loads it
     if cfg.model_dtype == "float32":
         # torch._grouped_mm (the experts) has no float64: float32, where packing regroups the tokens of each expert's
         # GEMM and so its summation order (2e-7 relative per product), grown through 2 layers and 3 steps
-        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5)
+        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5,
+                               run_kwargs=run_kwargs)  # fmt: skip
     else:  # float64 all the way (exact_head): the same numbers to float64's resolution
-        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-9, atol=1e-12)
+        stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-9, atol=1e-12,
+                               run_kwargs=run_kwargs)  # fmt: skip
     if arch in MOE:
         assert any("aux_loss" in entry for entry in stock.state.log_history)  # TRL's default turned the loss on
 

@@ -17,7 +17,8 @@ from transformers import PreTrainedTokenizerFast
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.reward_packing import pack_reward_rows
 from rloo_efficient.trainers.hydra import HydraReward
-from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, _model_config, build_dataset, build_model_dir
+from rloo_efficient.tiny_models import model_config
+from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, build_dataset, build_model_dir
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import METRICS, assert_metrics_close, run, step_metrics, tiny_workload, training_args
@@ -44,7 +45,7 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
 def build_reward_model(directory, cfg, tokenizer=None, **config_overrides) -> str:
     """A random sequence classifier with one label, the size of the tiny policy, saved with its tokenizer."""
     tokenizer = tokenizer or build_tokenizer()
-    config = _model_config(cfg, tokenizer)
+    config = model_config(cfg, tokenizer)
     config.num_labels = 1
     for key, value in config_overrides.items():
         setattr(config, key, value)

@@ -41,12 +41,28 @@ FAMILIES = {  # each family's own configuration, shrunk (6 query heads of 8 dims
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=8, num_experts=4, num_experts_per_tok=2,
                                                                moe_intermediate_size=32)),
 }  # fmt: skip
+# Families built as the workload builds them (rloo_efficient.tiny_models), each from its own config class, with a
+# window of 8 where the family has one; the multimodal ones as their checkpoints load (`*ForConditionalGeneration`)
+WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_window=8), "seed_oss": {}, "glm4_moe": {},
+                     "ernie4_5_moe": {}, "minimax_m2": {}, "deepseek_v3": {}, "gemma3_vlm": dict(sliding_window=8),
+                     "qwen2_vl": {}, "qwen2_5_vl": {}, "gemma4": dict(sliding_window=8)}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
-FLOAT32 = ("gpt_oss_sliding", "qwen3_moe")
+FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3")
+# The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
+TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
+               "gemma4": "mm_token_type_ids"}  # fmt: skip
 
 
 def build(arch: str, dtype=torch.float64, attention="sdpa"):
     torch.manual_seed(0)
+    if arch in WORKLOAD_FAMILIES:
+        from rloo_efficient.tiny_models import model_config, model_from_config
+        from rloo_efficient.workload import WorkloadConfig, build_tokenizer
+
+        sizes = {key: value for key, value in SMALL.items() if key != "vocab_size"}  # the workload's byte vocabulary
+        cfg = WorkloadConfig(arch=arch, **sizes, **WORKLOAD_FAMILIES[arch], model_cache_dir="unused")
+        dtype = torch.float32 if arch in FLOAT32 else dtype
+        return model_from_config(cfg, model_config(cfg, build_tokenizer(arch=arch)), dtype).eval()
     if arch in FAMILIES:
         import transformers
 
@@ -100,8 +116,12 @@ def generation_config(**overrides):
     return GenerationConfig(**settings)
 
 
-def stock_and_ours(model, ids, mask, config, once=False):
-    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
+def extra_rows(extra: dict, rows: int) -> dict:
+    return {key: value[:rows] for key, value in extra.items()}
+
+
+def stock_and_ours(model, ids, mask, config, once=False, **extra):
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True, **extra)
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     torch.manual_seed(123)
@@ -110,9 +130,9 @@ def stock_and_ours(model, ids, mask, config, once=False):
 
 
 # once=False: the prompt's cache fanned out to its rows; once=True: kept once per prompt, attention split and merged
-CASES = [("llama", False), ("gpt2", False), ("mistral_sliding", False), ("llama", True), ("qwen3", True),
-         ("mistral", True), ("mistral_sliding", True), *((family, True) for family in FAMILIES)]  # fmt: skip
-SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding")  # a window of 8, shorter than the sequences
+CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("llama", True), ("qwen3", True),
+         ("mistral", True), ("mistral_sliding", True), *((family, True) for family in [*FAMILIES, *WORKLOAD_FAMILIES])]
+SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4")
 
 
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved"])
@@ -122,9 +142,13 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     ids, mask = left_pad(prompts_for(layout))
     # With a window, 12 new tokens: late ones see none of the prompt, and only the last 8 of their own
     config = generation_config(max_new_tokens=12 if arch in SLIDING else 6)
+    # A multimodal family's processor returns all-zero token types with text prompts, which TRL passes to generate
+    extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
+    if arch in ("qwen2_vl", "qwen2_5_vl"):  # an earlier generate (of other rows) leaves its rope offsets on the model
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], generation_config=config, **extra_rows(extra, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing falls back (to fanning out, or to the math path)
-        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once)
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once, **extra)
     assert prefill_tokens > 0
     assert torch.equal(ours.sequences, stock.sequences)
     assert len(ours.logits) == len(stock.logits) == config.max_new_tokens
@@ -198,10 +222,12 @@ def test_unsupported_reasons(config_overrides, model_overrides, reason):
 
 
 def test_supported_models_have_no_reason():
-    for arch in ("llama", "gpt2", "mistral_sliding", "qwen3"):
+    for arch in ("llama", "mistral_sliding", "qwen3", "gemma4", "qwen2_vl"):
         assert generation_unsupported_reason(build(arch), generation_config()) is None
     for arch in ("llama", "qwen3", "mistral", "mistral_sliding"):
         assert prefix_cache_unsupported_reason(build(arch)) is None
+    # One list gates every path: a family outside it (GPT-2) gets no shared prefill either
+    assert "only verified" in generation_unsupported_reason(build("gpt2"), generation_config())
     assert "only verified" in prefix_cache_unsupported_reason(build("gpt2"))
 
 

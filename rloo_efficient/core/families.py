@@ -8,20 +8,37 @@ from torch import nn
 from .prefix_attention import _attention_modules
 
 
-# Families whose attention modules hand the interface scaled dot-product attention over queries (B, H, L, D) and keys
-# and values (B, Hkv, L, D) once rotary embeddings and q/k norms are applied, with positions from `position_ids` only,
-# and at most a sliding window (kwarg `sliding_window`: keys in (p - w, p]) and attention sinks (kwarg `s_aux`, one
-# logit per head): read from each family's modeling code (transformers 5.23), and each listed only with an
-# equivalence test against stock TRL in the suite
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe",
-               "gpt_oss")
+# The one list every sharing path follows (the packed forwards, the shared prefill, the once-per-group prompt cache,
+# reward packing), by the text model's `model_type` (a multimodal checkpoint's language model included): families
+# whose attention modules hand the interface scaled dot-product attention over queries (B, H, L, D) and keys and values
+# (B, Hkv, L, D) once rotary embeddings and q/k norms are applied, with positions from `position_ids` only, and at most
+# a sliding window (kwarg `sliding_window`: keys in (p - w, p]) and attention sinks (kwarg `s_aux`, one logit per
+# head). Each was read in its modeling code (transformers 5.23), and is listed only with its tests against stock TRL
+# and plain `generate` in the suite. What each brings is in the README's families table.
+MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss",
+    "gemma4_text",  # Gemma 4: layers reusing another layer's keys and values, k = v, a 512-dim global head
+    "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
+    "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
+    "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models, for text-only batches
+)  # fmt: skip
+# Module attributes through which modeling code applies dropout as a function call (Seed-OSS's residual dropout is
+# read from the config into each module when it is built: neither an nn.Dropout nor undone by TRL's disable_dropout)
+DROPOUT_ATTRIBUTES = ("attention_dropout", "residual_dropout", "hidden_dropout", "dropout")
+
+
+def family_reason(model: nn.Module) -> str | None:
+    """Why `model`'s family is not one every sharing path is tested for ([`MODEL_TYPES`]), or None."""
+    model_type = model.config.get_text_config().model_type
+    if model_type not in MODEL_TYPES:
+        return f"sharing is only verified for {', '.join(MODEL_TYPES)}, not {model_type}"
+    return None
 
 
 def forward_unsupported_reason(model: nn.Module) -> str | None:
-    """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can."""
+    """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. A multimodal
+    checkpoint's language model shares text-only batches; a batch with images runs stock's forward."""
     text_config = model.config.get_text_config()
-    if is_multimodal(model):
-        return f"{type(model).__name__} is multimodal; its image tokens are not packed"
     if getattr(text_config, "rope_parameters", None) is None and getattr(text_config, "rope_theta", None) is None:
         return (
             f"{text_config.model_type} has no rotary position embeddings; with absolute positions, stock TRL's "
@@ -53,10 +70,16 @@ def dropout_reason(model: nn.Module) -> str | None:
                 f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
                 f"(set disable_dropout=True)"
             )
+        for key in DROPOUT_ATTRIBUTES:
+            value = getattr(module, key, None)
+            if isinstance(value, float) and value > 0:
+                return (f"dropout is active ({name}.{key}={value}, applied as a function); load the model with "
+                        f"{key}=0.0")  # fmt: skip
     text_config = model.config.get_text_config()
-    for key in ("attention_dropout", "hidden_dropout", "dropout"):
-        if (getattr(text_config, key, 0.0) or 0.0) > 0:
-            return f"dropout is active ({key}={getattr(text_config, key)}); set disable_dropout=True"
+    for key in DROPOUT_ATTRIBUTES:
+        value = getattr(text_config, key, 0.0)
+        if isinstance(value, float) and value > 0:
+            return f"dropout is active ({key}={value}); set disable_dropout=True or load the model with {key}=0.0"
     return None
 
 
@@ -67,12 +90,14 @@ def is_multimodal(model: nn.Module) -> bool:
 
 def attention_reason(model: nn.Module) -> str | None:
     """Why [`prefix_attention.prefix_attention`] cannot stand in for `model`'s attention, or None when it can."""
+    reason = family_reason(model)
+    if reason is not None:
+        return reason
     text_config = model.config.get_text_config()
-    model_type = text_config.model_type
-    if model_type not in MODEL_TYPES:
-        return f"its attention is only verified for {', '.join(MODEL_TYPES)}, not {model_type}"
-    if getattr(text_config, "use_bidirectional_attention", False):
-        return "its attention is bidirectional (use_bidirectional_attention=True), not causal"
+    # Gemma 3's embedding variants attend both ways everywhere; Gemma 4's "vision" does so among image tokens only,
+    # which a text-only batch has none of (a batch with images runs stock's forward)
+    if getattr(text_config, "use_bidirectional_attention", None) in (True, "all"):
+        return f"its attention is bidirectional (use_bidirectional_attention={text_config.use_bidirectional_attention!r}), not causal"
     if not any(True for _ in _attention_modules(model)):
         return f"none of {type(model).__name__}'s modules is an attention module of the shape it expects"
     return None

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -355,15 +356,30 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
     if query.shape[2] != 1:
         raise ValueError(f"{ATTENTION_NAME!r} decodes one token per row at a time, got {query.shape[2]}.")
     layer = cache.layers[module.layer_idx]
-    prefix_key, prefix_value = _compute_dtype(query, layer.prefix_keys, layer.prefix_values)[1:]
+    prefix_key, prefix_value = layer.prefix_keys, layer.prefix_values
+    if hasattr(module, "expand_kv"):  # multi-head latent attention: the prompt is cached as latents, expanded here
+        prefix_key, prefix_value = module.expand_kv(prefix_key, prefix_value)  # as the module expands its own
+    prefix_key, prefix_value = _compute_dtype(query, prefix_key, prefix_value)[1:]
     prefix_bias, own_bias = layer.prefix_bias, None
     if window is not None:
         window_bias, own_bias = decode_window_biases(layer.prefix_columns, prefix_key.shape[2], layer.own_length,
                                                      key.shape[2], window, query.dtype, query.device)  # fmt: skip
         if window_bias is not None:  # both mask with the dtype's minimum: keep one, not their sum (-inf)
             prefix_bias = window_bias if prefix_bias is None else torch.minimum(prefix_bias, window_bias)
+    query, key, value, prefix_key, prefix_value = _one_head_dim(query, key, value, prefix_key, prefix_value)
     return split_attention(query, prefix_key, prefix_value, key, value, cache.split, scale, prefix_bias, own_bias,
                            sinks)  # fmt: skip
+
+
+def _one_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    Queries, keys and values padded with zeros to one head dim, as the fused kernels need (DeepSeek-V3's values are
+    narrower than its keys): zero dims add nothing to the scores, and a value's give output dims the caller crops.
+    Differentiable; no copy where the dims already agree.
+    """
+    width = max(tensor.shape[-1] for tensor in tensors)
+    return tuple(tensor if tensor.shape[-1] == width else F.pad(tensor, (0, width - tensor.shape[-1]))
+                 for tensor in tensors)  # fmt: skip
 
 
 def _base_attention(module, query, key, value, attention_mask, **kwargs):
@@ -393,11 +409,14 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
     window = kwargs.get("sliding_window")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     query, key, value = _compute_dtype(query, key, value)
+    value_dim = value.shape[-1]
     if layout is not None:
         if window is not None and window >= layout.span:  # every key any query may read is within the window
             window = None
-        return _PackedAttention.apply(query, key, value, sinks, layout, window, scale), None
-    return _decode_attention(module, query, key, value, cache, window, sinks, scale), None
+        out = _PackedAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale)
+    else:
+        out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
+    return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

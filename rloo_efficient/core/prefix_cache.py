@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer
 
 from .families import attention_reason
 from .prefix_attention import SplitLayout
@@ -110,19 +110,52 @@ class PrefixCache(DynamicCache):
             The prompt positions the prefill forwarded (sliding-window layers may keep only the last of them).
     """
 
-    def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int):
+    def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int,
+                 sources: list[int] | None = None):  # fmt: skip
         super().__init__()
         keys = prefilled.layers[0].keys
         self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, keys.dtype)
         # A sliding-window layer kept the prompt's last positions only: its own padding mask, one per width
         biases = {prefix_columns: self.split.prefix_bias}
-        for layer in prefilled.layers:
+        own = [layer for layer in prefilled.layers if not isinstance(layer, DummyLayer)]
+        for layer in own:
             width = layer.keys.shape[-2]
             if width not in biases:
                 biases[width] = padding_bias(prompt_lengths, width, keys.device, keys.dtype)
-        self.layers = [PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]],
+        self.layers = [None if isinstance(layer, DummyLayer) else
+                       PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]],
                                    getattr(layer, "sliding_window", None) if layer.is_sliding else None)
                        for layer in prefilled.layers]  # fmt: skip
+        for index, layer in enumerate(self.layers):  # a layer reading another layer's keys and values (Gemma 4)
+            if layer is None:
+                self.layers[index] = SharedPrefixLayer(self.layers[sources[index]])
+
+
+class SharedPrefixLayer(DummyLayer):
+    """
+    A layer that stores nothing and reads another layer's keys and values (Gemma 4's KV sharing: the model hands it
+    its source layer's, in the same step): the stored prompt and the count of decoded positions are its source's.
+    """
+
+    def __init__(self, source: PrefixLayer):
+        super().__init__()
+        self.source = source
+
+    prefix_keys = property(lambda self: self.source.prefix_keys)
+    prefix_values = property(lambda self: self.source.prefix_values)
+    prefix_bias = property(lambda self: self.source.prefix_bias)
+    prefix_columns = property(lambda self: self.source.prefix_columns)
+    own_length = property(lambda self: self.source.own_length)
+
+
+def kv_sources(config) -> list[int]:
+    """For each layer of a text `config`, the layer whose keys and values it attends to: itself, or for Gemma 4's
+    layers that reuse ("reuse" in `kv_sharing_modes`), the one of their layer type that stores them ("store")."""
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    store = {layer_type: index for index, (layer_type, mode) in enumerate(zip(types, modes)) if mode == "store"}
+    return [store[layer_type] if mode == "reuse" else index
+            for index, (layer_type, mode) in enumerate(zip(types, modes))]  # fmt: skip
 
 
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:

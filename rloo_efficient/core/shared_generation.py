@@ -21,23 +21,26 @@ import warnings
 import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_attention import decoding_with, install
-from .prefix_cache import PrefixCache, cache_limit
-from .families import dropout_reason, is_multimodal, rope_reason
+from .prefix_cache import PrefixCache, cache_limit, kv_sources
+from .families import dropout_reason, family_reason, rope_reason
 
 
-# Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly
-_FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+# Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly; and layers that hold
+# nothing (Gemma 4's layers reading another layer's keys and values)
+_FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
 
 
 def generation_unsupported_reason(model: nn.Module, generation_config: GenerationConfig) -> str | None:
-    """Why `generate` cannot start from a shared prefill for `model`, or None when it can."""
+    """Why `generate` cannot start from a shared prefill for `model`, or None when it can (a multimodal checkpoint: for
+    text-only prompts; prompts with images go to `generate` as they are, see [`text_only`])."""
     if model.config.is_encoder_decoder:
         return f"{type(model).__name__} is an encoder-decoder model"
-    if is_multimodal(model):
-        return f"{type(model).__name__} is multimodal; its image features enter in generate's own prefill"
+    reason = family_reason(model)
+    if reason is not None:
+        return reason
     if generation_config.cache_implementation not in (None, "dynamic"):
         return (
             f"cache_implementation={generation_config.cache_implementation!r}; the shared prefill builds a dynamic cache"
@@ -69,6 +72,23 @@ def unique_rows(prompt_ids: list[list[int]]) -> tuple[list[int], list[int]]:
             first.append(row)
         inverse.append(index[key])
     return first, inverse
+
+
+# Per-token multimodal fields a processor returns for text too (all zeros there: no token is an image's)
+TOKEN_TYPE_FIELDS = ("token_type_ids", "mm_token_type_ids")
+
+
+def text_only(images, multimodal_fields: dict) -> bool:
+    """Whether TRL's prompts hold no image: no images, and no multimodal field but token types that are all zero."""
+    if images is not None and any(images):
+        return False
+    for key, value in multimodal_fields.items():
+        if key not in TOKEN_TYPE_FIELDS:
+            return False
+        rows = value.tolist() if isinstance(value, torch.Tensor) else value
+        if any(any(row) for row in rows):
+            return False
+    return True
 
 
 def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -158,7 +178,8 @@ def generate_with_shared_prefill(
     limit = cache_limit(model)
     if prompt_cache_once and (limit is None or longest <= limit):
         install(model)
-        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1)
+        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,
+                            kv_sources(model.config.get_text_config(decoder=True)))
         attention = decoding_with(cache)
     else:
         if prompt_cache_once:  # a constant message: Python shows it once
@@ -167,6 +188,19 @@ def generate_with_shared_prefill(
                           stacklevel=2)  # fmt: skip
         cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
+    _text_rope_deltas(model, len(prompt_ids), input_ids.device)
     with attention:
         output = generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
     return output, len(first) * (width - 1)
+
+
+def _text_rope_deltas(model: nn.Module, rows: int, device) -> None:
+    """
+    Qwen2-VL's family continues a generation from a cache with the 3-D rope offsets its last uncached call stored on
+    the model (`rope_deltas`, one per row): the first step of a text-only `generate` stores zeros, so a generate that
+    starts from our prefilled cache gets the same zeros, for its own rows (not a stale earlier call's).
+    """
+    inner = getattr(model, "get_base_model", lambda: model)()
+    for module in (inner, getattr(inner, "model", None)):
+        if module is not None and hasattr(module, "rope_deltas"):
+            module.rope_deltas = torch.zeros(rows, 1, dtype=torch.long, device=device)

@@ -22,7 +22,7 @@ from ..core.families import forward_unsupported_reason
 from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
-from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason, text_only
 from .config import sharing_settings
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
@@ -190,7 +190,7 @@ class GroupSharingMixin(RewardSharingMixin):
         return [list(unique_ids[position[key]]) for key in keys], images, fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        if not self._share_prefill or images is not None or multimodal_fields:
+        if not self._share_prefill or not text_only(images, multimodal_fields):  # images enter in generate's prefill
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         with self._shared_prefill(prompt_ids):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)

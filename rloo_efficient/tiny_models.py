@@ -1,0 +1,202 @@
+"""
+Each model family, shrunk and built offline from its own config class (transformers 5.23), so that its own modeling
+code runs: its attention module, its cache layers, its router. What reaches attention differently in the real models is
+kept (windows, sinks, q/k norms, partial rotary, shared keys and values, latent attention, experts). Multimodal
+families are built as their `*ForConditionalGeneration` checkpoints are (a tiny vision tower beside the language
+model), with a processor made of the workload's byte tokenizer and the family's image processor.
+"""
+
+import torch
+
+
+# arch -> (config class, multimodal); the kwargs are in `_family_kwargs`
+ARCHITECTURES = {
+    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
+    "gemma3": "Gemma3TextConfig", "phi3": "Phi3Config", "olmo2": "Olmo2Config", "smollm3": "SmolLM3Config",
+    "granite": "GraniteConfig", "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig",
+    "glm4_moe": "Glm4MoeConfig", "cohere2": "Cohere2Config", "olmo3": "Olmo3Config",
+    "ernie4_5_moe": "Ernie4_5_MoeConfig", "minimax_m2": "MiniMaxM2Config", "seed_oss": "SeedOssConfig",
+    "deepseek_v3": "DeepseekV3Config",
+    # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
+    "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
+}  # fmt: skip
+MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4")
+MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3")
+# Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
+# processor reads them from (None: a token the processor finds by its text)
+_GEMMA_IMAGE = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+_QWEN = {None: ("<|vision_start|>", "<|vision_end|>"), "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+IMAGE_TOKENS = {
+    "gemma3_vlm": {**_GEMMA_IMAGE, "image_token": "<image_soft_token>"},
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": _QWEN,
+    "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
+               "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
+}
+
+
+def image_tokens(arch: str) -> tuple[list[str], dict[str, str]]:
+    """`(tokens, roles)`: a multimodal family's special tokens, and those its processor reads by attribute."""
+    tokens, roles = [], {}
+    for role, value in IMAGE_TOKENS.get(arch, {}).items():
+        tokens += list(value) if role is None else [value]
+        if role is not None:
+            roles[role] = value
+    return tokens, roles
+
+
+def alternating(layers: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def _family_kwargs(cfg, head_dim: int) -> dict:
+    """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
+    arch, layers, window = cfg.arch, cfg.num_hidden_layers, cfg.sliding_window
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
+    return {
+        # query_pre_attn_scalar scales the scores, embeddings are scaled, every other layer slides
+        "gemma3": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=window or 512,
+                       layer_types=alternating(layers)),
+        # attention sinks, every other layer slides, mixture of experts
+        "gpt_oss": dict(head_dim=head_dim, sliding_window=window or 128, layer_types=alternating(layers),
+                        num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=max(cfg.max_position_embeddings, 131072)),
+        "qwen3_moe": dict(head_dim=head_dim, num_experts=4, **experts),
+        "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),  # every other layer without rotary
+        # the multipliers that scale the scores, embeddings, residuals and logits
+        "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
+        "phi3": dict(partial_rotary_factor=0.5, **({"sliding_window": window} if window else {})),  # fused qkv
+        "mistral": {"sliding_window": window} if window else {},
+        "qwen3": dict(head_dim=head_dim),
+        # sigmoid router with a correction bias and group-limited selection, shared experts, per-head q/k norms, rotary
+        # on half of each head; no load-balancing loss
+        "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         use_qk_norm=True, **experts),
+        # rotary on sliding layers only (full layers have none), a parallel attention/MLP block, a logit scale
+        "cohere2": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
+        # q/k norms over the whole projection, windows on every other layer, post-norms
+        "olmo3": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
+        # softmax router with a correction bias, shared experts; TRL's load-balancing loss on by default (0.001)
+        "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
+                             moe_intermediate_size=cfg.intermediate_size // 2),
+        # sigmoid router with a correction bias, q/k norms over the projection, partial rotary; loss on by default
+        "minimax_m2": dict(head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
+                           intermediate_size=cfg.intermediate_size // 2, rotary_dim=head_dim // 2),
+        # biased q/k/v; dropout on attention and residuals by default (0.1), which must be off to share
+        "seed_oss": dict(head_dim=head_dim, attention_dropout=0.0, residual_dropout=0.0),
+        # multi-head latent attention: low-rank queries, keys and values from a cached latent, value heads narrower
+        # than key heads (12 vs 24), rotary on part of each head (interleaved); sigmoid-routed experts
+        "deepseek_v3": dict(num_key_value_heads=cfg.num_attention_heads, n_routed_experts=4, n_shared_experts=1,
+                            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, **experts),
+    }.get(arch, {})
+
+
+def model_config(cfg, tokenizer):
+    """The family's config for the workload `cfg`, sized to `tokenizer`."""
+    import transformers
+
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    text = dict(
+        vocab_size=len(tokenizer),  # the padded vocabulary with `vocab_size`, and a multimodal family's tokens
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if cfg.head_dim is not None:
+        text["head_dim"] = head_dim
+    config_class = getattr(transformers, ARCHITECTURES[cfg.arch])
+    if cfg.arch not in MULTIMODAL:
+        return config_class(**{**text, **_family_kwargs(cfg, head_dim)})
+    return config_class(**_multimodal_kwargs(cfg, text, head_dim, tokenizer))
+
+
+def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
+    """A multimodal checkpoint's config: the language model as its family builds it, a tiny vision tower."""
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in image_tokens(cfg.arch)[0]}
+    if cfg.arch == "gemma3_vlm":  # Gemma 3 4B and up: Gemma 3's language model, a SigLIP tower
+        text.update(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=cfg.sliding_window or 512,
+                    layer_types=alternating(cfg.num_hidden_layers))  # fmt: skip
+        return dict(text_config=text, mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+                    eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"],
+                    vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=16, patch_size=4))  # fmt: skip
+    if cfg.arch in ("qwen2_vl", "qwen2_5_vl"):  # 3-D rotary positions (plain for text), the vision tower's merger
+        text.update(rope_parameters={"rope_type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+                                     "rope_theta": 10000.0})  # fmt: skip
+        vision = (dict(depth=1, embed_dim=16, hidden_size=cfg.hidden_size, num_heads=2, mlp_ratio=2, patch_size=2,
+                       spatial_merge_size=2, temporal_patch_size=2) if cfg.arch == "qwen2_vl" else
+                  dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=cfg.hidden_size,
+                       patch_size=2, spatial_merge_size=2, temporal_patch_size=2, window_size=8,
+                       fullatt_block_indexes=[0]))  # fmt: skip
+        return dict(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                    video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                    vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    # Gemma 4: the last layers read the keys and values of the last layer of their type before them, full layers have
+    # a wider head (global_head_dim, 512 in the real models) with keys as values (attention_k_eq_v), per-layer token
+    # embeddings, and image tokens that attend both ways (use_bidirectional_attention="vision"), text causal
+    layers = max(cfg.num_hidden_layers, 4)  # a stored and a reusing layer of each type
+    text.update(num_hidden_layers=layers, head_dim=head_dim, global_head_dim=2 * head_dim, attention_k_eq_v=True,
+                num_global_key_value_heads=1, sliding_window=cfg.sliding_window or 512, layer_types=alternating(layers),
+                num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=text["vocab_size"],
+                use_bidirectional_attention="vision", final_logit_softcapping=None)  # fmt: skip
+    return dict(text_config=text, audio_config=None, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                audio_token_id=ids["<|audio|>"], boi_token_id=ids["<start_of_image>"],
+                eoi_token_id=ids["<end_of_image>"], boa_token_id=ids["<start_of_audio>"],
+                eoa_token_index=ids["<end_of_audio>"],
+                vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                                   position_embedding_size=64))  # fmt: skip
+
+
+def model_from_config(cfg, config, dtype: torch.dtype):
+    """The model TRL would load from a checkpoint with this config: the multimodal families' `*ForConditional-
+    Generation`."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if cfg.arch in MULTIMODAL else AutoModelForCausalLM
+    return auto.from_config(config, dtype=dtype)
+
+
+def build_processor(cfg, tokenizer):
+    """A multimodal family's processor: `tokenizer` (the workload's, with the family's image tokens) and the family's
+    image processor (the PIL one: no torchvision here). Qwen's processors demand a video processor, which transformers
+    exports only with torchvision: the test processor accepts none."""
+    import transformers
+
+    if cfg.arch == "gemma3_vlm":
+        return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(), tokenizer=tokenizer,
+                                            image_seq_length=4)  # fmt: skip
+    if cfg.arch in ("qwen2_vl", "qwen2_5_vl"):
+        processor = _without_video(transformers.Qwen2VLProcessor if cfg.arch == "qwen2_vl" else
+                                   transformers.Qwen2_5_VLProcessor)  # fmt: skip
+        return processor(image_processor=transformers.Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
+                         video_processor=None)
+    from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4
+
+    return _without_video(transformers.Gemma4Processor)(
+        feature_extractor=feature_extraction_gemma4.Gemma4AudioFeatureExtractor(),
+        image_processor=image_processing_pil_gemma4.Gemma4ImageProcessorPil(), tokenizer=tokenizer,
+        video_processor=None, image_seq_length=4,
+    )  # fmt: skip
+
+
+def _without_video(processor_class):
+    """`processor_class` accepting `video_processor=None`: `ProcessorMixin` type-checks every part against
+    `VideoProcessorMixin`, which transformers exports only with torchvision."""
+
+    class Processor(processor_class):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return type(None)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    Processor.__name__ = Processor.__qualname__ = processor_class.__name__
+    return Processor
