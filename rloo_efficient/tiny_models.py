@@ -171,20 +171,21 @@ def build_processor(cfg, tokenizer):
     exports only with torchvision: the test processor accepts none."""
     import transformers
 
+    template = dict(chat_template=tokenizer.chat_template)
     if cfg.arch == "gemma3_vlm":
         return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(), tokenizer=tokenizer,
-                                            image_seq_length=4)  # fmt: skip
+                                            image_seq_length=4, **template)  # fmt: skip
     if cfg.arch in ("qwen2_vl", "qwen2_5_vl"):
         processor = _without_video(transformers.Qwen2VLProcessor if cfg.arch == "qwen2_vl" else
                                    transformers.Qwen2_5_VLProcessor)  # fmt: skip
         return processor(image_processor=transformers.Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
-                         video_processor=None)
+                         video_processor=None, **template)
     from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4
 
     return _without_video(transformers.Gemma4Processor)(
         feature_extractor=feature_extraction_gemma4.Gemma4AudioFeatureExtractor(),
         image_processor=image_processing_pil_gemma4.Gemma4ImageProcessorPil(), tokenizer=tokenizer,
-        video_processor=None, image_seq_length=4,
+        video_processor=None, image_seq_length=4, **template,
     )  # fmt: skip
 
 

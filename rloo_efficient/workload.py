@@ -25,8 +25,11 @@ from .tiny_models import ARCHITECTURES, MULTIMODAL, build_processor, image_token
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 PROMPT_HEADER = "Summarize the following report:\n"
 # A minimal chat template for conversational prompts: role tags are plain bytes for the byte-level tokenizer
+# Content as a string, or as a multimodal processor's blocks (TRL hands a processor its prompts' text as blocks)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
+    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B

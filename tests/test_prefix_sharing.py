@@ -330,3 +330,36 @@ def test_a_model_that_attends_bidirectionally_is_not_packed(model_cache):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16))
     gpt2.config.rope_theta = 10000.0  # past the position-embedding check: the family check speaks
     assert "only verified for" in unsupported_reason(gpt2)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_vlm", "qwen2_vl", "gemma4"])
+def test_a_multimodal_checkpoint_with_chat_prompts_and_no_image_shares(model_cache, tmp_path, exact_head, arch):
+    """GRPO with a multimodal checkpoint and its processor, chat prompts without images: TRL renders them through the
+    processor, which returns all-zero token types beside the tokens; they reach generate as stock passes them. Every
+    phase shares, and the run is stock's."""
+    from rloo_efficient import GRPOConfig, GRPOTrainer
+
+    from .test_grpo import assert_same_run, grpo_args
+
+    cfg = tiny_workload(model_cache, arch=arch, conversational=True, sliding_window=16)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+
+    def token_reward(completion_ids, **kwargs):  # varies within every group (the byte-vowel reward can be all 0 here)
+        return [float(sum(ids) % 17) for ids in completion_ids]
+
+    fields = []
+
+    class Recording(GRPOTrainer):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+            fields.append(sorted(multimodal_fields))
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+
+    settings = dict(beta=0.1, max_steps=2)
+    stock = run(trl.GRPOTrainer, path, grpo_args(tmp_path / "s", config_class=trl.GRPOConfig, **settings), dataset,
+                reward=token_reward, processing_class=build_processing_class(cfg))  # fmt: skip
+    ours = run(Recording, path, grpo_args(tmp_path / "o", config_class=GRPOConfig, **settings), dataset,
+               reward=token_reward, processing_class=build_processing_class(cfg))  # fmt: skip
+    token_types = "token_type_ids" if arch == "gemma3_vlm" else "mm_token_type_ids"
+    assert fields and all(names == [token_types] for names in fields)  # the processor's zero token types came along
+    assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert_same_run(stock, ours)
