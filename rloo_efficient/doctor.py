@@ -32,8 +32,10 @@ from .core import kernel_checks
 from .profiling.memory import get_memory_stats, is_accelerator, release_cached_memory, reset_peak_memory, synchronize
 
 
-# (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256
-HEAD_LAYOUTS = ((32, 8, 64), (16, 8, 128), (8, 4, 256))
+# (query heads, key/value heads, head_dim) of common models: Llama-3.2-1B, Qwen3-1.7B/8B, Gemma-2/3's 256, Gemma 4's
+# 512-dim global layers (past flash: the efficient kernel) and DeepSeek-V3's latent attention (192-dim keys; its
+# 128-dim values padded to them), those two with fewer heads than the real models (the check's time grows with them)
+HEAD_LAYOUTS = ((32, 8, 64), (16, 8, 128), (8, 4, 256), (8, 2, 512), (8, 8, 192))
 # (use, masked): prompt-causal, and under a sliding window; a prompt read by its completions, whole, padded or under a
 # sliding window; decoding
 USES = (("causal", None), ("causal window", None), ("prefix", None), ("prefix", "by key"), ("prefix", "by query"),

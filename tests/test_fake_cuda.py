@@ -84,8 +84,9 @@ class _LayoutContracts:
         if name == "_scaled_dot_product_efficient_attention_backward":
 
             def checked(grad_out, query, key, value, bias, out, lse, *args, **kwargs):
-                heads, length, dim = out.shape[1:]
-                assert out.stride(3) == 1 and out.stride(1) == dim and (length == 1 or out.stride(2) == heads * dim)
+                heads, length, dim = out.shape[1:]  # (a single head's stride is no layout: it is never stepped)
+                assert out.stride(3) == 1 and (heads == 1 or out.stride(1) == dim)
+                assert length == 1 or out.stride(2) == heads * dim
                 assert lse.is_contiguous() and lse.shape[-1] % 32 == 0
                 return op(grad_out, query, key, value, bias, out, lse, *args, **kwargs)
 
@@ -402,3 +403,32 @@ def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_ma
     messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
     assert len(messages) == 1 and "causal window" in messages[0] and "no windowed flash here" in messages[0]
     assert "uses chunks with a mask there" in messages[0]
+
+
+def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monkeypatch):
+    """Gemma 4's global layers (head_dim 512, above flash's 256): every part on the efficient kernel, forward and
+    backward. DeepSeek-V3's latent attention (values of 12 dims under keys of 24): the values padded to the keys' head
+    dim for the kernels, the output cropped back."""
+    ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    with fake_cuda(monkeypatch) as chosen:
+        packed = pack_groups(ids.to(CUDA), 5, rows, torch.bfloat16)
+        tokens = packed.num_tokens
+        q, grad = on_cuda(1, tokens, 4, 512, dtype=torch.bfloat16), on_cuda(1, tokens, 4, 512, dtype=torch.bfloat16)
+        k, v = on_cuda(1, tokens, 1, 512, dtype=torch.bfloat16), on_cuda(1, tokens, 1, 512, dtype=torch.bfloat16)
+        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False))
+        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
+        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, packed.layout, None, 1.0)
+        assert out.shape == (1, tokens, 4, 512)
+        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
+        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+        assert {entry[0] for entry in chosen} <= {"cuda_efficient", "expanded keys"} and chosen
+
+        chosen.clear()
+        q, k = on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16), on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16)
+        v = on_cuda(1, tokens, 4, 12, dtype=torch.bfloat16)
+        out, _ = prefix_attention.prefix_attention(None, q, k, v, prefix_attention.NO_MASK, scaling=0.2,
+                                                   **{prefix_attention.LAYOUT_KWARG: packed.layout})  # fmt: skip
+        assert out.shape == (1, tokens, 4, 12) and out.dtype == torch.bfloat16
+        # head_dim 24 in half precision: flash for the causal parts, the efficient kernel for the padded prompt part
+        assert [entry[0] for entry in chosen] == ["cuda_flash", "cuda_efficient", "cuda_flash"]
+    assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path

@@ -319,6 +319,20 @@ def test_active_dropout_falls_back(model_cache, tmp_path):
     assert not trainer._share_prefix
 
 
+def test_functional_residual_dropout_counts_as_dropout(model_cache):
+    """Seed-OSS applies residual dropout as a function call with a rate its modules copied from the config when built
+    (no nn.Dropout, and TRL's disable_dropout leaves it on): it is active dropout, named."""
+    from transformers import SeedOssConfig, SeedOssForCausalLM
+
+    config = SeedOssConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_dropout=0.0,
+                           residual_dropout=0.1)  # fmt: skip
+    model = SeedOssForCausalLM(config)
+    config.residual_dropout = 0.0  # the modules keep the rate they were built with
+    assert "residual_dropout=0.1" in unsupported_reason(model)
+    assert unsupported_reason(SeedOssForCausalLM(config)) is None
+
+
 def test_a_model_that_attends_bidirectionally_is_not_packed(model_cache):
     """Gemma 3 can be configured to attend bidirectionally (its embedding variants): packing assumes causal
     attention, so it names the reason; and so does a family it does not know."""
@@ -327,6 +341,11 @@ def test_a_model_that_attends_bidirectionally_is_not_packed(model_cache):
     assert unsupported_reason(model) is None
     model.config.use_bidirectional_attention = True
     assert "bidirectional" in unsupported_reason(model)
+    # Gemma 4's "vision" makes image tokens attend both ways, text stays causal; "all" is bidirectional everywhere
+    gemma4 = AutoModelForCausalLM.from_pretrained(build_model_dir(tiny_workload(model_cache, arch="gemma4")))
+    assert gemma4.config.get_text_config().use_bidirectional_attention == "vision" and unsupported_reason(gemma4) is None
+    gemma4.config.get_text_config().use_bidirectional_attention = "all"
+    assert "bidirectional" in unsupported_reason(gemma4)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=16))
     gpt2.config.rope_theta = 10000.0  # past the position-embedding check: the family check speaks
     assert "only verified for" in unsupported_reason(gpt2)
