@@ -1,10 +1,10 @@
 """
 Stock TRL vs rloo_efficient for each model family, on the default workload's shape (hidden 128, 2 layers, float32;
 P = 2048, C = 64, k = 8, 3 steps): the whole run's working memory and the median step time. Each family is built from
-its own config (rloo_efficient.workload): Gemma 3 and GPT-OSS with their real sliding windows (512 and 128, every other
-layer), so the windowed paths run; the MoE families with `router_aux_loss_coef 0` for both trainers (TRL 1.16 adds the
-load-balancing loss by default, and ours then runs stock's log-prob forwards). Each run is its own process, stock and
-ours alternate, and the ratios are medians over `--repeats`.
+its own config (rloo_efficient.tiny_models): Gemma 3, Gemma 4 and GPT-OSS with their real sliding windows (512, 512
+and 128, every other layer), so the windowed paths run; Gemma 4 with 4 layers (2 of them reusing the others' keys and
+values); the MoE families under TRL's default config, the load-balancing loss on (GLM-4-MoE has none). Each run is its
+own process, stock and ours alternate, and the ratios are medians over `--repeats`.
 
     python experiments/bench_families.py --repeats 3 --output results/families.md
     python experiments/bench_families.py --trainer grpo --families llama --repeats 3 --output results/grpo.md
@@ -19,8 +19,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss"]
-MOE = ("qwen3_moe", "gpt_oss")
+FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss", "gemma4", "glm4_moe"]
 
 
 def run(method: str, arch: str, args, directory: Path) -> dict:
@@ -31,7 +30,6 @@ def run(method: str, arch: str, args, directory: Path) -> dict:
         "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", "3",
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
         "--results_file", str(results), "--output_dir", str(directory / "out"),
-        *(["--router_aux_loss_coef", "0"] if arch in MOE else []),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:

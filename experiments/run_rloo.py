@@ -27,7 +27,7 @@ from trl import TrlParser
 from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
-from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.workload import build_processing_class, build_reward_model_dir, vowel_reward
 
 
 # The settings that make two runs the same workload, beside the WorkloadConfig
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     if exp.model_name_or_path:
         model, tokenizer = exp.model_name_or_path, None
     else:
-        model, tokenizer = build_model_dir(workload), build_tokenizer(workload.vocab_size)
+        model, tokenizer = build_model_dir(workload), build_processing_class(workload)
     if exp.dataset_name:
         from datasets import load_dataset
 

@@ -17,15 +17,16 @@ SHARING_DOC = r"""
             stock forward, to floating-point tolerance; sliding windows and attention sinks included. Models where it
             cannot be exact (families other than those in `rloo_efficient.core.families.MODEL_TYPES`, absolute
             position embeddings, rotary embeddings that depend on the sequence length, bidirectional attention, active
-            dropout, multimodal inputs, a MoE load-balancing loss) use the stock path, with one warning naming the
-            reason.
+            dropout, a batch with images, a MoE router with jitter) use the stock path, with one warning naming the
+            reason. A MoE model's load-balancing loss (TRL's default) is computed exactly from the packed tokens.
         share_generation_prefill (`bool`, *optional*, defaults to `True`):
             In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
             to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
             TRL's `generate` does, so the same seed gives the same completions. Models where it cannot be exact
-            (encoder-decoder, multimodal, active dropout, caches that are not per-row keys and values, a
-            `cache_implementation` other than dynamic) use stock generation, with one warning naming the reason. vLLM
-            and continuous batching are untouched (they share prefixes already).
+            (families outside `MODEL_TYPES`, encoder-decoder, active dropout, caches that are not per-row keys and
+            values, a `cache_implementation` other than dynamic) use stock generation, with one warning naming the
+            reason; prompts with images go to stock's `generate` for that call. vLLM and continuous batching are
+            untouched (they share prefixes already).
         share_prompt_kv_cache (`bool`, *optional*, defaults to `True`):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
