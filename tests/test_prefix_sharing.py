@@ -248,6 +248,22 @@ def test_group_ids_follow_prompt_strings():
     assert group_ids_for([chat, chat, [{"role": "user", "content": "yo"}]]).tolist() == [0, 0, 1]
 
 
+def test_image_prompts_group_by_pixels_not_by_object():
+    """Two image objects with the same pixels are one prompt; two images of one size with other pixels are two (an
+    image's default text holds its memory address: every row would be a group of its own)."""
+    import numpy as np
+    from PIL import Image
+
+    def chat(image):
+        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "what?"}]}]
+
+    same, copy = Image.new("RGB", (8, 8), (1, 2, 3)), Image.new("RGB", (8, 8), (1, 2, 3))
+    other = Image.new("RGB", (8, 8), (1, 2, 4))  # one value of one channel differs
+    pixels = np.zeros((4, 4, 3), dtype=np.uint8)
+    assert group_ids_for([chat(same), chat(copy), chat(other), chat(same)]).tolist() == [0, 0, 1, 0]
+    assert group_ids_for([chat(pixels), chat(pixels.copy()), chat(pixels + 1)]).tolist() == [0, 0, 1]
+
+
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     """The batch is ordered before TRL shuffles it, so that TRL's own row shuffle (drawn next) keeps each group's rows
     together; the generator is drawn exactly as for stock's shuffle."""

@@ -21,6 +21,7 @@ once per generation batch ([`RowGroups`]); it travels with the batch as a small 
 index tensors are built from it with NumPy and sent to the device in one copy. Nothing reads a device value back.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -34,8 +35,18 @@ ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3) CPU tensor of [group id, p
 
 
 def prompt_key(prompt) -> str:
-    """A hashable key for a prompt: the string itself, or the JSON of a conversation."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    """A hashable key for a prompt: the string itself, or the JSON of a conversation, its images by their content
+    (two images of the same size with other pixels are other prompts; the same pixels in two objects are one)."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=_content_key)
+
+
+def _content_key(value) -> str:
+    """What stands for a non-JSON value in a prompt's key: an image (PIL, or an array) by its mode, size and a digest
+    of its pixels; anything else by its text."""
+    if hasattr(value, "tobytes") and hasattr(value, "size"):
+        mode, size = getattr(value, "mode", getattr(value, "dtype", "")), getattr(value, "shape", value.size)
+        return f"<image {mode} {tuple(size) if not isinstance(size, int) else size} {hashlib.sha1(value.tobytes()).hexdigest()}>"
+    return str(value)
 
 
 def group_ids_for(prompts: list) -> torch.Tensor:
