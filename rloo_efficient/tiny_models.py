@@ -17,11 +17,16 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeConfig", "cohere2": "Cohere2Config", "olmo3": "Olmo3Config",
     "ernie4_5_moe": "Ernie4_5_MoeConfig", "minimax_m2": "MiniMaxM2Config", "seed_oss": "SeedOssConfig",
     "deepseek_v3": "DeepseekV3Config",
+    # Hybrids: recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers
+    "qwen3_next": "Qwen3NextConfig", "olmo_hybrid": "OlmoHybridConfig", "nemotron_h": "NemotronHConfig",
+    "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
+    "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig",
 }  # fmt: skip
-MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4")
-MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3")
+MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe")
+MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
+       "nemotron_h")
 # Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
 # processor reads them from (None: a token the processor finds by its text)
 _GEMMA_IMAGE = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
@@ -30,6 +35,8 @@ IMAGE_TOKENS = {
     "gemma3_vlm": {**_GEMMA_IMAGE, "image_token": "<image_soft_token>"},
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": _QWEN,
+    "qwen3_5": _QWEN,
+    "qwen3_5_moe": _QWEN,
     "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
 }
@@ -47,6 +54,18 @@ def image_tokens(arch: str) -> tuple[list[str], dict[str, str]]:
 
 def alternating(layers: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def hybrid(layers: int, recurrent: str = "linear_attention") -> list[str]:
+    """A recurrent layer, then an attention layer, alternating (the real models have 3 recurrent layers to 1)."""
+    return [recurrent if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+# Gated DeltaNet heads (2 key heads, 4 value heads, as the real models' 16/32), a 4-tap convolution
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4)
+# Mamba2 (Nemotron-H's names): 4 heads of 8 in 2 groups, a state of 8, chunks of 16 (shorter than the prompts)
+_MAMBA = dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16)
 
 
 def _family_kwargs(cfg, head_dim: int) -> dict:
@@ -89,6 +108,29 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         "deepseek_v3": dict(num_key_value_heads=cfg.num_attention_heads, n_routed_experts=4, n_shared_experts=1,
                             n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, **experts),
+        # Gated DeltaNet and gated attention, experts with a shared expert; TRL's load-balancing loss on (0.001)
+        "qwen3_next": dict(head_dim=head_dim, layer_types=hybrid(layers), num_experts=4, decoder_sparse_step=1,
+                           shared_expert_intermediate_size=cfg.intermediate_size // 2, **experts, **_GDN),
+        # Gated DeltaNet with negative eigenvalues allowed (beta up to 2), dense
+        "olmo_hybrid": dict(layer_types=hybrid(layers), **_GDN),
+        # Mamba2, attention without positions, and experts (sigmoid-routed, no load-balancing loss), one of each
+        "nemotron_h": dict(head_dim=head_dim, layers_block_type=["linear_attention", "full_attention", "moe"][:max(
+            layers, 3)] + ["mlp"] * (layers - 3), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            moe_intermediate_size=cfg.intermediate_size // 2,
+            moe_shared_expert_intermediate_size=cfg.intermediate_size // 2, **_MAMBA),
+        # Granite 4-H: Mamba2 (its own names, a dt limit) and attention, dense MLPs here (its MoE variants trip TRL's
+        # own load-balancing head, which reads num_experts), no positions
+        "granitemoehybrid": dict(layer_types=hybrid(layers, "mamba"), num_local_experts=0, mamba_n_heads=4,
+                                 mamba_d_head=cfg.hidden_size // 2, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                                 mamba_chunk_size=16, time_step_limit=(0.05, 3.0), position_embedding_type="nope",
+                                 router_aux_loss_coef=0.0),
+        # Falcon-H1: Mamba2 beside attention in every layer, muP multipliers
+        "falcon_h1": dict(head_dim=head_dim, mamba_d_ssm=cfg.hidden_size, mamba_n_heads=4,
+                          mamba_d_head=cfg.hidden_size // 4,
+                          mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16,
+                          ssm_in_multiplier=0.7, ssm_multipliers=[0.8, 1.3, 0.7, 1.1, 0.9]),
+        # LFM2: gated short convolutions (3 taps) among attention layers
+        "lfm2": dict(layer_types=hybrid(layers, "conv"), conv_L_cache=3),
     }.get(arch, {})
 
 
@@ -139,6 +181,16 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                     vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    if cfg.arch in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Gated DeltaNet and gated attention, 3-D rotary positions
+        text.update(head_dim=head_dim, layer_types=hybrid(cfg.num_hidden_layers), **_GDN)
+        if cfg.arch == "qwen3_5_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2,
+                        shared_expert_intermediate_size=cfg.intermediate_size // 2)  # fmt: skip
+        return dict(text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                       out_hidden_size=cfg.hidden_size, patch_size=2, spatial_merge_size=2,
+                                       temporal_patch_size=2))  # fmt: skip
     # Gemma 4: the last layers read the keys and values of the last layer of their type before them, full layers have
     # a wider head (global_head_dim, 512 in the real models) with keys as values (attention_k_eq_v), per-layer token
     # embeddings, and image tokens that attend both ways (use_bidirectional_attention="vision"), text causal
@@ -175,9 +227,10 @@ def build_processor(cfg, tokenizer):
     if cfg.arch == "gemma3_vlm":
         return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(), tokenizer=tokenizer,
                                             image_seq_length=4, **template)  # fmt: skip
-    if cfg.arch in ("qwen2_vl", "qwen2_5_vl"):
-        processor = _without_video(transformers.Qwen2VLProcessor if cfg.arch == "qwen2_vl" else
-                                   transformers.Qwen2_5_VLProcessor)  # fmt: skip
+    if cfg.arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"):
+        processor = _without_video({"qwen2_vl": transformers.Qwen2VLProcessor,
+                                    "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}.get(cfg.arch,
+                                                                                        transformers.Qwen3VLProcessor))
         return processor(image_processor=transformers.Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
                          video_processor=None, **template)
     from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4

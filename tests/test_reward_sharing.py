@@ -44,7 +44,7 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_reward_model(directory, cfg, tokenizer=None, **config_overrides) -> str:
     """A random sequence classifier with one label, the size of the tiny policy, saved with its tokenizer."""
-    tokenizer = tokenizer or build_tokenizer()
+    tokenizer = tokenizer or build_tokenizer(arch=cfg.arch)
     config = model_config(cfg, tokenizer)
     config.num_labels = 1
     for key, value in config_overrides.items():
@@ -85,6 +85,8 @@ REWARD_FAMILIES = {
     "olmo2": {}, "smollm3": {}, "qwen3_moe": dict(model_dtype="float32"),
     "gpt_oss": dict(sliding_window=16, model_dtype="float32"),
     "olmo3": dict(sliding_window=16), "seed_oss": {}, "deepseek_v3": dict(model_dtype="float32"),
+    # Hybrids (Gated DeltaNet forked after the common prefix); Qwen3.5's as its multimodal checkpoint's classifier
+    "qwen3_next": dict(model_dtype="float32"), "qwen3_5": dict(model_dtype="float32"),
 }  # fmt: skip
 
 

@@ -45,12 +45,18 @@ FAMILIES = {  # each family's own configuration, shrunk (6 query heads of 8 dims
 # window of 8 where the family has one; the multimodal ones as their checkpoints load (`*ForConditionalGeneration`)
 WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_window=8), "seed_oss": {}, "glm4_moe": {},
                      "ernie4_5_moe": {}, "minimax_m2": {}, "deepseek_v3": {}, "gemma3_vlm": dict(sliding_window=8),
-                     "qwen2_vl": {}, "qwen2_5_vl": {}, "gemma4": dict(sliding_window=8)}  # fmt: skip
+                     "qwen2_vl": {}, "qwen2_5_vl": {}, "gemma4": dict(sliding_window=8),
+                     # Hybrids: each recurrent and convolution state fanned out to the rows, attention's prompt once
+                     "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3), "granitemoehybrid": {},
+                     "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
-FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3")
+FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
+           "qwen3_5_moe", "nemotron_h")
 # The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
 TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
-               "gemma4": "mm_token_type_ids"}  # fmt: skip
+               "gemma4": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids", "qwen3_5_moe": "mm_token_type_ids"}
+# Falcon-H1 keeps keys and recurrent states in one cache layer: its prompt's cache is fanned out, not kept once
+FANNED_OUT = ("falcon_h1",)
 
 
 def build(arch: str, dtype=torch.float64, attention="sdpa"):
@@ -60,7 +66,7 @@ def build(arch: str, dtype=torch.float64, attention="sdpa"):
         from rloo_efficient.workload import WorkloadConfig, build_tokenizer
 
         sizes = {key: value for key, value in SMALL.items() if key != "vocab_size"}  # the workload's byte vocabulary
-        cfg = WorkloadConfig(arch=arch, **sizes, **WORKLOAD_FAMILIES[arch], model_cache_dir="unused")
+        cfg = WorkloadConfig(arch=arch, **{**sizes, **WORKLOAD_FAMILIES[arch]}, model_cache_dir="unused")
         dtype = torch.float32 if arch in FLOAT32 else dtype
         return model_from_config(cfg, model_config(cfg, build_tokenizer(arch=arch)), dtype).eval()
     if arch in FAMILIES:
@@ -132,8 +138,9 @@ def stock_and_ours(model, ids, mask, config, once=False, before_ours=None, **ext
 
 
 # once=False: the prompt's cache fanned out to its rows; once=True: kept once per prompt, attention split and merged
-CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("llama", True), ("qwen3", True),
-         ("mistral", True), ("mistral_sliding", True), *((family, True) for family in [*FAMILIES, *WORKLOAD_FAMILIES])]
+CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("qwen3_next", False), ("llama", True),
+         ("qwen3", True), ("mistral", True), ("mistral_sliding", True),
+         *((family, family not in FANNED_OUT) for family in [*FAMILIES, *WORKLOAD_FAMILIES])]
 SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4")
 
 
@@ -147,7 +154,7 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     # A multimodal family's processor returns all-zero token types with text prompts, which TRL passes to generate
     extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
     before_ours = None
-    if arch in ("qwen2_vl", "qwen2_5_vl"):  # an earlier generate (of other rows) leaves its rope offsets on the model
+    if arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5"):  # an earlier generate (of other rows) leaves its rope offsets
         before_ours = lambda: model.generate(input_ids=ids[:2], attention_mask=mask[:2], generation_config=config,  # noqa: E731
                                              **extra_rows(extra, 2))  # fmt: skip
     with warnings.catch_warnings():

@@ -21,6 +21,10 @@ MODEL_TYPES = (
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models, for text-only batches
+    # Hybrids: recurrent layers forked after the prompt (recurrent.py) among attention layers
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",  # Gated DeltaNet
+    "nemotron_h", "granitemoehybrid", "falcon_h1",  # Mamba2 (Nemotron-H and Granite 4-H: attention without positions)
+    "lfm2",  # gated short convolutions
 )  # fmt: skip
 # Module attributes through which modeling code applies dropout as a function call (Seed-OSS's residual dropout is
 # read from the config into each module when it is built: neither an nn.Dropout nor undone by TRL's disable_dropout)
@@ -37,13 +41,9 @@ def family_reason(model: nn.Module) -> str | None:
 
 def forward_unsupported_reason(model: nn.Module) -> str | None:
     """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. A multimodal
-    checkpoint's language model shares text-only batches; a batch with images runs stock's forward."""
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "rope_parameters", None) is None and getattr(text_config, "rope_theta", None) is None:
-        return (
-            f"{text_config.model_type} has no rotary position embeddings; with absolute positions, stock TRL's "
-            f"left padding shifts every token's position, which a packed row cannot reproduce"
-        )
+    checkpoint's language model shares text-only batches; a batch with images runs stock's forward. (A family with
+    absolute positions, whose left padding shifts every token's position in stock's rows, is not on the list; listed
+    families have rotary positions or none at all.)"""
     return attention_reason(model) or rope_reason(model) or dropout_reason(model)
 
 

@@ -447,12 +447,16 @@ def _attention_modules(model: nn.Module):
 def install(model: nn.Module) -> int:
     """
     Points every attention module of `model` at [`prefix_attention`] (idempotent, and free once done) and returns
-    how many there are. The modules get a copy of the config naming it; `model.config` is untouched, and calls without
-    a layout run the model's own implementation, so nothing changes for code that does not pass one.
+    how many there are; a hybrid model's recurrent layers are routed to their forks too ([`recurrent.install`]). The
+    modules get a copy of the config naming it; `model.config` is untouched, and calls without a layout run the
+    model's own implementation, so nothing changes for code that does not pass one.
     """
     count = getattr(model, "_rloo_prefix_attention_modules", None)
     if count is not None:
         return count
+    from .recurrent import install as install_forks  # here: recurrent.py imports this module
+
+    install_forks(model)
     count = 0
     for module in _attention_modules(model):
         if not hasattr(module, "_rloo_base_config"):

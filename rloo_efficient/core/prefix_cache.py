@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from .families import attention_reason
 from .prefix_attention import SplitLayout
@@ -113,22 +113,29 @@ class PrefixCache(DynamicCache):
     def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int,
                  sources: list[int] | None = None):  # fmt: skip
         super().__init__()
-        keys = prefilled.layers[0].keys
+        attention = [layer for layer in prefilled.layers if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)]
+        keys = attention[0].keys
         self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, keys.dtype)
         # A sliding-window layer kept the prompt's last positions only: its own padding mask, one per width
         biases = {prefix_columns: self.split.prefix_bias}
-        own = [layer for layer in prefilled.layers if not isinstance(layer, DummyLayer)]
-        for layer in own:
+        for layer in attention:
             width = layer.keys.shape[-2]
             if width not in biases:
                 biases[width] = padding_bias(prompt_lengths, width, keys.device, keys.dtype)
-        self.layers = [None if isinstance(layer, DummyLayer) else
-                       PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]],
-                                   getattr(layer, "sliding_window", None) if layer.is_sliding else None)
-                       for layer in prefilled.layers]  # fmt: skip
-        for index, layer in enumerate(self.layers):  # a layer reading another layer's keys and values (Gemma 4)
-            if layer is None:
-                self.layers[index] = SharedPrefixLayer(self.layers[sources[index]])
+        rows = torch.tensor(inverse, device=keys.device)
+        self.layers = []
+        for index, layer in enumerate(prefilled.layers):
+            if isinstance(layer, LinearAttentionLayer):  # recurrent and convolution states: one per row, from here on
+                layer.reorder_cache(rows)
+                self.layers.append(layer)
+            elif isinstance(layer, DummyLayer):  # nothing stored (a layer reading another's keys: aliased below)
+                self.layers.append(layer)
+            else:
+                self.layers.append(PrefixLayer(layer.keys, layer.values, prefix_columns, biases[layer.keys.shape[-2]],
+                                               getattr(layer, "sliding_window", None) if layer.is_sliding else None))
+        for index, source in enumerate(sources or []):  # Gemma 4: a layer that reuses another layer's keys and values
+            if source != index:
+                self.layers[index] = SharedPrefixLayer(self.layers[source])
 
 
 class SharedPrefixLayer(DummyLayer):
@@ -161,6 +168,10 @@ def kv_sources(config) -> list[int]:
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:
     """Why the once-per-group prompt cache cannot be exact for `model`, or None (a length limit is checked per batch
     by [`cache_limit`])."""
+    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    if any(isinstance(layer, LinearAttentionLayer) and isinstance(layer, DynamicLayer) for layer in layers):
+        # Falcon-H1's parallel blocks keep keys and states in one layer: the prefill is shared, the cache fanned out
+        return "its cache layers hold attention keys and recurrent states together (Falcon-H1's parallel blocks)"
     return attention_reason(model)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .families import attention_reason, is_multimodal, rope_reason
+from .families import attention_reason, rope_reason
 from .packing import host_layout
 from .prefix_attention import LAYOUT_KWARG, NO_MASK, PackedLayout
 
@@ -140,12 +140,13 @@ def padded_scores(root, inner, score, input_ids, attention_mask, pad_token_id) -
 
 
 def reward_model_reason(model: nn.Module) -> str | None:
-    """Why a reward model's scores cannot be computed exactly from packed rows, or None when they can."""
+    """Why a reward model's scores cannot be computed exactly from packed rows, or None when they can. (TRL hands a
+    reward model text only, so a multimodal checkpoint's classifier scores text as a text model does.)"""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "score") or not hasattr(model, getattr(model, "base_model_prefix", "")):
         return f"{type(model).__name__} is not a transformers sequence-classification model"
-    if config.is_encoder_decoder or is_multimodal(model):
-        return f"{type(model).__name__} is not a decoder-only text model"
+    if config.is_encoder_decoder:
+        return f"{type(model).__name__} is not a decoder-only model"
     reason = attention_reason(model)
     if reason is not None:
         return reason

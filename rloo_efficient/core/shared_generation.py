@@ -21,16 +21,19 @@ import warnings
 import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, kv_sources
 from .families import dropout_reason, family_reason, rope_reason
 
 
-# Cache layers made of one `keys`/`values` pair per row, which a batch index can fan out exactly; and layers that hold
-# nothing (Gemma 4's layers reading another layer's keys and values)
-_FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
+# Cache layers whose per-row contents an index over the rows fans out exactly (`reorder_cache`): keys and values,
+# recurrent and convolution states (Gated DeltaNet, Mamba2, short convolutions; both in one layer for Falcon-H1's
+# parallel blocks), and layers that hold nothing (Gemma 4's layers reading another layer's keys and values, MLP layers)
+_FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer, LinearAttentionLayer,
+                    LinearAttentionAndFullAttentionLayer)  # fmt: skip
 
 
 def generation_unsupported_reason(model: nn.Module, generation_config: GenerationConfig) -> str | None:
@@ -124,10 +127,10 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return cache
 
 
-def fan_out(cache: DynamicCache, inverse: list[int]) -> DynamicCache:
-    """Gives each of the `B` rows its prompt's keys and values: `cache` rows -> `cache[inverse]`, in place."""
-    device = cache.layers[0].keys.device
-    cache.batch_select_indices(torch.tensor(inverse, device=device))
+def fan_out(cache: DynamicCache, inverse: list[int], device) -> DynamicCache:
+    """Gives each of the `B` rows its prompt's keys, values and recurrent states: `cache` rows -> `cache[inverse]`, in
+    place (`reorder_cache`: transformers' recurrent cache layers select no rows through `batch_select_indices`)."""
+    cache.reorder_cache(torch.tensor(inverse, device=device))
     return cache
 
 
@@ -186,7 +189,7 @@ def generate_with_shared_prefill(
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
                           "generate drops its cache past the model's original context (Phi-3).",
                           stacklevel=2)  # fmt: skip
-        cache, attention = fan_out(prefilled, inverse), contextlib.nullcontext()
+        cache, attention = fan_out(prefilled, inverse, input_ids.device), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     _text_rope_deltas(model, len(prompt_ids), input_ids.device)
     with attention:
