@@ -101,7 +101,7 @@ FAMILIES = {
     "qwen3_5": dict(model_dtype="float32"),
     "qwen3_5_moe": dict(model_dtype="float32"),
 }
-MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2")  # with TRL's default load-balancing loss on
+MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe")  # TRL's default: the loss on
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

@@ -136,3 +136,73 @@ def test_mutations_fail(layer, monkeypatch, mutation):
         pytest.skip("a short convolution has no recurrent state")
     monkeypatch.setattr(recurrent.Fork, name, mutate(getattr(recurrent.Fork, name)))
     assert max(errors(*layer, "ragged").values()) > 1e-2
+
+
+# -- the kernels' first-use check --------------------------------------------------------------------------------------
+KERNELS = {  # the check's name -> a model module's kernel (transformers' wrapper around a fused kernel or its reference)
+    "gated delta rule": ("qwen3_next", "torch_chunk_gated_delta_rule"),
+    "mamba2 scan": ("nemotron_h", "mamba2_chunk_scan"),
+    "causal convolution": ("nemotron_h", "causal_conv1d_fn"),
+}
+
+
+def _kernel(name):
+    import importlib
+
+    family, function = KERNELS[name]
+    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), function)
+
+
+def _state_detached(reference):
+    """A 'fused kernel' that forgets the initial state's gradient (what an unchecked kernel could do)."""
+
+    def kernel(*args, **kwargs):
+        for key in ("initial_state", "initial_states"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = kwargs[key].detach()
+        return reference(*args, **kwargs)
+
+    return kernel
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_check_passes_the_reference_and_refuses_a_wrong_one(name, dtype):
+    import inspect
+
+    from rloo_efficient.core import recurrent_checks
+
+    wrapper = _kernel(name)
+    reference = inspect.unwrap(wrapper)
+    assert recurrent_checks.check(name, wrapper, reference, torch.device("cpu"), dtype) is None
+    shifted = lambda *args, **kwargs: tuple(  # noqa: E731 (an output off by 10%)
+        o * 1.1 if isinstance(o, torch.Tensor) else o for o in (lambda r: r if isinstance(r, tuple) else (r,))(
+            reference(*args, **kwargs)))  # fmt: skip
+    assert "off by" in recurrent_checks.check(name, shifted, reference, torch.device("cpu"), dtype)
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("no such kernel here")
+
+    assert "raised RuntimeError" in recurrent_checks.check(name, raising, reference, torch.device("cpu"), dtype)
+    if name != "causal convolution":  # a convolution takes no state
+        reason = recurrent_checks.check(name, _state_detached(reference), reference, torch.device("cpu"), dtype)
+        assert reason is not None and "initial_state" in reason
+
+
+def test_a_kernel_that_fails_its_check_is_replaced_by_its_reference_with_one_warning(monkeypatch):
+    import functools
+    import inspect
+    import warnings
+
+    from rloo_efficient.core import recurrent_checks
+
+    reference = inspect.unwrap(_kernel("gated delta rule"))
+    fused = functools.wraps(reference)(_state_detached(reference))  # unwraps to the reference, as transformers' do
+    monkeypatch.setattr(recurrent_checks, "_trusted", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            chosen = recurrent_checks.trusted("gated delta rule", fused, torch.device("cpu"), torch.float32)
+    assert chosen is reference
+    messages = [str(w.message) for w in caught if "kernel" in str(w.message)]
+    assert len(messages) == 1 and "initial_state" in messages[0] and "torch reference runs there instead" in messages[0]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .prefix_attention import LAYOUT_KWARG, PackedLayout
+from .recurrent_checks import trusted
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,15 @@ class Fork:
         return state.index_select(0, self.row_groups)
 
 
+def _kernels(layer, hidden_states: torch.Tensor, scan: str, scan_name: str):
+    """The scan kernel named `scan` and the causal convolution that `layer`'s own module calls (fused where
+    transformers found the packages), each checked at its first use with an initial state ([`recurrent_checks`])."""
+    module = sys.modules[type(layer).__module__]
+    device, dtype = hidden_states.device, hidden_states.dtype
+    return (trusted(scan_name, getattr(module, scan), device, dtype),
+            trusted("causal convolution", module.causal_conv1d_fn, device, layer.conv1d.weight.dtype))  # fmt: skip
+
+
 # -- Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-hybrid) --------------------------------------------------
 def _gdn_projections(layer, hidden_states):
     """`(B, T, D)` -> the pre-conv q|k|v `(B, T, C)`, the output gate z `(B, T, Hv, dv)`, b and a `(B, T, Hv)`."""
@@ -121,14 +131,14 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: PackedLayout) ->
     """A Gated DeltaNet layer over the packed sequence `(1, N, D)`: bodies from a zero state (frozen at their
     padding), rows from their group's state, the convolution's left context the body's tail."""
     fork = Fork.of(layout)
-    module = sys.modules[type(layer).__module__]  # the kernels the layer's own forward calls
+    chunk, causal_conv = _kernels(layer, hidden_states, "torch_chunk_gated_delta_rule", "gated delta rule")
     mixed, gate, b, a = _gdn_projections(layer, hidden_states)
     beta = b.sigmoid() * (2.0 if getattr(layer, "allow_neg_eigval", False) else 1.0)  # OLMo-hybrid: eigenvalues < 0
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)  # the log-decay, float32 as the layer's
     weight = layer.conv1d.weight.squeeze(1)
 
     def conv(x):
-        return module.causal_conv1d_fn(x, weight, layer.conv1d.bias, activation=layer.activation)
+        return causal_conv(x, weight, layer.conv1d.bias, activation=layer.activation)
 
     def heads(x):  # (B, T, C) -> q, k (B, T, Hk, dk), v (B, T, Hv, dv)
         query, key, value = torch.split(x, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
@@ -142,11 +152,11 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: PackedLayout) ->
     state = None  # one-token prompts: no body, a zero state
     body_out = body_conv.new_empty(fork.groups, 0, layer.num_v_heads, layer.head_v_dim)
     if fork.prompt_length > 0:  # padding neither writes (beta 0) nor decays (log-decay 0) a body's state
-        body_out, state = module.torch_chunk_gated_delta_rule(
+        body_out, state = chunk(
             *heads(body_conv), g=fork.frozen(body_g), beta=fork.frozen(body_beta), initial_state=None,
             output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
-    row_out, _ = module.torch_chunk_gated_delta_rule(
+    row_out, _ = chunk(
         *heads(row_conv), g=row_g, beta=row_beta, initial_state=None if state is None else fork.initial(state),
         output_final_state=False, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
@@ -163,7 +173,7 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Te
     path, where installed, would skip the fork): bodies from a zero state with `dt` zeroed at their padding after its
     floor (no input, no decay), rows from their group's state, the convolution's left context the body's tail."""
     fork = Fork.of(layout)
-    module = sys.modules[type(mixer).__module__]
+    chunk_scan, causal_conv = _kernels(mixer, hidden_states, "mamba2_chunk_scan", "mamba2 scan")
     heads, head_dim, groups, state_size = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     if hasattr(mixer, "ssm_in_multiplier"):  # Falcon-H1's multipliers
         hidden_states = hidden_states * mixer.ssm_in_multiplier
@@ -174,7 +184,7 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Te
     weight = mixer.conv1d.weight.squeeze(1)
 
     def conv(x):
-        return module.causal_conv1d_fn(x, weight, mixer.conv1d.bias, activation=mixer.activation)
+        return causal_conv(x, weight, mixer.conv1d.bias, activation=mixer.activation)
 
     # dt as the scan makes it (softplus, then clamped to the family's limits), before the bodies' padding is frozen
     dt = torch.clamp(F.softplus(dt + mixer.dt_bias.to(dt.dtype)), *mixer.time_step_limit)
@@ -182,7 +192,7 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Te
 
     def scan(xbc, dt, initial, final):
         x, B, C = torch.split(xbc, [mixer.intermediate_size, groups * state_size, groups * state_size], dim=-1)
-        return module.mamba2_chunk_scan(
+        return chunk_scan(
             x.unflatten(-1, (heads, head_dim)), dt, A, B.unflatten(-1, (groups, state_size)),
             C.unflatten(-1, (groups, state_size)), chunk_size=mixer.chunk_size, D=mixer.D, z=None, dt_bias=None,
             dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=initial, return_final_states=final,
