@@ -3,8 +3,10 @@ Stock TRL vs rloo_efficient for each model family, on the default workload's sha
 P = 2048, C = 64, k = 8, 3 steps): the whole run's working memory and the median step time. Each family is built from
 its own config (rloo_efficient.tiny_models): Gemma 3, Gemma 4 and GPT-OSS with their real sliding windows (512, 512
 and 128, every other layer), so the windowed paths run; Gemma 4 with 4 layers (2 of them reusing the others' keys and
-values); the MoE families under TRL's default config, the load-balancing loss on (GLM-4-MoE has none). Each run is its
-own process, stock and ours alternate, and the ratios are medians over `--repeats`.
+values); the MoE families under TRL's default config, the load-balancing loss on (GLM-4-MoE and Nemotron-H have
+none); the hybrids (Qwen3.5, Qwen3.5-MoE: Gated DeltaNet and attention; Nemotron-H: Mamba2, attention and experts, 3
+layers) on transformers' torch kernels. Each run is its own process, stock and ours alternate, and the ratios are
+medians over `--repeats`.
 
     python experiments/bench_families.py --repeats 3 --output results/families.md
     python experiments/bench_families.py --trainer grpo --families llama --repeats 3 --output results/grpo.md
@@ -19,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss", "gemma4", "glm4_moe"]
+FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss", "gemma4", "glm4_moe",
+            "qwen3_5", "qwen3_5_moe", "nemotron_h"]
 
 
 def run(method: str, arch: str, args, directory: Path) -> dict:

@@ -114,8 +114,9 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         # Gated DeltaNet with negative eigenvalues allowed (beta up to 2), dense
         "olmo_hybrid": dict(layer_types=hybrid(layers), **_GDN),
         # Mamba2, attention without positions, and experts (sigmoid-routed, no load-balancing loss), one of each
-        "nemotron_h": dict(head_dim=head_dim, layers_block_type=["linear_attention", "full_attention", "moe"][:max(
-            layers, 3)] + ["mlp"] * (layers - 3), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        "nemotron_h": dict(head_dim=head_dim, num_hidden_layers=max(layers, 3),
+                           layers_block_type=["linear_attention", "full_attention", "moe"] + ["mlp"] * (layers - 3),
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             moe_intermediate_size=cfg.intermediate_size // 2,
             moe_shared_expert_intermediate_size=cfg.intermediate_size // 2, **_MAMBA),
         # Granite 4-H: Mamba2 (its own names, a dt limit) and attention, dense MLPs here (its MoE variants trip TRL's
