@@ -14,7 +14,7 @@ from trl.trainer.utils import add_fused_lm_head
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.families import forward_unsupported_reason as unsupported_reason
-from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_groups, row_groups
+from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_groups, prompt_images, row_groups
 from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
@@ -272,6 +272,10 @@ def test_image_prompts_group_by_pixels_not_by_object():
     pixels = np.zeros((4, 4, 3), dtype=np.uint8)
     assert group_ids_for([chat(same), chat(copy), chat(other), chat(same)]).tolist() == [0, 0, 1, 0]
     assert group_ids_for([chat(pixels), chat(pixels.copy()), chat(pixels + 1)]).tolist() == [0, 0, 1]
+    # The packed forward's groups: an image's placeholder tokens are the same whatever its pixels
+    prompts = [chat(same), chat(copy), chat(other), chat(other)]
+    assert row_groups([[5, 6, 7]] * 4, [1] * 4, prompt_images(prompts))[:, 0].tolist() == [0, 0, 1, 1]
+    assert prompt_images([[{"role": "user", "content": "text"}]]) is None
 
 
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():

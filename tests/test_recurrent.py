@@ -206,3 +206,21 @@ def test_a_kernel_that_fails_its_check_is_replaced_by_its_reference_with_one_war
     assert chosen is reference
     messages = [str(w.message) for w in caught if "kernel" in str(w.message)]
     assert len(messages) == 1 and "initial_state" in messages[0] and "torch reference runs there instead" in messages[0]
+
+
+def test_the_check_runs_inside_a_no_grad_pass(monkeypatch):
+    """A kernel's first use may be a scoring pass under no_grad or inference_mode: its check still runs its backward
+    (it would otherwise blame the kernel and warn)."""
+    import functools
+    import inspect
+    import warnings
+
+    from rloo_efficient.core import recurrent_checks
+
+    reference = inspect.unwrap(_kernel("mamba2 scan"))
+    wrapped = functools.wraps(reference)(lambda *args, **kwargs: reference(*args, **kwargs))
+    monkeypatch.setattr(recurrent_checks, "_trusted", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            assert recurrent_checks.trusted("mamba2 scan", wrapped, torch.device("cpu"), torch.float32) is wrapped

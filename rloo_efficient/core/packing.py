@@ -49,6 +49,14 @@ def _content_key(value) -> str:
     return str(value)
 
 
+def prompt_images(prompts: list) -> list | None:
+    """Each conversational prompt's images (its content blocks of type "image"), or None when no prompt has one."""
+    images = [[part.get("image") for message in prompt if isinstance(message.get("content"), list)
+               for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+              if isinstance(prompt, list) else [] for prompt in prompts]  # fmt: skip
+    return images if any(images) else None
+
+
 def group_ids_for(prompts: list) -> torch.Tensor:
     """`(B,)` long tensor: rows with the same prompt (string, or token list) get the same id, by first appearance."""
     index: dict = {}
@@ -56,13 +64,17 @@ def group_ids_for(prompts: list) -> torch.Tensor:
     return torch.tensor([index.setdefault(key, len(index)) for key in keys], dtype=torch.long)
 
 
-def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int]) -> torch.Tensor:
+def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: list | None = None) -> torch.Tensor:
     """
     The `(B, 3)` CPU tensor of [group id, prompt length, scored completion length] per row: rows with the same prompt
-    tokens share a group. Built once per generation batch from TRL's token lists; it is shuffled and split with the
-    batch like any other field.
+    tokens share a group, and with `images` (each row's, or None) the same images too: an image's tokens are the same
+    placeholders whatever its pixels ([`prompt_key`] tells images apart by their content). Built once per generation
+    batch from TRL's token lists; it is shuffled and split with the batch like any other field.
     """
-    groups = group_ids_for([list(ids) for ids in prompt_ids])
+    keys = [list(ids) for ids in prompt_ids]
+    if images is not None:
+        keys = [prompt_key([ids, image]) for ids, image in zip(keys, images, strict=True)]
+    groups = group_ids_for(keys)
     lengths = torch.tensor([[len(ids), n] for ids, n in zip(prompt_ids, scored_lengths, strict=True)], dtype=torch.long)
     return torch.cat([groups.unsqueeze(1), lengths.view(-1, 2)], dim=1)
 

@@ -89,7 +89,8 @@ def trusted(name: str, function, device, dtype):
         return function
     key = (name, function, device, dtype)
     if key not in _trusted:
-        reason = check(name, function, reference, device, dtype)
+        with torch.inference_mode(False), torch.enable_grad():  # the first use may be a no-grad scoring pass
+            reason = check(name, function, reference, device, dtype)
         if reason is not None:
             warnings.warn(f"rloo_efficient: the {name} kernel on {device} ({str(dtype).removeprefix('torch.')}) "
                           f"{reason}; its torch reference runs there instead.", stacklevel=3)  # fmt: skip

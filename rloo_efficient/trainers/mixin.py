@@ -20,7 +20,7 @@ from trl.trainer.utils import get_config_model_id
 from ..core import prefix_attention
 from ..core.families import forward_unsupported_reason
 from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_key, row_groups
+from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_images, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
 from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason, text_only
 from .config import sharing_settings
@@ -241,7 +241,7 @@ class GroupSharingMixin(RewardSharingMixin):
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
-        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids))
+        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), prompt_images(prompts))
         return result
 
     def _generate_and_score_completions(self, inputs):
