@@ -22,9 +22,10 @@ ARCHITECTURES = {
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
-    "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig",
+    "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "llava": "LlavaConfig",
+    "llava_next": "LlavaNextConfig",
 }  # fmt: skip
-MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe")
+MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "llava", "llava_next")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h")
 # Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
@@ -39,7 +40,15 @@ IMAGE_TOKENS = {
     "qwen3_5_moe": _QWEN,
     "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
+    "llava": {"image_token": "<image>"},
+    "llava_next": {"image_token": "<image>"},
 }
+# What a family's chat template writes for an image (its processor expands it into the image's tokens)
+IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
+                     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"),
+                                     "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
+LLAVA_TILE = 8  # LLaVA's tiny CLIP tower: 8x8 images in patches of 2 (16 tokens); LLaVA-Next's tiles of that size
+LLAVA_PINPOINTS = [[8, 8], [8, 16], [16, 8], [16, 16]]
 
 
 def image_tokens(arch: str) -> tuple[list[str], dict[str, str]]:
@@ -182,8 +191,18 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                     vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    if cfg.arch in ("llava", "llava_next"):  # a CLIP tower, a projector and a Llama; LLaVA-Next: tiles per image
+        vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, image_size=LLAVA_TILE, patch_size=2, projection_dim=16)  # fmt: skip
+        extra = {"image_grid_pinpoints": LLAVA_PINPOINTS} if cfg.arch == "llava_next" else {}
+        return dict(text_config={**text, "model_type": "llama"}, vision_config=vision, image_token_id=ids["<image>"],
+                    vision_feature_layer=-2, vision_feature_select_strategy="default", **extra)  # fmt: skip
     if cfg.arch in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Gated DeltaNet and gated attention, 3-D rotary positions
-        text.update(head_dim=head_dim, layer_types=hybrid(cfg.num_hidden_layers), **_GDN)
+        # on part of each head, interleaved (real: a quarter of 256 dims; here half of 16, sections [2, 1, 1], so that
+        # an image's height and width positions reach the rotary)
+        text.update(head_dim=max(head_dim, 16), layer_types=hybrid(cfg.num_hidden_layers),
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **_GDN)  # fmt: skip
         if cfg.arch == "qwen3_5_moe":
             text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2,
                         shared_expert_intermediate_size=cfg.intermediate_size // 2)  # fmt: skip
@@ -225,21 +244,33 @@ def build_processor(cfg, tokenizer):
     import transformers
 
     template = dict(chat_template=tokenizer.chat_template)
-    if cfg.arch == "gemma3_vlm":
-        return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(), tokenizer=tokenizer,
-                                            image_seq_length=4, **template)  # fmt: skip
+    if cfg.arch == "gemma3_vlm":  # 16x16 images: 16 patches of 4, pooled to 4 tokens
+        return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(
+            size={"height": 16, "width": 16}), tokenizer=tokenizer, image_seq_length=4, **template)  # fmt: skip
     if cfg.arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"):
         processor = _without_video({"qwen2_vl": transformers.Qwen2VLProcessor,
                                     "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}.get(cfg.arch,
                                                                                         transformers.Qwen3VLProcessor))
-        return processor(image_processor=transformers.Qwen2VLImageProcessorPil(), tokenizer=tokenizer,
-                         video_processor=None, **template)
+        # The tiny tower's patches of 2, merged 2x2 (an 8x8 image: a grid of 4x4 patches, 4 tokens), small images kept
+        image_processor = transformers.Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                                                size={"shortest_edge": 16, "longest_edge": 4096})
+        return processor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **template)
+    if cfg.arch in ("llava", "llava_next"):  # CLS dropped ("default"): (8 / 2)^2 = 16 tokens per image or tile
+        size = dict(size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})
+        if cfg.arch == "llava":
+            image_processor, processor = transformers.CLIPImageProcessorPil(**size), transformers.LlavaProcessor
+        else:
+            image_processor = transformers.LlavaNextImageProcessorPil(**size, image_grid_pinpoints=LLAVA_PINPOINTS)
+            processor = transformers.LlavaNextProcessor
+        return processor(image_processor=image_processor, tokenizer=tokenizer, patch_size=2,
+                         vision_feature_select_strategy="default", num_additional_image_tokens=1, **template)
     from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4
 
     return _without_video(transformers.Gemma4Processor)(
         feature_extractor=feature_extraction_gemma4.Gemma4AudioFeatureExtractor(),
-        image_processor=image_processing_pil_gemma4.Gemma4ImageProcessorPil(), tokenizer=tokenizer,
-        video_processor=None, image_seq_length=4, **template,
+        image_processor=image_processing_pil_gemma4.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2,
+                                                                            max_soft_tokens=70),
+        tokenizer=tokenizer, video_processor=None, image_seq_length=4, **template,
     )  # fmt: skip
 
 

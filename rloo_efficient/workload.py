@@ -14,24 +14,31 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from datasets import Dataset
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from .tiny_models import ARCHITECTURES, MULTIMODAL, build_processor, image_tokens, model_config, model_from_config
+from .tiny_models import ARCHITECTURES, IMAGE_PLACEHOLDER, MULTIMODAL, build_processor, image_tokens, model_config
+from .tiny_models import model_from_config
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 PROMPT_HEADER = "Summarize the following report:\n"
 # A minimal chat template for conversational prompts: role tags are plain bytes for the byte-level tokenizer
-# Content as a string, or as a multimodal processor's blocks (TRL hands a processor its prompts' text as blocks)
+# Content as a string, or as a multimodal processor's blocks (TRL hands a processor its prompts' text as blocks), an
+# image written as the family's placeholder (`chat_template(arch)`)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+    "{{ part['text'] }}{% elif part['type'] == 'image' %}IMAGE{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def chat_template(arch: str | None) -> str:
+    return CHAT_TEMPLATE.replace("IMAGE", IMAGE_PLACEHOLDER.get(arch, ""))
 # Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B
 # (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
 PRESETS = {
@@ -55,6 +62,11 @@ class WorkloadConfig:
     )
     num_prompts: int = field(default=64, metadata={"help": "Number of distinct prompts in the dataset."})
     conversational: bool = field(default=False, metadata={"help": "Chat-format prompts, rendered by a chat template."})
+    image_size: int | None = field(
+        default=None,
+        metadata={"help": "Give each prompt an image of this many pixels a side (chat prompts, TRL's `image` column), "
+                  "random and seeded; every other one twice as wide (a multimodal arch)."},
+    )
     arch: str = field(default="llama", metadata={"help": "Tiny model architecture.", "choices": list(ARCHITECTURES)})
     hidden_size: int = field(default=128, metadata={"help": "Tiny model hidden size."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Tiny model layers."})
@@ -147,7 +159,7 @@ def build_tokenizer(vocab_size: int | None = None, arch: str | None = None) -> P
         truncation_side="left",
         **({"extra_special_tokens": roles} if roles else {}),
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template(arch)
     return tokenizer
 
 
@@ -205,8 +217,16 @@ def build_dataset(cfg: WorkloadConfig) -> Dataset:
         length = cfg.prompt_length if cfg.prompt_length_min is None else rng.randint(cfg.prompt_length_min,
                                                                                      cfg.prompt_length)  # fmt: skip
         text = PROMPT_HEADER + _report_text(rng, length - len(PROMPT_HEADER))
-        prompts.append([{"role": "user", "content": text}] if cfg.conversational else text)
-    return Dataset.from_dict({"prompt": prompts})
+        prompts.append([{"role": "user", "content": text}] if cfg.conversational or cfg.image_size else text)
+    if not cfg.image_size:
+        return Dataset.from_dict({"prompt": prompts})
+    from datasets import Image as ImageFeature
+    from PIL import Image
+
+    pixels = np.random.default_rng(cfg.workload_seed)
+    images = [Image.fromarray(pixels.integers(0, 256, (cfg.image_size, cfg.image_size * (1 + i % 2), 3), np.uint8))
+              for i in range(cfg.num_prompts)]  # fmt: skip
+    return Dataset.from_dict({"prompt": prompts, "image": images}).cast_column("image", ImageFeature())
 
 
 def completion_text(completion) -> str:

@@ -307,7 +307,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
         for got, like in zip(grads[:3], (q, k, v), strict=True):
             assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
-        assert grads[3:] == (None,) * 4
+        assert grads[3:] == (None,) * 5
         assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 

@@ -18,7 +18,7 @@ from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.reward_packing import pack_reward_rows
 from rloo_efficient.trainers.hydra import HydraReward
 from rloo_efficient.tiny_models import model_config
-from rloo_efficient.workload import CHAT_TEMPLATE, SPECIAL_TOKENS, build_dataset, build_model_dir
+from rloo_efficient.workload import SPECIAL_TOKENS, build_dataset, build_model_dir, chat_template
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import METRICS, assert_metrics_close, run, step_metrics, tiny_workload, training_args
@@ -38,7 +38,7 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
                                         eos_token="<eos>", padding_side="left")  # fmt: skip
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template(None)
     return tokenizer
 
 

@@ -106,6 +106,8 @@ class PackedBatch:
     num_cols: int  # C, the padded completion width
     num_real_tokens: int  # tokens that are not padding
     token_weights: torch.Tensor | None = None  # (1, N) int64: how many times stock's batch holds each token
+    source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
+    first_rows: np.ndarray | None = None  # (G,) host: the stock row each group's body is taken from, in body order
 
     @property
     def num_tokens(self) -> int:
@@ -266,4 +268,6 @@ def pack_groups(
         num_cols=logits_to_keep,
         num_real_tokens=int(body.sum() + m.sum()),
         token_weights=weights,
+        source_index=index,
+        first_rows=first,
     )

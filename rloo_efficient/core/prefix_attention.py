@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernel_checks import attention_backward, attention_forward
+from .vision import block_bias
 from .window_attention import apply_sinks, band_backward, band_forward, decode_window_biases, gather_tail
 from .window_attention import prompt_tail, scatter_tail, sink_gradient, tail_bias
 
@@ -80,6 +81,10 @@ class PackedLayout:
     body_lengths: torch.Tensor  # (G,) each body's tokens, on the device
     # What every layer derives alike from the layout (a window's prompt tail and mask), built by the first
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # Gemma's image prompts: each body token's image block (G, Pm) (-1 for text), whose tokens attend to each other
+    # both ways, on "all" layers or the "sliding" ones ([`vision.body_blocks`])
+    body_blocks: torch.Tensor | None = None
+    blocks_on: str = "all"
 
     @property
     def prompt_tokens(self) -> int:
@@ -237,7 +242,8 @@ class _PackedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, sinks, layout: PackedLayout, window: int | None, scale: float):
+    def forward(ctx, query, key, value, sinks, layout: PackedLayout, window: int | None, scale: float,
+                sliding: bool = False):  # fmt: skip
         groups, length = layout.split.groups, layout.prompt_length
         rows, row_length, n_prompt = layout.rows, layout.row_length, layout.prompt_tokens
         heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
@@ -251,7 +257,11 @@ class _PackedAttention(torch.autograd.Function):
         lse_prompt = None
         if length > 0:
             prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
-            out_prompt, lse_prompt, state_prompt = band_forward(*prompt, window, scale)
+            blocks = _image_blocks_bias(layout, window, sliding, query.dtype)
+            if blocks is None:
+                out_prompt, lse_prompt, state_prompt = band_forward(*prompt, window, scale)
+            else:  # an image's tokens attend to each other both ways: the bodies' attention under a bias
+                out_prompt, lse_prompt, state_prompt = attention_forward(*prompt, blocks, False, scale)
             if sinks is not None:
                 apply_sinks(out_prompt, lse_prompt, sinks)
             _blocks(out, 0, groups, length).copy_(out_prompt)
@@ -269,7 +279,7 @@ class _PackedAttention(torch.autograd.Function):
         if any(ctx.needs_input_grad[:4]):
             ctx.save_for_backward(query, key, value, sinks, out, lse, lse_prompt)
         # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
-        ctx.layout, ctx.window, ctx.scale, ctx.states = layout, window, scale, states
+        ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
         return out.transpose(1, 2)  # (1, N, H, D), as transformers' attention functions return
 
     @staticmethod
@@ -289,12 +299,17 @@ class _PackedAttention(torch.autograd.Function):
                                   rows_of(out), lse_rows, window, scale)  # fmt: skip
             for target, part in zip((grad_q, grad_k, grad_v), parts, strict=True):
                 rows_of(target).copy_(part)
-            return grad_q, grad_k, grad_v, grad_sinks, None, None, None
+            return grad_q, grad_k, grad_v, grad_sinks, None, None, None, None
         prompt = tuple(_blocks(x, 0, groups, length) for x in (query, key, value))
         grad_prompt, out_prompt = _blocks(grad, 0, groups, length), _blocks(out, 0, groups, length)
         if sink_grad:
             grad_sinks = grad_sinks + sink_gradient(grad_prompt, out_prompt, lse_prompt, sinks)
-        prompt_grads = band_backward(ctx.prompt_state, grad_prompt, *prompt, out_prompt, lse_prompt, window, scale)
+        blocks = _image_blocks_bias(layout, window, ctx.sliding, query.dtype)
+        if blocks is None:
+            prompt_grads = band_backward(ctx.prompt_state, grad_prompt, *prompt, out_prompt, lse_prompt, window, scale)
+        else:
+            prompt_grads = attention_backward(ctx.prompt_state, grad_prompt, *prompt, blocks, out_prompt, lse_prompt,
+                                              False, scale)  # fmt: skip
         prefix = _prefix_of(layout, key, value, window, query.dtype)  # again: views, or the tail gathered again
         grad_pk, grad_pv, grad_kr, grad_vr = _split_backward(
             rows_of(grad_q), rows_of(grad), rows_of(out), lse_rows, rows_of(query), prefix, rows_of(key),
@@ -310,7 +325,18 @@ class _PackedAttention(torch.autograd.Function):
         else:  # its tail, gathered
             scatter_tail(grad_k, grad_pk, prefix.tail)
             scatter_tail(grad_v, grad_pv, prefix.tail)
-        return grad_q, grad_k, grad_v, grad_sinks, None, None, None
+        return grad_q, grad_k, grad_v, grad_sinks, None, None, None, None
+
+
+def _image_blocks_bias(layout: PackedLayout, window: int | None, sliding: bool, dtype) -> torch.Tensor | None:
+    """The bodies' `(G, 1, Pm, Pm)` bias where an image's tokens attend to each other both ways on this layer (built
+    once per batch for every layer alike), or None where the bodies attend causally."""
+    if layout.body_blocks is None or (layout.blocks_on == "sliding" and not sliding):
+        return None
+    key = ("image blocks", window, dtype)
+    if key not in layout.memo:
+        layout.memo[key] = block_bias(layout.body_blocks, window, dtype)
+    return layout.memo[key]
 
 
 def split_attention(query, prefix_key, prefix_value, key, value, split: SplitLayout, scale: float,
@@ -411,9 +437,10 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
     query, key, value = _compute_dtype(query, key, value)
     value_dim = value.shape[-1]
     if layout is not None:
+        sliding = window is not None  # a sliding layer (Gemma 4's image blocks attend both ways only there)
         if window is not None and window >= layout.span:  # every key any query may read is within the window
             window = None
-        out = _PackedAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale)
+        out = _PackedAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale, sliding)
     else:
         out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None

@@ -24,9 +24,11 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
+from .families import dropout_reason, family_reason, rope_reason
+from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, kv_sources
-from .families import dropout_reason, family_reason, rope_reason
+from .vision import IMAGE_KWARGS, select_images
 
 
 # Cache layers whose per-row contents an index over the rows fans out exactly (`reorder_cache`): keys and values,
@@ -61,15 +63,16 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
     return rope_reason(model) or dropout_reason(model)
 
 
-def unique_rows(prompt_ids: list[list[int]]) -> tuple[list[int], list[int]]:
+def unique_rows(prompt_ids: list[list[int]], images: list | None = None) -> tuple[list[int], list[int]]:
     """
-    `(first, inverse)` from the prompts' token lists, on the host: `first` (U,) indexes one row per distinct prompt, in
-    order of first appearance, and `inverse` (B,) gives each row's position in `first`.
+    `(first, inverse)` from the prompts' token lists (and each row's images, or None), on the host: `first` (U,)
+    indexes one row per distinct prompt, in order of first appearance, and `inverse` (B,) gives each row's position in
+    `first`. Rows are one prompt when their tokens and their images' pixels are the same ([`packing.prompt_key`]).
     """
-    index: dict[tuple, int] = {}
+    index: dict = {}
     first, inverse = [], []
     for row, ids in enumerate(prompt_ids):
-        key = tuple(ids)
+        key = tuple(ids) if images is None else prompt_key([ids, images[row] or []])
         if key not in index:
             index[key] = len(first)
             first.append(row)
@@ -100,26 +103,51 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
+def image_inputs(kwargs: dict, num_images: list[int], first: list[int], width: int) -> tuple[dict, dict]:
+    """
+    Splits `generate`'s multimodal kwargs for a shared prefill of the rows `first`: `(prefill's, the continuation's)`.
+    The prefill gets the images of those rows alone, laid out as the processor lays out a batch of them
+    ([`vision.select_images`]), and their token types over the first `width - 1` columns; the continuation keeps the
+    token types (which `generate` reads for the last column) and no image (its features are in the cache).
+    """
+    images = {key: kwargs[key] for key in IMAGE_KWARGS if kwargs.get(key) is not None}
+    prefill = select_images(images, num_images, first)
+    index = torch.tensor(first)
+    for key in TOKEN_TYPE_FIELDS:
+        if kwargs.get(key) is not None:
+            prefill[key] = kwargs[key].index_select(0, index.to(kwargs[key].device))[:, : width - 1]
+    return prefill, {key: value for key, value in kwargs.items() if key not in IMAGE_KWARGS}
+
+
 @torch.no_grad()
 def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: list[int],
-                    padded: bool):  # fmt: skip
+                    padded: bool, images: dict | None = None):  # fmt: skip
     """
     Forwards the first `W - 1` columns of the rows `first` of the `(B, W)` prompt batch once, and returns the
     filled [`~transformers.DynamicCache`] (one row per element of `first`). `padded`: whether any prompt is shorter
-    than `W` (known on the host from the token lists).
+    than `W` (known on the host from the token lists). `images`: those rows' image inputs ([`image_inputs`]), encoded
+    here once; positions are then the ones `generate` computes (`_prepare_position_ids_for_generation`: Qwen's 3-D
+    ones, which also leave each prompt's rope delta on the model).
     """
     prefix_ids = input_ids[first, :-1]
     prefix_mask = attention_mask[first, :-1]
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    kwargs = {}
+    kwargs = dict(images or {})
     if "logits_to_keep" in inspect.signature(model.get_base_model().forward if hasattr(model, "get_base_model")
                                              else model.forward).parameters:  # fmt: skip
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
+    if images:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        positions = inner._prepare_position_ids_for_generation(prefix_ids, {
+            "input_ids": prefix_ids, "attention_mask": prefix_mask,
+            **{key: value for key, value in images.items() if key in ("image_grid_thw", *TOKEN_TYPE_FIELDS)}})  # fmt: skip
+    else:
+        positions = generation_position_ids(prefix_mask)
     model(
         input_ids=prefix_ids,
         # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
         attention_mask=prefix_mask if padded else None,
-        position_ids=generation_position_ids(prefix_mask),
+        position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         **kwargs,
@@ -142,6 +170,7 @@ def generate_with_shared_prefill(
     prompt_cache_once: bool = False,
     synced: bool = False,
     generate=None,
+    images: list | None = None,
     **kwargs,
 ):
     """
@@ -156,14 +185,16 @@ def generate_with_shared_prefill(
     DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
     fall out of step: the prefill runs on all ranks when all of them can run it (one all-reduce per call), even where
     nothing is shared. `generate`: the model's own `generate` (default `model.generate`), for a caller that has put
-    this function in its place.
+    this function in its place. `images`: each row's images (TRL's lists, None for a row without), whose inputs are
+    in `kwargs` as the processor returned them: rows group by their images too, and each distinct prompt's images go
+    through the vision tower once, in the prefill ([`image_inputs`]).
     """
     generate = generate or model.generate
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
     width = input_ids.size(1)
-    first, inverse = unique_rows(prompt_ids)
+    first, inverse = unique_rows(prompt_ids, images)
     if synced:
         import torch.distributed as dist
 
@@ -175,7 +206,10 @@ def generate_with_shared_prefill(
     if not share:
         return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
     padded = any(len(ids) < width for ids in prompt_ids)
-    prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded)
+    prefill_images = None
+    if images is not None:
+        prefill_images, kwargs = image_inputs(kwargs, [len(row or []) for row in images], first, width)
+    prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
     config = kwargs.get("generation_config") or model.generation_config
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     limit = cache_limit(model)
@@ -191,19 +225,23 @@ def generate_with_shared_prefill(
                           stacklevel=2)  # fmt: skip
         cache, attention = fan_out(prefilled, inverse, input_ids.device), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
-    _text_rope_deltas(model, len(prompt_ids), input_ids.device)
+    _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:
         output = generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
     return output, len(first) * (width - 1)
 
 
-def _text_rope_deltas(model: nn.Module, rows: int, device) -> None:
+def _rope_deltas(model: nn.Module, inverse: list[int] | None, rows: int, device) -> None:
     """
     Qwen2-VL's family continues a generation from a cache with the 3-D rope offsets its last uncached call stored on
-    the model (`rope_deltas`, one per row): the first step of a text-only `generate` stores zeros, so a generate that
-    starts from our prefilled cache gets the same zeros, for its own rows (not a stale earlier call's).
+    the model (`rope_deltas`, one per row). The first step of a text-only `generate` stores zeros, so a generate that
+    starts from our prefilled cache gets the same zeros, for its own rows (not a stale earlier call's). With images
+    (`inverse` given), the prefill stored each distinct prompt's offset: each row gets its prompt's.
     """
     inner = getattr(model, "get_base_model", lambda: model)()
     for module in (inner, getattr(inner, "model", None)):
         if module is not None and hasattr(module, "rope_deltas"):
-            module.rope_deltas = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            if inverse is None:
+                module.rope_deltas = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            else:
+                module.rope_deltas = module.rope_deltas[torch.tensor(inverse, device=module.rope_deltas.device)]

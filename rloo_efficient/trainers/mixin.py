@@ -7,6 +7,7 @@ lists TRL's `_generate` returns, is active while TRL's own no-grad passes run, t
 """
 
 import contextlib
+import dataclasses
 import inspect
 import warnings
 
@@ -15,14 +16,18 @@ import torch
 from accelerate.utils import is_peft_model
 from transformers import AutoTokenizer, PreTrainedModel
 from trl.extras.profiling import profiling_context
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import get_config_model_id, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from ..core import prefix_attention
-from ..core.families import forward_unsupported_reason
+from ..core.families import forward_unsupported_reason, is_multimodal
 from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_images, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
-from ..core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason, text_only
+from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
+from ..core.shared_generation import text_only
+from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, body_blocks, image_token_ids, packed_positions
+from ..core.vision import rope_index_positions
+from ..core.vision import select_images, vision_reason
 from .config import sharing_settings
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
@@ -81,6 +86,9 @@ class GroupSharingMixin(RewardSharingMixin):
                 reason = aux_loss_reason(unwrapped)
             if reason is not None:
                 self._fall_back(reason)
+        # Batches with images: packed for the families whose image placement and positions are known (else stock's)
+        self._vision_reason = vision_reason(unwrapped) if is_multimodal(unwrapped) else "the model has no vision tower"
+        self._image_tokens = image_token_ids(unwrapped)
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
         self._share_prefill = (
             self._settings.share_generation_prefill
@@ -190,17 +198,34 @@ class GroupSharingMixin(RewardSharingMixin):
         return [list(unique_ids[position[key]]) for key in keys], images, fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        if not self._share_prefill or not text_only(images, multimodal_fields):  # images enter in generate's prefill
+        if not self._share_prefill:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        with self._shared_prefill(prompt_ids):
+        with_images = not text_only(images, multimodal_fields)
+        reason = self._image_prefill_reason(prompt_ids, multimodal_fields) if with_images else None
+        if reason is not None:
+            self._fall_back(reason, permanent=False)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        with self._shared_prefill(prompt_ids, images if with_images else None):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
 
+    def _image_prefill_reason(self, prompt_ids, multimodal_fields) -> str | None:
+        """Why prompts with images cannot be prefilled once per group, or None when they can."""
+        if self._vision_reason is not None:
+            return self._vision_reason
+        unknown = set(multimodal_fields) - set(IMAGE_KWARGS) - set(TOKEN_TYPE_FIELDS)
+        if unknown:
+            return f"the processor returns fields the shared prefill does not split ({', '.join(sorted(unknown))})"
+        if any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
+            return "a prompt ends with an image's token"  # the prefill stops one token short of it
+        return None
+
     @contextlib.contextmanager
-    def _shared_prefill(self, prompt_ids: list[list[int]]):
+    def _shared_prefill(self, prompt_ids: list[list[int]], images: list | None = None):
         """
         While TRL's generation runs (its regular transformers path: vLLM and continuous batching never call `generate`),
-        the model's `generate` is [`generate_with_shared_prefill`] for these prompts' token lists: each distinct prompt
-        prefilled once, decoding continued from that cache, sampling exactly as the stock call.
+        the model's `generate` is [`generate_with_shared_prefill`] for these prompts' token lists (and their images):
+        each distinct prompt prefilled once, its images encoded once, decoding continued from that cache, sampling
+        exactly as the stock call.
         """
         model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
         stock_generate = model.generate
@@ -208,7 +233,7 @@ class GroupSharingMixin(RewardSharingMixin):
         def generate(input_ids, attention_mask, **kwargs):
             output, tokens = generate_with_shared_prefill(
                 model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
-                synced=self._forwards_are_collective(model), generate=stock_generate, **kwargs,
+                synced=self._forwards_are_collective(model), generate=stock_generate, images=images, **kwargs,
             )  # fmt: skip
             self.shared_prefill_tokens += tokens
             return output
@@ -241,7 +266,12 @@ class GroupSharingMixin(RewardSharingMixin):
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
-        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), prompt_images(prompts))
+        images = prompt_images(prompts)
+        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images)
+        if images is not None and any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
+            # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
+            self._fall_back("a prompt ends with an image's token", permanent=False)
+            self._active_rows = None
         return result
 
     def _generate_and_score_completions(self, inputs):
@@ -280,7 +310,9 @@ class GroupSharingMixin(RewardSharingMixin):
                 return value[index.to(value.device)]
             return [value[i] for i in before]
 
-        return {key: take(value) for key, value in batch.items()}
+        # Images by row first, as TRL's own shuffle takes them (a row may hold several images, or none)
+        return unsplit_pixel_values_by_grid({key: take(value) for key, value in split_pixel_values_by_grid(
+            batch).items()})  # fmt: skip
 
     def _compute_loss(self, model, inputs):
         previous, self._active_rows = self._active_rows, inputs.get(ROWS_KEY)
@@ -293,7 +325,8 @@ class GroupSharingMixin(RewardSharingMixin):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal_kwargs):  # fmt: skip
         """TRL's forward, or the packed one when the active group structure matches the batch."""
-        rows = self._rows_for(input_ids, logits_to_keep, multimodal_kwargs)
+        images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
+        rows = self._rows_for(input_ids, logits_to_keep, images)
         if rows is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
@@ -301,14 +334,17 @@ class GroupSharingMixin(RewardSharingMixin):
             )  # fmt: skip
         with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
             return self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                                    compute_entropy, compute_aux_loss)  # fmt: skip
+                                                    compute_entropy, compute_aux_loss, images)  # fmt: skip
 
-    def _rows_for(self, input_ids, logits_to_keep, multimodal_kwargs) -> torch.Tensor | None:
+    def _rows_for(self, input_ids, logits_to_keep, images: dict) -> torch.Tensor | None:
         """The active group structure when the packed forward can serve this call, else None."""
         rows = self._active_rows
         if not self._share_prefix or rows is None:
             return None
-        if any(value is not None for value in multimodal_kwargs.values()):
+        if images.get("pixel_values") is not None and self._vision_reason is not None:
+            self._fall_back(self._vision_reason, permanent=False)  # a batch with images: stock's forward, this batch
+            return None
+        if any(key not in images for key in ("pixel_values", "num_images")) and images:  # token types, no image
             return None
         group, plen, scored = rows.numpy().T  # host values
         if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
@@ -323,9 +359,10 @@ class GroupSharingMixin(RewardSharingMixin):
         return rows
 
     def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                    compute_entropy, compute_aux_loss=False):  # fmt: skip
+                                    compute_entropy, compute_aux_loss=False, images=None):  # fmt: skip
         """TRL's micro-batch chunking, each chunk packed as one flat sequence (TRL's forward where it can't be); with
-        `compute_aux_loss`, each chunk's MoE load-balancing loss over every token stock's chunk holds ([`core.moe`])."""
+        `compute_aux_loss`, each chunk's MoE load-balancing loss over every token stock's chunk holds ([`core.moe`]);
+        with `images` (TRL's image kwargs), each group's images once ([`core.vision`])."""
         batch_size = batch_size or input_ids.size(0)
         unwrapped = self.accelerator.unwrap_model(model)
         prefix_attention.install(unwrapped)  # done at init; a model swapped in since (e.g. a synced reference) too
@@ -341,17 +378,24 @@ class GroupSharingMixin(RewardSharingMixin):
                          else unwrapped.dtype)  # fmt: skip
                 packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype,
                                      token_weights=compute_aux_loss)  # fmt: skip
+            chunk_images = {}
+            if images and not isinstance(packed, str):
+                packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask, start, end)
             if isinstance(packed, str):
                 self._fall_back(packed, permanent=False)
                 stock = super()._get_per_token_logps_and_entropies.__func__
                 stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
-                logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
-                                              logits_to_keep, end - start, compute_entropy, compute_aux_loss)  # fmt: skip
+                logps, entropies, aux = stock(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                              compute_entropy, compute_aux_loss, **images) if images else stock(
+                    self, model, input_ids[start:end], attention_mask[start:end], logits_to_keep, end - start,
+                    compute_entropy, compute_aux_loss)  # fmt: skip
+                if images:  # TRL's own slicing of the images, for the whole batch at once
+                    return logps, entropies, aux
             else:
                 self.packed_forward_tokens += packed.num_tokens
                 routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
                 with self.accelerator.autocast(), routers as router_logits:
-                    outputs = model(**packed.model_inputs(), fused_lm_head=True, **extra)
+                    outputs = model(**packed.model_inputs(), **chunk_images, fused_lm_head=True, **extra)
                 logps = packed.unpack(outputs.log_probs)
                 entropies = packed.unpack(outputs.entropy) if compute_entropy else None
                 aux = weighted_aux_loss(router_logits, packed.token_weights, text_config) if compute_aux_loss else None
@@ -364,3 +408,27 @@ class GroupSharingMixin(RewardSharingMixin):
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
         return logps, entropies, aux_loss
+
+    def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, end: int):
+        """
+        The packed chunk `[start, end)` of an image batch: the images of each group's first row, once, in the bodies'
+        order, and what the family needs beside them ([`core.vision`]): stock's 3-D positions gathered (Qwen), or the
+        bodies' image blocks (Gemma). Returns `(packed, image kwargs)`.
+        """
+        family = VISION_FAMILIES[model.config.model_type]
+        chunk_rows = np.arange(start, end)
+        group_images = select_images(images, images["num_images"], start + packed.first_rows)
+        if family["positions"] == "rope_index":  # stock's positions for the chunk's padded rows, gathered
+            chunk = select_images(images, images["num_images"], chunk_rows)
+            token_types = images["mm_token_type_ids"][start:end]
+            positions = rope_index_positions(model, input_ids[start:end], attention_mask[start:end],
+                                             {**chunk, "mm_token_type_ids": token_types})  # fmt: skip
+            packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.source_index))
+        if family["blocks"] is not None:  # an image's tokens attend to each other both ways
+            key, layers = family["blocks"]
+            layout = packed.layout
+            blocks = body_blocks(images[key][start:end], packed.source_index, layout.split.groups,
+                                 layout.prompt_length, layout.body_lengths)  # fmt: skip
+            packed = dataclasses.replace(packed, layout=dataclasses.replace(layout, body_blocks=blocks,
+                                                                            blocks_on=layers))  # fmt: skip
+        return packed, group_images

@@ -1,0 +1,141 @@
+"""
+Image prompts once per group: each distinct image encoded once per group, its features placed into the packed prompt
+body once.
+
+In the packed sequence ([`packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`), a
+group's prompt body from the group's first row (`first_rows`). Rows group by their prompt tokens and their images'
+pixels. So the model gets the images of each group's first row, in the bodies' order ([`group_images`]): their
+features fill the bodies' placeholder tokens in order of appearance, and the vision tower sees each distinct image once
+per group (in training, that one encode receives every completion's gradient). What each family adds:
+
+- **Qwen2-VL, Qwen2.5-VL, Qwen3.5**: 3-D rotary positions, which stock computes inside the model from the padded rows
+  (`get_rope_index`: an image's grid, and the text after it offset by the image's rope delta). The same call on stock's
+  rows, gathered like the tokens ([`packed_positions`]), gives every packed token stock's positions, completions
+  included.
+- **Gemma 3, Gemma 4**: an image's tokens attend to each other both ways inside the prompt (Gemma 3 on every layer,
+  Gemma 4's `use_bidirectional_attention="vision"` on its sliding layers; under a window, as stock combines them:
+  (causal or same image) and within the window). The bodies' image blocks ([`body_blocks`], from stock's token
+  types gathered like the tokens) go to the attention in the layout.
+- **LLaVA, LLaVA-Next**: positions are the columns, as for text.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+
+# Per multimodal family (the checkpoint's `model_type`): how its positions and image attention differ from text's.
+# "positions": "rope_index" (3-D, from the model's get_rope_index) or "columns"; "blocks": the token-type field whose
+# image runs attend both ways, and on which layers ("all" or "sliding"), or None
+VISION_FAMILIES = {
+    "qwen2_vl": dict(positions="rope_index", blocks=None),
+    "qwen2_5_vl": dict(positions="rope_index", blocks=None),
+    "qwen3_5": dict(positions="rope_index", blocks=None),
+    "qwen3_5_moe": dict(positions="rope_index", blocks=None),
+    "gemma3": dict(positions="columns", blocks=("token_type_ids", "all")),
+    "gemma4": dict(positions="columns", blocks=("mm_token_type_ids", "sliding")),
+    "llava": dict(positions="columns", blocks=None),
+    "llava_next": dict(positions="columns", blocks=None),
+}
+# The model kwargs that carry images (what TRL passes a multimodal forward beside the tokens)
+IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                "image_position_ids")  # fmt: skip
+
+
+def vision_reason(model: nn.Module) -> str | None:
+    """Why batches with images cannot be packed for `model`, or None when they can."""
+    model_type = model.config.model_type
+    if model_type not in VISION_FAMILIES:
+        return f"image prompts are packed only for {', '.join(VISION_FAMILIES)}, not {model_type}"
+    if model_type == "gemma4" and model.config.get_text_config().use_bidirectional_attention not in (None, "vision"):
+        return "its attention is bidirectional everywhere"
+    return None
+
+
+def image_token_ids(model: nn.Module) -> set[int]:
+    """The placeholder token ids an image's (or a video's) features replace."""
+    config = model.config
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return {value for name in names if isinstance(value := getattr(config, name, None), int)}
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ranges [starts[i], starts[i] + counts[i]), without a loop."""
+    counts = np.asarray(counts, dtype=np.int64)
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts) + np.arange(int(counts.sum()))
+
+
+def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray) -> dict:
+    """
+    The image kwargs of the ordered `rows` of a batch that `kwargs` and `num_images` (per row) describe, laid out as
+    TRL lays out a batch of just those rows (the branches of TRL 1.16's `_get_per_token_logps_and_entropies`): Qwen's
+    patch rows with their grids, Gemma 4's images with their patch positions, image-indexed `pixel_values` (Gemma 3,
+    LLaVA, LLaVA-Next with `image_sizes`), or row-indexed ones. Index arrays are built on the host; each tensor is
+    gathered once.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    counts = np.asarray(num_images, dtype=np.int64)
+    images = _ranges((np.cumsum(counts) - counts)[rows], counts[rows])  # the selected rows' images, in order
+
+    def take(value, index):
+        return value.index_select(0, torch.from_numpy(index).to(value.device))
+
+    pixel_values, grid, out = kwargs["pixel_values"], kwargs.get("image_grid_thw"), {}
+    if grid is not None:  # Qwen: each image is grid.prod() rows of pixel_values
+        per_image = grid.prod(-1).cpu().numpy()  # small: one entry per image (TRL reads it back too)
+        first_patch = np.cumsum(per_image) - per_image
+        out.update(pixel_values=take(pixel_values, _ranges(first_patch[images], per_image[images])),
+                   image_grid_thw=take(grid, images))  # fmt: skip
+    elif pixel_values.size(0) == int(counts.sum()):  # one entry per image
+        out["pixel_values"] = take(pixel_values, images)
+        for key in ("image_position_ids", "image_sizes"):
+            if kwargs.get(key) is not None:
+                out[key] = take(kwargs[key], images)
+    else:  # one entry per row (Idefics's tiles)
+        out["pixel_values"] = take(pixel_values, rows)
+        if kwargs.get("pixel_attention_mask") is not None:
+            out["pixel_attention_mask"] = take(kwargs["pixel_attention_mask"], rows)
+    return out
+
+
+def rope_index_positions(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         kwargs: dict) -> torch.Tensor:  # fmt: skip
+    """`(3, B, W)`: the 3-D positions stock's training forward computes for its padded rows (the model's own
+    `get_rope_index`, with the batch's images and token types)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    positions, _ = inner.model.get_rope_index(
+        input_ids, mm_token_type_ids=kwargs.get("mm_token_type_ids"), image_grid_thw=kwargs.get("image_grid_thw"),
+        video_grid_thw=kwargs.get("video_grid_thw"), attention_mask=attention_mask,
+    )  # fmt: skip
+    return positions
+
+
+def packed_positions(positions: torch.Tensor, source_index: torch.Tensor) -> torch.Tensor:
+    """Stock's `(R, B, W)` positions -> `(R, 1, N)` of the packed tokens."""
+    return positions.reshape(positions.shape[0], -1).index_select(1, source_index).unsqueeze(1)
+
+
+def body_blocks(token_types: torch.Tensor, source_index: torch.Tensor, groups: int, length: int,
+                body_lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """
+    `(G, Pm)`: each body token's image block (runs of image tokens in stock's rows, numbered per row; -1 for text and
+    padding), from stock's token types `(B, W)` (image 1, video 2) gathered like the tokens.
+    """
+    image = token_types > 0
+    starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
+    blocks = torch.where(image, torch.cumsum(starts.long(), dim=1) - 1, -1)
+    body = blocks.view(-1).index_select(0, source_index[: groups * length]).view(groups, length)
+    return body.masked_fill(torch.arange(length, device=body.device) >= body_lengths[:, None], -1)
+
+
+def block_bias(blocks: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
+    """`(G, 1, Pm, Pm)` additive: body token i sees token j when j <= i or both are in one image, and under a sliding
+    `window` only when j is also within it (stock's mask: (causal or same image) and window)."""
+    length = blocks.shape[1]
+    i = torch.arange(length, device=blocks.device).view(-1, 1)
+    allowed = (torch.arange(length, device=blocks.device) <= i) | (
+        (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))  # fmt: skip
+    if window is not None:
+        allowed &= torch.arange(length, device=blocks.device) > i - window
+    return torch.zeros((), dtype=dtype, device=blocks.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,219 @@
+"""Image prompts once per group: each family's checkpoint as TRL loads it (`*ForConditionalGeneration`), its processor,
+a dataset with an `image` column (TRL's vision path), against stock TRL run the same way. The vision tower encodes
+each group's image once per log-prob pass, where stock encodes it once per row."""
+
+import functools
+
+import pytest
+import torch
+import trl
+
+from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class
+
+from .conftest import tiny_workload
+from .test_grpo import assert_same_run, grpo_args
+
+
+# Each family with images of 8x8 and 16x8 pixels (Gemma 3: resized to 16x16), a sliding window shorter than the prompt
+# where the family has one (Gemma's image blocks under the window). Qwen3.5: float32, its gated delta rule's reference
+VISION = {
+    "qwen2_vl": {},
+    "qwen2_5_vl": {},
+    "qwen3_5": dict(model_dtype="float32"),
+    "qwen3_5_moe": dict(model_dtype="float32"),  # and experts (no float64), the load-balancing loss on: TRL's default
+    "gemma3_vlm": dict(sliding_window=16),
+    "gemma4": dict(sliding_window=16, num_hidden_layers=6),  # a full layer's image tokens reach a later layer's keys
+    "llava": {},
+    "llava_next": {},
+}
+TOLERANCES = {"float64": (1e-9, 1e-12), "float32": (1e-4, 1e-5)}
+# Gemma 4's vision pooler computes in float32 whatever the model's dtype: the gradient of a group's image reaches it
+# once, summed over the group's rows, where stock's k copies each pass through it (float32 rounding, ~1e-9 after a step)
+POOLED_IN_FLOAT32 = {"gemma4": (1e-7, 1e-10)}
+
+
+def token_reward(completion_ids, **kwargs):  # varies within every group
+    return [float(sum(ids) % 17) for ids in completion_ids]
+
+
+def _image_digests(pixel_values, args, kwargs) -> list[str]:
+    """One digest per image the vision tower is given (Qwen: its patch rows, split by the grid)."""
+    import hashlib
+
+    if pixel_values.dim() == 2:  # Qwen's patch rows; the grid follows them
+        grid = kwargs["image_grid_thw"] if "image_grid_thw" in kwargs else args[0]
+        pieces = pixel_values.split(grid.prod(-1).tolist())
+    else:
+        pieces = pixel_values.unbind(0)
+    return [hashlib.sha1(piece.detach().cpu().contiguous().numpy().tobytes()).hexdigest() for piece in pieces]
+
+
+def _train(trainer_class, path, args, dataset, processor, encoded: list, reward=token_reward, before_train=None):
+    """Train, recording the images the vision tower encodes in each call, in generation and in the log-prob passes."""
+
+    class Recording(trainer_class):
+        phase = None
+
+        def _generate_single_turn(self, *args, **kwargs):
+            self.phase = "generation"
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self.phase = None
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            self.phase = "logps"
+            try:
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            finally:
+                self.phase = None
+
+    trainer = Recording(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
+                        processing_class=processor)  # fmt: skip
+    inner = trainer.model.model
+    encode = inner.get_image_features
+
+    @functools.wraps(encode)  # generate reads its signature
+    def recorded(pixel_values, *args, **kwargs):
+        encoded.append((trainer.phase, _image_digests(pixel_values, args, kwargs)))
+        return encode(pixel_values, *args, **kwargs)
+
+    inner.get_image_features = recorded
+    if before_train is not None:
+        before_train(trainer)
+    trainer.train()
+    return trainer
+
+
+def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, **overrides):
+    cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch])
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    stock_class, stock_config, ours_class, ours_config, make_args = {
+        "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig, grpo_args),
+        "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig, grpo_args),
+    }[trainer]
+    settings = dict(beta=0.1, max_steps=2, **overrides)
+    stock_images, our_images = [], []
+    rewards = lambda: list(reward or [token_reward])  # noqa: E731 (a copy each: stock TRL loads paths in place)
+    stock = _train(stock_class, path, make_args(tmp_path / "s", config_class=stock_config, **settings), dataset,
+                   build_processing_class(cfg), stock_images, rewards(), before_stock_train)  # fmt: skip
+    ours = _train(ours_class, path, make_args(tmp_path / "o", config_class=ours_config, **settings), dataset,
+                  build_processing_class(cfg), our_images, rewards())  # fmt: skip
+    # The packed forward and the shared prefill ran, with the images
+    assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0 and ours._prompt_cache_once
+    # Each call's images once, in generation and in every log-prob pass: stock's encode every row's (k = 4 per group),
+    # in the same calls (the same chunks of the same batches)
+    assert [phase for phase, _ in stock_images] == [phase for phase, _ in our_images]
+    assert {"generation", "logps"} <= {phase for phase, _ in our_images}
+    assert all(len(set(call)) == len(call) for _, call in our_images)
+    assert [sorted(set(call)) for _, call in stock_images] == [sorted(call) for _, call in our_images]
+    assert sum(len(call) for _, call in stock_images) > sum(len(call) for _, call in our_images)
+    assert_same_run(stock, ours, *POOLED_IN_FLOAT32.get(arch, TOLERANCES[cfg.model_dtype]))
+    return stock, ours
+
+
+@pytest.mark.parametrize("arch", list(VISION))
+def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_head, arch):
+    stock, _ = _compare(model_cache, tmp_path, arch)
+    if arch == "qwen3_5_moe":  # TRL's default turned the load-balancing loss on; it was compared
+        assert any("aux_loss" in entry for entry in stock.state.log_history)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
+def test_rloo_with_image_prompts(model_cache, tmp_path, exact_head, arch):
+    _compare(model_cache, tmp_path, arch, trainer="rloo")
+
+
+def test_a_reward_model_over_image_prompts_scores_each_group_once(model_cache, tmp_path, exact_head):
+    """TRL scores image prompts with a reward model from their text (its chat template writes no image): each group's
+    prompt once, the groups told apart by their images' pixels too."""
+    from .test_reward_sharing import build_reward_model
+
+    reward_path = build_reward_model(tmp_path / "reward", tiny_workload(model_cache))
+    stock_tokens = []
+
+    def count(module, args, kwargs):  # the real tokens of the padded rows stock scores
+        stock_tokens.append(int(kwargs["attention_mask"].sum()))
+
+    stock, ours = _compare(model_cache, tmp_path, "qwen2_vl", reward=[reward_path, token_reward],
+                           before_stock_train=lambda trainer: trainer.reward_funcs[0].register_forward_pre_hook(
+                               count, with_kwargs=True))  # fmt: skip
+    # Each group's prompt once (k = 4 rows per group, prompts of ~80 tokens and 8-token completions: about 1/3)
+    assert 0 < ours.reward_forward_tokens < 0.5 * sum(stock_tokens)
+
+
+def _processed(processor, texts, images):
+    """What TRL hands `generate` for these rows: left-padded tokens and token types, the images as the processor
+    returns them."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    conversations = [prepare_multimodal_messages([{"role": "user", "content": text}], images=[image])
+                     for text, image in zip(texts, images, strict=True)]  # fmt: skip
+    out = processor.apply_chat_template(conversation=conversations, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)  # fmt: skip
+    rows = out["input_ids"]
+    width = max(map(len, rows))
+
+    def left_pad(values):
+        return torch.tensor([[0] * (width - len(row)) + list(row) for row in values])
+
+    pad_id = processor.tokenizer.pad_token_id
+    ids = torch.tensor([[pad_id] * (width - len(row)) + list(row) for row in rows])
+    mask = left_pad([[1] * len(row) for row in rows])
+    extra = {key: left_pad(value) if key in ("token_type_ids", "mm_token_type_ids") else torch.as_tensor(value)
+             for key, value in out.items() if key not in ("input_ids", "attention_mask")}  # fmt: skip
+    return ids, mask, extra, [list(row) for row in rows]
+
+
+@pytest.mark.parametrize("arch", list(VISION))
+def test_generation_prefills_each_prompt_and_image_once(model_cache, arch):
+    """`generate` from the shared prefill with image prompts: the stock call's logits and samples, each distinct
+    prompt's image encoded once. Two rows with the same text and images of the same size but other pixels are two
+    prompts (their tokens are the same)."""
+    from PIL import Image
+    from transformers import GenerationConfig
+
+    from rloo_efficient.core.shared_generation import generate_with_shared_prefill
+    from rloo_efficient.tiny_models import model_config, model_from_config
+    from rloo_efficient.workload import build_tokenizer
+
+    cfg = tiny_workload(model_cache, arch=arch, **{**VISION[arch], "sliding_window": VISION[arch].get("sliding_window")
+                                                   and 8})  # fmt: skip
+    dtype = getattr(torch, cfg.model_dtype)
+    torch.manual_seed(0)
+    model = model_from_config(cfg, model_config(cfg, build_tokenizer(cfg.vocab_size, arch)), dtype).eval()
+    pixels = torch.Generator().manual_seed(3)
+    one, other = (Image.fromarray(torch.randint(0, 256, (8, 16, 3), generator=pixels, dtype=torch.uint8).numpy())
+                  for _ in range(2))  # fmt: skip
+    texts = ["Describe the picture.", "Describe the picture.", "What colour?", "Describe the picture."]
+    images = [one, other, one, one]  # rows 0 and 3 are one prompt; row 1 has row 0's tokens and other pixels
+    rows, images = [0, 1, 2, 3, 1, 2], [images[i] for i in [0, 1, 2, 3, 1, 2]]
+    ids, mask, extra, prompt_ids = _processed(build_processing_class(cfg), [texts[i] for i in rows], images)
+    assert prompt_ids[0] == prompt_ids[1] and prompt_ids[0] == prompt_ids[3]
+
+    encoded = []
+    encode = model.model.get_image_features
+
+    @functools.wraps(encode)
+    def recorded(pixel_values, *args, **kwargs):
+        encoded.append(_image_digests(pixel_values, args, kwargs))
+        return encode(pixel_values, *args, **kwargs)
+
+    model.model.get_image_features = recorded
+    pad = build_tokenizer(cfg.vocab_size, arch).pad_token_id
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, top_k=0, pad_token_id=pad, eos_token_id=None)
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True, **extra)
+    torch.manual_seed(123)
+    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    stock_encoded, encoded[:] = list(encoded), []
+    torch.manual_seed(123)
+    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids, prompt_cache_once=True,
+                                                        images=[[image] for image in images], **kwargs)  # fmt: skip
+    assert prefill_tokens == 3 * (ids.shape[1] - 1)  # three distinct prompts of six rows
+    assert len(stock_encoded) == len(encoded) == 1 and len(stock_encoded[0]) == 6
+    assert encoded[0] == stock_encoded[0][:3]  # each distinct prompt's image once (rows 0, 1, 2 are the three)
+    assert torch.equal(ours.sequences, stock.sequences)
+    tolerance = 1e-6 if dtype == torch.float64 else 1e-4  # generate's logits are float32
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
