@@ -13,6 +13,7 @@ the fake mode; and the compute capability transformers' experts ask for is the f
 """
 
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -432,3 +433,35 @@ def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monke
         # head_dim 24 in half precision: flash for the causal parts, the efficient kernel for the padded prompt part
         assert [entry[0] for entry in chosen] == ["cuda_flash", "cuda_efficient", "cuda_flash"]
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_image_blocks_in_the_prompt_bodies_run_the_fused_kernels_on_cuda(monkeypatch, window):
+    """Gemma's image tokens attend to each other both ways in the bodies: the bodies' attention under a per-query bias
+    (image blocks, and the window where there is one) on the efficient kernel, forward and backward."""
+    from rloo_efficient.core.vision import body_blocks
+
+    ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    token_types = torch.zeros_like(ids)
+    token_types[:, 8:12] = 1  # a 4-token image in every prompt (the second prompt's starts 6 columns later)
+    with fake_cuda(monkeypatch) as chosen:
+        packed = pack_groups(ids.to(CUDA), 5, rows, torch.bfloat16)
+        layout = packed.layout
+        with unset_fake_temporarily():
+            blocks = body_blocks(token_types, packed.source_index.cpu(), layout.split.groups, layout.prompt_length,
+                                 layout.body_lengths.cpu())  # fmt: skip
+        layout = dataclasses.replace(layout, body_blocks=blocks.to(CUDA), blocks_on="all")
+        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 4, 64,
+                                                                                     dtype=torch.bfloat16)  # fmt: skip
+        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 2, 64,
+                                                                                  dtype=torch.bfloat16)  # fmt: skip
+        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False, False))
+        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
+        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, layout, window, 0.125, window is not None)
+        assert out.shape == (1, packed.num_tokens, 4, 64)
+        # The bodies under their image blocks' bias: the efficient kernel, a mask per query (not folded)
+        assert chosen[0] == ("cuda_efficient", 2)
+        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
+        for got, like in zip(grads[:3], (q, k, v), strict=True):
+            assert (got.shape, got.dtype, got.device) == (like.shape, torch.bfloat16, CUDA)
+        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
