@@ -6,6 +6,8 @@ families are built as their `*ForConditionalGeneration` checkpoints are (a tiny 
 model), with a processor made of the workload's byte tokenizer and the family's image processor.
 """
 
+import types
+
 import torch
 
 
@@ -23,9 +25,10 @@ ARCHITECTURES = {
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
     "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "llava": "LlavaConfig",
-    "llava_next": "LlavaNextConfig",
+    "llava_next": "LlavaNextConfig", "idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig",
 }  # fmt: skip
-MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "llava", "llava_next")
+MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "llava", "llava_next",
+              "idefics3", "smolvlm")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h")
 # Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
@@ -42,9 +45,14 @@ IMAGE_TOKENS = {
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
     "llava": {"image_token": "<image>"},
     "llava_next": {"image_token": "<image>"},
+    # Idefics3 and SmolVLM: each tile's tokens between fake tokens, the global image tagged (its row and column tags,
+    # plain text here, are split into bytes by the byte tokenizer)
+    "idefics3": {None: ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")},
+    "smolvlm": {None: ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")},
 }
 # What a family's chat template writes for an image (its processor expands it into the image's tokens)
 IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
+                     "idefics3": "<image>", "smolvlm": "<image>",
                      **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"),
                                      "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
 LLAVA_TILE = 8  # LLaVA's tiny CLIP tower: 8x8 images in patches of 2 (16 tokens); LLaVA-Next's tiles of that size
@@ -197,6 +205,11 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         extra = {"image_grid_pinpoints": LLAVA_PINPOINTS} if cfg.arch == "llava_next" else {}
         return dict(text_config={**text, "model_type": "llama"}, vision_config=vision, image_token_id=ids["<image>"],
                     vision_feature_layer=-2, vision_feature_select_strategy="default", **extra)  # fmt: skip
+    if cfg.arch in ("idefics3", "smolvlm"):  # a SigLIP tower on 8x8 tiles in patches of 2, pixel-shuffled by 2: 4 tokens
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                      patch_size=2)  # fmt: skip
+        return dict(text_config={**text, "model_type": "llama"}, vision_config=vision, image_token_id=ids["<image>"],
+                    scale_factor=2)  # fmt: skip
     if cfg.arch in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Gated DeltaNet and gated attention, 3-D rotary positions
         # on part of each head, interleaved (real: a quarter of 256 dims; here half of 16, sections [2, 1, 1], so that
         # an image's height and width positions reach the rotary)
@@ -264,6 +277,17 @@ def build_processor(cfg, tokenizer):
             processor = transformers.LlavaNextProcessor
         return processor(image_processor=image_processor, tokenizer=tokenizer, patch_size=2,
                          vision_feature_select_strategy="default", num_additional_image_tokens=1, **template)
+    if cfg.arch in ("idefics3", "smolvlm"):  # tiles of 8 pixels (4 tokens each) and the whole image, at most 16 a side
+        size = dict(size={"longest_edge": 16}, max_image_size={"longest_edge": 8})
+        if cfg.arch == "idefics3":
+            return transformers.Idefics3Processor(image_processor=transformers.Idefics3ImageProcessorPil(**size),
+                                                  tokenizer=tokenizer, image_seq_len=4, **template)  # fmt: skip
+        processor = _without_video(transformers.SmolVLMProcessor)(
+            image_processor=transformers.SmolVLMImageProcessorPil(**size), tokenizer=tokenizer, video_processor=None,
+            image_seq_len=4, **template)  # fmt: skip
+        # Its apply_chat_template reads the video sampling defaults even for images (SmolVLM's: 64 frames at 1 fps)
+        processor.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
+        return processor
     from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4
 
     return _without_video(transformers.Gemma4Processor)(

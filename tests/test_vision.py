@@ -3,10 +3,12 @@ a dataset with an `image` column (TRL's vision path), against stock TRL run the 
 each group's image once per log-prob pass, where stock encodes it once per row."""
 
 import functools
+import warnings
 
 import pytest
 import torch
 import trl
+from datasets import Dataset
 
 from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class
@@ -26,6 +28,8 @@ VISION = {
     "gemma4": dict(sliding_window=16, num_hidden_layers=6),  # a full layer's image tokens reach a later layer's keys
     "llava": {},
     "llava_next": {},
+    "idefics3": {},
+    "smolvlm": {},
 }
 TOLERANCES = {"float64": (1e-9, 1e-12), "float32": (1e-4, 1e-5)}
 # Gemma 4's vision pooler computes in float32 whatever the model's dtype: the gradient of a group's image reaches it
@@ -86,9 +90,14 @@ def _train(trainer_class, path, args, dataset, processor, encoded: list, reward=
     return trainer
 
 
-def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, **overrides):
+def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, two_images=False,
+             **overrides):  # fmt: skip
     cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch])
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    if two_images:  # TRL's `images` column: each prompt its own image and another prompt's (of the other width)
+        images = list(dataset["image"])
+        dataset = Dataset.from_dict({"prompt": list(dataset["prompt"]),
+                                     "images": [[images[i], images[(i + 3) % len(images)]] for i in range(len(images))]})
     stock_class, stock_config, ours_class, ours_config, make_args = {
         "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig, grpo_args),
         "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig, grpo_args),
@@ -120,9 +129,34 @@ def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_h
         assert any("aux_loss" in entry for entry in stock.state.log_history)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm", "llava_next", "idefics3"])
+def test_prompts_with_two_images(model_cache, tmp_path, exact_head, arch):
+    _compare(model_cache, tmp_path, arch, two_images=True)
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
 def test_rloo_with_image_prompts(model_cache, tmp_path, exact_head, arch):
     _compare(model_cache, tmp_path, arch, trainer="rloo")
+
+
+def test_a_family_without_known_image_placement_runs_stock_with_one_warning(model_cache, tmp_path, monkeypatch):
+    """Image batches of a family not in the vision list: stock's generation and forwards, one warning naming why; its
+    text-only batches would still share."""
+    from rloo_efficient.core import vision
+
+    monkeypatch.delitem(vision.VISION_FAMILIES, "llava")
+    cfg = tiny_workload(model_cache, arch="llava", image_size=8, num_prompts=8)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(beta=0.1, max_steps=2)
+    stock = _train(trl.GRPOTrainer, path, grpo_args(tmp_path / "s", config_class=trl.GRPOConfig, **settings), dataset,
+                   build_processing_class(cfg), [])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _train(GRPOTrainer, path, grpo_args(tmp_path / "o", **settings), dataset, build_processing_class(cfg), [])
+    reasons = [str(w.message) for w in caught if "image prompts are packed only for" in str(w.message)]
+    assert len(reasons) == 1 and "not llava" in reasons[0]
+    assert ours.packed_forward_tokens == 0 and ours.shared_prefill_tokens == 0
+    assert_same_run(stock, ours)
 
 
 def test_a_reward_model_over_image_prompts_scores_each_group_once(model_cache, tmp_path, exact_head):

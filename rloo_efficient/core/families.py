@@ -20,7 +20,7 @@ MODEL_TYPES = (
     "gemma4_text",  # Gemma 4: layers reusing another layer's keys and values, k = v, a 512-dim global head
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
-    "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models, for text-only batches
+    "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
     # Hybrids: recurrent layers forked after the prompt (recurrent.py) among attention layers
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",  # Gated DeltaNet
     "nemotron_h", "granitemoehybrid", "falcon_h1",  # Mamba2 (Nemotron-H and Granite 4-H: attention without positions)
@@ -41,9 +41,9 @@ def family_reason(model: nn.Module) -> str | None:
 
 def forward_unsupported_reason(model: nn.Module) -> str | None:
     """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. A multimodal
-    checkpoint's language model shares text-only batches; a batch with images runs stock's forward. (A family with
-    absolute positions, whose left padding shifts every token's position in stock's rows, is not on the list; listed
-    families have rotary positions or none at all.)"""
+    checkpoint's language model shares text batches, and image batches where [`vision.vision_reason`] allows. (A
+    family with absolute positions, whose left padding shifts every token's position in stock's rows, is not on the
+    list; listed families have rotary positions or none at all.)"""
     return attention_reason(model) or rope_reason(model) or dropout_reason(model)
 
 
@@ -95,7 +95,7 @@ def attention_reason(model: nn.Module) -> str | None:
         return reason
     text_config = model.config.get_text_config()
     # Gemma 3's embedding variants attend both ways everywhere; Gemma 4's "vision" does so among image tokens only,
-    # which a text-only batch has none of (a batch with images runs stock's forward)
+    # which the bodies' image blocks give the packed attention ([`vision.body_blocks`])
     if getattr(text_config, "use_bidirectional_attention", None) in (True, "all"):
         return f"its attention is bidirectional (use_bidirectional_attention={text_config.use_bidirectional_attention!r}), not causal"
     if not any(True for _ in _attention_modules(model)):

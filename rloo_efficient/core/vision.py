@@ -36,6 +36,8 @@ VISION_FAMILIES = {
     "gemma4": dict(positions="columns", blocks=("mm_token_type_ids", "sliding")),
     "llava": dict(positions="columns", blocks=None),
     "llava_next": dict(positions="columns", blocks=None),
+    "idefics3": dict(positions="columns", blocks=None),
+    "smolvlm": dict(positions="columns", blocks=None),
 }
 # The model kwargs that carry images (what TRL passes a multimodal forward beside the tokens)
 IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -89,13 +91,13 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray) -> dict
                    image_grid_thw=take(grid, images))  # fmt: skip
     elif pixel_values.size(0) == int(counts.sum()):  # one entry per image
         out["pixel_values"] = take(pixel_values, images)
-        for key in ("image_position_ids", "image_sizes"):
-            if kwargs.get(key) is not None:
-                out[key] = take(kwargs[key], images)
-    else:  # one entry per row (Idefics's tiles)
+    else:  # one entry per row (Idefics3's and SmolVLM's tiles)
         out["pixel_values"] = take(pixel_values, rows)
-        if kwargs.get("pixel_attention_mask") is not None:
-            out["pixel_attention_mask"] = take(kwargs["pixel_attention_mask"], rows)
+    for key in ("image_position_ids", "image_sizes"):  # per image
+        if kwargs.get(key) is not None:
+            out[key] = take(kwargs[key], images)
+    if kwargs.get("pixel_attention_mask") is not None:  # per row
+        out["pixel_attention_mask"] = take(kwargs["pixel_attention_mask"], rows)
     return out
 
 

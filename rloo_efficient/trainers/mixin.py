@@ -53,7 +53,8 @@ class GroupSharingMixin(RewardSharingMixin):
       (Hydra); our attention function installed on the policy and the reference.
     - `_tokenize_prompts`: each distinct prompt (and environment) tokenized once; its rows get copies.
     - `_generate_single_turn`: while it runs, the model's `generate` prefills each distinct prompt once
-      ([`core.shared_generation`]); vLLM, continuous batching and multimodal inputs go to TRL untouched.
+      ([`core.shared_generation`]), its images encoded once ([`core.vision`]); vLLM and continuous batching go to TRL
+      untouched.
     - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes.
     - `_generate_and_score_completions`: the structure is added to the batch it returns; with `shuffle_groups`, the
       batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
