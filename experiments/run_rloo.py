@@ -82,6 +82,42 @@ def workload_name(workload: WorkloadConfig, config, exp: ExperimentArgs) -> str:
     return f"{model}_{data}_C{config.max_completion_length}_k{config.num_generations}{reward}{trainer}"
 
 
+def count_forwards(trainer) -> dict:
+    """
+    Counters per phase, filled while the trainer runs: the language-model tokens the policy and the reference model
+    forward (what their embedding layer is given, padding included: what each forward computes; the packed forwards
+    give it no padding) and the images their vision tower encodes (one per image; Qwen's patch rows counted by their
+    grid). Hooks that only count.
+    """
+    import functools
+
+    counts = {"language_model_tokens": {}, "images_encoded": {}}
+
+    def add(kind: str, number: int) -> None:
+        phase = trainer._profiler.current_phase if trainer._profiler is not None else None
+        counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
+
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        inner = trainer.accelerator.unwrap_model(model)
+        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        inner.get_input_embeddings().register_forward_pre_hook(
+            lambda module, args: add("language_model_tokens", args[0].numel()))  # fmt: skip
+        base = getattr(inner, "model", None)
+        if base is None or not hasattr(base, "get_image_features"):
+            continue
+
+        def counted(pixel_values, *args, _encode=base.get_image_features, **kwargs):
+            grid = kwargs.get("image_grid_thw", args[0] if args else None)
+            qwen = pixel_values.dim() == 2 and isinstance(grid, torch.Tensor)
+            add("images_encoded", len(grid) if qwen else pixel_values.shape[0])
+            return _encode(pixel_values, *args, **kwargs)
+
+        base.get_image_features = functools.wraps(base.get_image_features)(counted)  # generate reads its signature
+    return counts
+
+
 def parse(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() and not any(arg.startswith("--bf16") for arg in argv):
@@ -140,6 +176,7 @@ def main(argv=None) -> dict:
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, **extra,
                             processing_class=tokenizer)  # fmt: skip
+    forwarded = count_forwards(trainer)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -176,6 +213,7 @@ def main(argv=None) -> dict:
         # The first step pays one-time costs (allocator warm-up, lazy init): the median leaves it out when it can
         "median_step_time_s": statistics.median(step_times[1:] or step_times) if step_times else None,
         "train_wall_s": wall,
+        **forwarded,  # language-model tokens and images the policy and reference forwarded, over the whole run
         "steps": trainer.memory_step_records(),  # every step (of the main process): these runs are short
         "timeline": report["timeline"],
         "config": {key: value for key, value in args.to_dict().items() if key in type(config).__dataclass_fields__},

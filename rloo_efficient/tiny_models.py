@@ -264,9 +264,10 @@ def build_processor(cfg, tokenizer):
         processor = _without_video({"qwen2_vl": transformers.Qwen2VLProcessor,
                                     "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}.get(cfg.arch,
                                                                                         transformers.Qwen3VLProcessor))
-        # The tiny tower's patches of 2, merged 2x2 (an 8x8 image: a grid of 4x4 patches, 4 tokens), small images kept
+        # The tiny tower's patches of 2, merged 2x2 (an 8x8 image: a grid of 4x4 patches, 4 tokens; 148x148: 1369
+        # tokens, what a 1024x1024 screenshot gives the real tower), small images kept, up to 4M pixels
         image_processor = transformers.Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
-                                                                size={"shortest_edge": 16, "longest_edge": 4096})
+                                                                size={"shortest_edge": 16, "longest_edge": 1 << 22})
         return processor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **template)
     if cfg.arch in ("llava", "llava_next"):  # CLS dropped ("default"): (8 / 2)^2 = 16 tokens per image or tile
         size = dict(size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})

@@ -65,8 +65,9 @@ class WorkloadConfig:
     image_size: int | None = field(
         default=None,
         metadata={"help": "Give each prompt an image of this many pixels a side (chat prompts, TRL's `image` column), "
-                  "random and seeded; every other one twice as wide (a multimodal arch)."},
+                  "random and seeded; every other one twice as wide unless image_width is set (a multimodal arch)."},
     )
+    image_width: int | None = field(default=None, metadata={"help": "The width of every image (with image_size)."})
     arch: str = field(default="llama", metadata={"help": "Tiny model architecture.", "choices": list(ARCHITECTURES)})
     hidden_size: int = field(default=128, metadata={"help": "Tiny model hidden size."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Tiny model layers."})
@@ -224,8 +225,8 @@ def build_dataset(cfg: WorkloadConfig) -> Dataset:
     from PIL import Image
 
     pixels = np.random.default_rng(cfg.workload_seed)
-    images = [Image.fromarray(pixels.integers(0, 256, (cfg.image_size, cfg.image_size * (1 + i % 2), 3), np.uint8))
-              for i in range(cfg.num_prompts)]  # fmt: skip
+    widths = [cfg.image_width or cfg.image_size * (1 + i % 2) for i in range(cfg.num_prompts)]
+    images = [Image.fromarray(pixels.integers(0, 256, (cfg.image_size, width, 3), np.uint8)) for width in widths]
     return Dataset.from_dict({"prompt": prompts, "image": images}).cast_column("image", ImageFeature())
 
 

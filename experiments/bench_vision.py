@@ -1,0 +1,97 @@
+"""
+Stock TRL vs rloo_efficient on a screenshot-like vision workload: each prompt one image of 1,369 image tokens (what a
+1024x1024 screenshot gives Qwen2.5-VL's tower; here a 148x148 image on the tiny tower's patches of 2 merged 2x2) and
+about 200 text tokens, 256-token completions, k = 8, one group per step, 3 steps. The tiny Qwen2.5-VL (hidden 128, 2
+layers, float32; its tower 1 layer) keeps this on a CPU; the counts are the workload's, whatever the model's size.
+
+Per group (a run's totals over its 3 groups / 3): language-model tokens forwarded (padding included: what each
+forward computes) and images the vision tower encodes, in every phase; the whole run's working memory (peak resident
+set above the loaded models) and the median step time. Each run is its own process, stock and ours alternate, and the
+ratios are medians over `--repeats`.
+
+    python experiments/bench_vision.py --repeats 3 --output results/vision.md
+    python experiments/bench_vision.py --trainer grpo --repeats 3 --output results/vision_grpo.md
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STEPS = 3
+
+
+def run(method: str, args, directory: Path) -> dict:
+    results = directory / f"{method}.json"
+    command = [
+        sys.executable, str(HERE / "run_rloo.py"), "--trainer", args.trainer, "--method", method, "--arch", args.arch,
+        "--image_size", str(args.image_size), "--image_width", str(args.image_size),
+        "--prompt_length", str(args.prompt_length), "--max_completion_length", str(args.completion_length),
+        "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", str(STEPS),
+        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+        "--results_file", str(results), "--output_dir", str(directory / "out"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{method} failed (exit {done.returncode})")
+    return json.loads(results.read_text())
+
+
+def per_group(counts: dict) -> str:
+    """`phase: n, ...` per group, and the total."""
+    parts = [f"{phase} {number // STEPS:,}" for phase, number in counts.items()]
+    return f"{sum(counts.values()) // STEPS:,} ({', '.join(parts)})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainer", default="rloo", choices=["rloo", "grpo"], help="TRL's trainer, stock vs ours")
+    parser.add_argument("--arch", default="qwen2_5_vl")
+    parser.add_argument("--image_size", type=int, default=148, help="pixels a side (148: 1,369 image tokens)")
+    parser.add_argument("--prompt_length", type=int, default=200, help="text tokens per prompt")
+    parser.add_argument("--completion_length", type=int, default=256)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
+    args = parser.parse_args(argv)
+    samples = {"stock": [], "ours": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):
+            for method in ("stock", "ours"):
+                samples[method].append(run(method, args, Path(tmp)))
+    first = {method: runs[0] for method, runs in samples.items()}  # counts are deterministic: any run's
+    working = {m: [r["working_gib"] for r in rs] for m, rs in samples.items()}
+    step = {m: [r["median_step_time_s"] for r in rs] for m, rs in samples.items()}
+    memory_ratio = statistics.median(o / s for o, s in zip(working["ours"], working["stock"], strict=True))
+    time_ratio = statistics.median(o / s for o, s in zip(step["ours"], step["stock"], strict=True))
+    tokens = {m: sum(r["language_model_tokens"].values()) for m, r in first.items()}
+    images = {m: sum(r["images_encoded"].values()) for m, r in first.items()}
+    lines = [
+        f"# python experiments/bench_vision.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+        f"# {args.trainer.upper()}, tiny {args.arch}: one {args.image_size}x{args.image_size} image and "
+        f"~{args.prompt_length} text tokens per prompt, C = {args.completion_length}, k = {args.k}, one group per step, "
+        f"{STEPS} steps; medians over {args.repeats} repeat(s)",
+        "| per group | stock | ours | ratio |",
+        "|---|---:|---:|---:|",
+        f"| language-model tokens forwarded | {per_group(first['stock']['language_model_tokens'])} | "
+        f"{per_group(first['ours']['language_model_tokens'])} | {tokens['ours'] / tokens['stock']:.2f}x |",
+        f"| images through the vision tower | {per_group(first['stock']['images_encoded'])} | "
+        f"{per_group(first['ours']['images_encoded'])} | {images['ours'] / images['stock']:.2f}x |",
+        f"| working memory, whole run (GiB) | {statistics.median(working['stock']):.3f} | "
+        f"{statistics.median(working['ours']):.3f} | {memory_ratio:.2f}x |",
+        f"| step time (s) | {statistics.median(step['stock']):.2f} | {statistics.median(step['ours']):.2f} | "
+        f"{time_ratio:.2f}x |",
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
