@@ -448,8 +448,8 @@ def test_image_blocks_in_the_prompt_bodies_run_the_fused_kernels_on_cuda(monkeyp
         packed = pack_groups(ids.to(CUDA), 5, rows, torch.bfloat16)
         layout = packed.layout
         with unset_fake_temporarily():
-            blocks = body_blocks(token_types, packed.source_index.cpu(), layout.split.groups, layout.prompt_length,
-                                 layout.body_lengths.cpu())  # fmt: skip
+            blocks = body_blocks(token_types, (1,), packed.source_index.cpu(), layout.split.groups,
+                                 layout.prompt_length, layout.body_lengths.cpu())  # fmt: skip
         layout = dataclasses.replace(layout, body_blocks=blocks.to(CUDA), blocks_on="all")
         q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 4, 64,
                                                                                      dtype=torch.bfloat16)  # fmt: skip

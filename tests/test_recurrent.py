@@ -110,12 +110,16 @@ def scaled_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
 
 
+def _tolerance(layer) -> float:
+    return 1e-10 if next(layer[0].parameters()).dtype == torch.float64 else 1e-4
+
+
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 def test_a_forked_layer_is_the_layer_on_each_row(layer, layout_name):
     # Relative to each tensor's largest value: the float32 kernels (Gated DeltaNet's and Mamba2's compute in float32
     # whatever the layer's dtype) sum a parameter's gradient over the tokens in other orders (1e-5 of its scale seen);
-    # the mutations below are off by 0.1 to 10
-    tolerance = 1e-10 if next(layer[0].parameters()).dtype == torch.float64 else 1e-4
+    # the mutations below are off by 4e-3 to 10
+    tolerance = _tolerance(layer)
     found = errors(*layer, layout_name)
     assert max(found.values()) <= tolerance, {name: f"{error:.1e}" for name, error in found.items() if error > tolerance}
 
@@ -135,7 +139,8 @@ def test_mutations_fail(layer, monkeypatch, mutation):
     if mutation != "conv_tail_off_by_one" and layer[1] is recurrent.short_conv:
         pytest.skip("a short convolution has no recurrent state")
     monkeypatch.setattr(recurrent.Fork, name, mutate(getattr(recurrent.Fork, name)))
-    assert max(errors(*layer, "ragged").values()) > 1e-2
+    # Far outside the equivalence tolerance (at least 4e-3 of the largest value seen, against 1e-4 in float32)
+    assert max(errors(*layer, "ragged").values()) > 10 * _tolerance(layer)
 
 
 # -- the kernels' first-use check --------------------------------------------------------------------------------------

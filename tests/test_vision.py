@@ -90,14 +90,32 @@ def _train(trainer_class, path, args, dataset, processor, encoded: list, reward=
     return trainer
 
 
-def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, two_images=False,
-             **overrides):  # fmt: skip
+# TRL's `images` column, each prompt's list: its own image and another prompt's (of the other width). (Rows with
+# and without images in one batch: stock TRL 1.16's scoring hands the processor a None image and fails)
+IMAGE_COLUMNS = {
+    "two": lambda images: [[images[i], images[(i + 3) % len(images)]] for i in range(len(images))],
+}
+
+
+def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, images=None,
+             edit_config=None, stock_chunks=False, **overrides):  # fmt: skip
+    """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one
+    image per prompt; `edit_config(config dict)`: the checkpoint's config changed on a copy; `stock_chunks`: some
+    chunks may run stock's forward (then their images are stock's)."""
     cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch])
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
-    if two_images:  # TRL's `images` column: each prompt its own image and another prompt's (of the other width)
-        images = list(dataset["image"])
+    if images is not None:
         dataset = Dataset.from_dict({"prompt": list(dataset["prompt"]),
-                                     "images": [[images[i], images[(i + 3) % len(images)]] for i in range(len(images))]})
+                                     "images": IMAGE_COLUMNS[images](list(dataset["image"]))})  # fmt: skip
+    if edit_config is not None:
+        import json
+        import shutil
+
+        path = shutil.copytree(path, tmp_path / "model")
+        config = json.loads((path / "config.json").read_text())
+        edit_config(config)
+        (path / "config.json").write_text(json.dumps(config))
+        path = str(path)
     stock_class, stock_config, ours_class, ours_config, make_args = {
         "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig, grpo_args),
         "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig, grpo_args),
@@ -111,12 +129,22 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
                   build_processing_class(cfg), our_images, rewards())  # fmt: skip
     # The packed forward and the shared prefill ran, with the images
     assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0 and ours._prompt_cache_once
-    # Each call's images once, in generation and in every log-prob pass: stock's encode every row's (k = 4 per group),
-    # in the same calls (the same chunks of the same batches)
+    # Each call's images once per group, in generation and in every log-prob pass: stock's encode every row's (k = 4
+    # per group), in the same calls (the same chunks of the same batches). With one image per prompt (each prompt's
+    # its own), a call's distinct images once each; with several, two prompts may share one, encoded once for each
     assert [phase for phase, _ in stock_images] == [phase for phase, _ in our_images]
     assert {"generation", "logps"} <= {phase for phase, _ in our_images}
-    assert all(len(set(call)) == len(call) for _, call in our_images)
-    assert [sorted(set(call)) for _, call in stock_images] == [sorted(call) for _, call in our_images]
+    for (_, stock_call), (_, our_call) in zip(stock_images, our_images, strict=True):
+        if stock_chunks:  # a group with nothing scored is left out (its images too); a chunk with nothing runs stock's
+            assert set(our_call) <= set(stock_call)
+            if our_call == stock_call:
+                continue
+        else:
+            assert set(our_call) == set(stock_call)
+        if images is None:
+            assert len(our_call) == len(set(our_call))
+        else:  # no image more often than in stock's call
+            assert all(our_call.count(image) <= stock_call.count(image) for image in our_call)
     assert sum(len(call) for _, call in stock_images) > sum(len(call) for _, call in our_images)
     assert_same_run(stock, ours, *POOLED_IN_FLOAT32.get(arch, TOLERANCES[cfg.model_dtype]))
     return stock, ours
@@ -131,12 +159,72 @@ def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_h
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm", "llava_next", "idefics3"])
 def test_prompts_with_two_images(model_cache, tmp_path, exact_head, arch):
-    _compare(model_cache, tmp_path, arch, two_images=True)
+    _compare(model_cache, tmp_path, arch, images="two")
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
+def test_micro_batches_that_split_a_group(model_cache, tmp_path, exact_head, arch):
+    """Micro-batches of 2 rows, half a group each: each holds its group's images once."""
+    _compare(model_cache, tmp_path, arch, per_device_train_batch_size=2)
+
+
+@pytest.mark.parametrize("arch, length", [("qwen2_vl", 24), ("gemma3_vlm", 48)])
+def test_masked_truncated_completions(model_cache, tmp_path, exact_head, arch, length):
+    """Truncated completions masked out: a group or a whole micro-batch with nothing scored leaves its images out (or
+    runs stock's forward for that chunk alone, with that chunk's images)."""
+    stock, _ = _compare(model_cache, tmp_path, arch, stock_chunks=True, mask_truncated_completions=True,
+                        max_completion_length=length)  # fmt: skip
+    lengths = [entry["completions/min_length"] for entry in stock.state.log_history if "completions/min_length" in entry]
+    assert min(lengths) < length, "no completion stopped at EOS: nothing is scored"
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_5"])
+def test_completions_of_different_lengths(model_cache, tmp_path, exact_head, arch):
+    """Completions stopping at EOS at different lengths in one group: Qwen's positions of every row come from the
+    group's first row, whose own completion may be shorter."""
+    stock, _ = _compare(model_cache, tmp_path, arch, max_completion_length=48)
+    lengths = [entry["completions/min_length"] for entry in stock.state.log_history if "completions/min_length" in entry]
+    assert min(lengths) < 48, "no completion stopped at EOS"
+
+
+def test_gemma4_without_vision_attention_keeps_image_tokens_causal(model_cache, tmp_path, exact_head):
+    """Gemma 4 with `use_bidirectional_attention=None` (its smaller checkpoints): stock's mask is causal, images
+    included; so is ours."""
+    _compare(model_cache, tmp_path, "gemma4",
+             edit_config=lambda config: config["text_config"].update(use_bidirectional_attention=None))
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
 def test_rloo_with_image_prompts(model_cache, tmp_path, exact_head, arch):
     _compare(model_cache, tmp_path, arch, trainer="rloo")
+
+
+def test_a_prompt_ending_with_an_image_runs_stock_with_one_warning(model_cache, tmp_path):
+    """A chat template that ends the prompt with its image (no generation prompt after it): the shared prefill would
+    stop inside the image's tokens, and each row's copy of the prompt's last token would need the image's features.
+    Stock's generation and forwards for such batches, one warning."""
+    cfg = tiny_workload(model_cache, arch="llava", image_size=8, num_prompts=8)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    template = ("{% for message in messages %}<|{{ message['role'] }}|>{% for part in message['content'] %}"
+                "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+                "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>{% endif %}{% endfor %}"
+                "{% endfor %}")  # fmt: skip
+
+    def processor():
+        built = build_processing_class(cfg)
+        built.chat_template = template
+        return built
+
+    settings = dict(beta=0.1, max_steps=2)
+    stock = _train(trl.GRPOTrainer, path, grpo_args(tmp_path / "s", config_class=trl.GRPOConfig, **settings), dataset,
+                   processor(), [])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _train(GRPOTrainer, path, grpo_args(tmp_path / "o", **settings), dataset, processor(), [])
+    reasons = {str(w.message) for w in caught if "a prompt ends with an image's token" in str(w.message)}
+    assert len(reasons) == 1
+    assert ours.packed_forward_tokens == 0 and ours.shared_prefill_tokens == 0
+    assert_same_run(stock, ours)
 
 
 def test_a_family_without_known_image_placement_runs_stock_with_one_warning(model_cache, tmp_path, monkeypatch):
@@ -200,11 +288,13 @@ def _processed(processor, texts, images):
     return ids, mask, extra, [list(row) for row in rows]
 
 
+@pytest.mark.parametrize("once", [True, False])
 @pytest.mark.parametrize("arch", list(VISION))
-def test_generation_prefills_each_prompt_and_image_once(model_cache, arch):
+def test_generation_prefills_each_prompt_and_image_once(model_cache, arch, once):
     """`generate` from the shared prefill with image prompts: the stock call's logits and samples, each distinct
-    prompt's image encoded once. Two rows with the same text and images of the same size but other pixels are two
-    prompts (their tokens are the same)."""
+    prompt's image encoded once; the prompt's cache kept once per prompt while decoding, or fanned out to its rows.
+    Two rows with the same text and images of the same size but other pixels are two prompts (their tokens are the
+    same)."""
     from PIL import Image
     from transformers import GenerationConfig
 
@@ -242,7 +332,7 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, arch):
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_encoded, encoded[:] = list(encoded), []
     torch.manual_seed(123)
-    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids, prompt_cache_once=True,
+    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids, prompt_cache_once=once,
                                                         images=[[image] for image in images], **kwargs)  # fmt: skip
     assert prefill_tokens == 3 * (ids.shape[1] - 1)  # three distinct prompts of six rows
     assert len(stock_encoded) == len(encoded) == 1 and len(stock_encoded[0]) == 6

@@ -108,6 +108,7 @@ class PackedBatch:
     token_weights: torch.Tensor | None = None  # (1, N) int64: how many times stock's batch holds each token
     source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
     first_rows: np.ndarray | None = None  # (G,) host: the stock row each group's body is taken from, in body order
+    group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array, one row per group
 
     @property
     def num_tokens(self) -> int:
@@ -178,6 +179,7 @@ def pack_groups(
     rows: torch.Tensor,
     dtype: torch.dtype,
     token_weights: bool = False,
+    group_sources: bool = False,
 ) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
@@ -190,6 +192,9 @@ def pack_groups(
     also takes its row's last completion token (which predicts nothing), a group whose completions are all unscored
     keeps one segment of its prompt's last token, and [`PackedBatch.token_weights`] counts a prompt token once per row
     of its group in the micro-batch (scored or not) and a completion token once.
+
+    With `group_sources`, [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)`
+    array of one row per group, in body order (for what is the same for every row of a group: Qwen's 3-D positions).
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
@@ -243,6 +248,10 @@ def pack_groups(
     unpack[np.broadcast_to(row_index[:, None], labeled.shape)[labeled], cols[labeled]] = (
         seg_start + c[None, :])[labeled]  # fmt: skip
     parts = [tokens, labels, positions, unpack.reshape(-1)]
+    if group_sources:
+        seg_cols = np.where(in_row, seg_col, prompt_width - 1)
+        parts.append(np.concatenate([(np.arange(groups)[:, None] * width + body_col).reshape(-1),
+                                     (group_rank[:, None] * width + seg_cols).reshape(-1)]))  # fmt: skip
     if token_weights:
         stock_rows = group_rows[np.searchsorted(ids, group[first])]  # each group's rows in stock's micro-batch
         body_weight = np.where(in_body, stock_rows[:, None], 0)
@@ -255,6 +264,7 @@ def pack_groups(
     layout, on_device = host_layout(counts, body, row_length, int((prompt_len[group_rank] + n).max()), parts, device,
                                     dtype)  # fmt: skip
     weights = on_device.pop().view(1, total) if token_weights else None
+    group_source = on_device.pop() if group_sources else None
     index, label_index, position_ids, unpack_index = on_device
     ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
     gathered = ids.index_select(0, torch.cat([index, label_index]))
@@ -270,4 +280,5 @@ def pack_groups(
         token_weights=weights,
         source_index=index,
         first_rows=first,
+        group_source_index=group_source,
     )

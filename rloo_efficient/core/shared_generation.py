@@ -28,7 +28,7 @@ from .families import dropout_reason, family_reason, rope_reason
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, kv_sources
-from .vision import IMAGE_KWARGS, select_images
+from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
 # Cache layers whose per-row contents an index over the rows fans out exactly (`reorder_cache`): keys and values,
@@ -103,7 +103,8 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
-def image_inputs(kwargs: dict, num_images: list[int], first: list[int], width: int) -> tuple[dict, dict]:
+def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: list[int],
+                 width: int) -> tuple[dict, dict]:  # fmt: skip
     """
     Splits `generate`'s multimodal kwargs for a shared prefill of the rows `first`: `(prefill's, the continuation's)`.
     The prefill gets the images of those rows alone, laid out as the processor lays out a batch of them
@@ -111,7 +112,7 @@ def image_inputs(kwargs: dict, num_images: list[int], first: list[int], width: i
     token types (which `generate` reads for the last column) and no image (its features are in the cache).
     """
     images = {key: kwargs[key] for key in IMAGE_KWARGS if kwargs.get(key) is not None}
-    prefill = select_images(images, num_images, first)
+    prefill = select_images(images, num_images, first, VISION_FAMILIES[model.config.model_type]["pixels"])
     index = torch.tensor(first)
     for key in TOKEN_TYPE_FIELDS:
         if kwargs.get(key) is not None:
@@ -208,7 +209,7 @@ def generate_with_shared_prefill(
     padded = any(len(ids) < width for ids in prompt_ids)
     prefill_images = None
     if images is not None:
-        prefill_images, kwargs = image_inputs(kwargs, [len(row or []) for row in images], first, width)
+        prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width)
     prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
     config = kwargs.get("generation_config") or model.generation_config
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length

@@ -4,40 +4,49 @@ body once.
 
 In the packed sequence ([`packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`), a
 group's prompt body from the group's first row (`first_rows`). Rows group by their prompt tokens and their images'
-pixels. So the model gets the images of each group's first row, in the bodies' order ([`group_images`]): their
+pixels. So the model gets the images of each group's first row, in the bodies' order ([`select_images`]): their
 features fill the bodies' placeholder tokens in order of appearance, and the vision tower sees each distinct image once
 per group (in training, that one encode receives every completion's gradient). What each family adds:
 
 - **Qwen2-VL, Qwen2.5-VL, Qwen3.5**: 3-D rotary positions, which stock computes inside the model from the padded rows
-  (`get_rope_index`: an image's grid, and the text after it offset by the image's rope delta). The same call on stock's
-  rows, gathered like the tokens ([`packed_positions`]), gives every packed token stock's positions, completions
-  included.
+  (`get_rope_index`: an image's grid, and the text after it offset by the image's rope delta). The rows of a group
+  have the same prompt, left-padded alike, and text completions, whose positions continue one per column: the same
+  call on each group's first row, its completion columns all unmasked, gives the positions of every row of the group,
+  gathered like the tokens ([`packed_positions`]).
 - **Gemma 3, Gemma 4**: an image's tokens attend to each other both ways inside the prompt (Gemma 3 on every layer,
   Gemma 4's `use_bidirectional_attention="vision"` on its sliding layers; under a window, as stock combines them:
   (causal or same image) and within the window). The bodies' image blocks ([`body_blocks`], from stock's token
   types gathered like the tokens) go to the attention in the layout.
-- **LLaVA, LLaVA-Next**: positions are the columns, as for text.
+- **LLaVA, LLaVA-Next, Idefics3, SmolVLM**: positions are the columns, as for text.
 """
+
+import functools
 
 import numpy as np
 import torch
 from torch import nn
 
 
-# Per multimodal family (the checkpoint's `model_type`): how its positions and image attention differ from text's.
-# "positions": "rope_index" (3-D, from the model's get_rope_index) or "columns"; "blocks": the token-type field whose
-# image runs attend both ways, and on which layers ("all" or "sliding"), or None
+# Per multimodal family (the checkpoint's `model_type`), how its images and their tokens differ from text:
+# - "pixels": how its processor lays out `pixel_values`: "patches" (Qwen: each image's patch rows, as its grid says),
+#   "images" (one entry per image) or "rows" (one per row, its images' tiles padded: Idefics3, SmolVLM);
+# - "positions": "rope_index" (3-D, from the model's `get_rope_index`) or "columns";
+# - "blocks": where image tokens attend to each other both ways: the token-type field, the types that count as an
+#   image's (as the model's `get_block_sequence_ids_for_mask` reads them) and the layers ("all" or "sliding"); or None.
+_QWEN = dict(pixels="patches", positions="rope_index", blocks=None)
+_COLUMNS = dict(positions="columns", blocks=None)
 VISION_FAMILIES = {
-    "qwen2_vl": dict(positions="rope_index", blocks=None),
-    "qwen2_5_vl": dict(positions="rope_index", blocks=None),
-    "qwen3_5": dict(positions="rope_index", blocks=None),
-    "qwen3_5_moe": dict(positions="rope_index", blocks=None),
-    "gemma3": dict(positions="columns", blocks=("token_type_ids", "all")),
-    "gemma4": dict(positions="columns", blocks=("mm_token_type_ids", "sliding")),
-    "llava": dict(positions="columns", blocks=None),
-    "llava_next": dict(positions="columns", blocks=None),
-    "idefics3": dict(positions="columns", blocks=None),
-    "smolvlm": dict(positions="columns", blocks=None),
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": _QWEN,
+    "qwen3_5": _QWEN,
+    "qwen3_5_moe": _QWEN,
+    "gemma3": dict(pixels="images", positions="columns", blocks=("token_type_ids", (1,), "all")),
+    # Only with use_bidirectional_attention="vision" ([`image_blocks`]); images and videos, not audio
+    "gemma4": dict(pixels="images", positions="columns", blocks=("mm_token_type_ids", (1, 2), "sliding")),
+    "llava": dict(pixels="images", **_COLUMNS),
+    "llava_next": dict(pixels="images", **_COLUMNS),
+    "idefics3": dict(pixels="rows", **_COLUMNS),
+    "smolvlm": dict(pixels="rows", **_COLUMNS),
 }
 # The model kwargs that carry images (what TRL passes a multimodal forward beside the tokens)
 IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -51,6 +60,30 @@ def vision_reason(model: nn.Module) -> str | None:
         return f"image prompts are packed only for {', '.join(VISION_FAMILIES)}, not {model_type}"
     if model_type == "gemma4" and model.config.get_text_config().use_bidirectional_attention not in (None, "vision"):
         return "its attention is bidirectional everywhere"
+    return None
+
+
+def image_blocks(model: nn.Module) -> tuple | None:
+    """`(token-type field, image types, layers)` where `model`'s image tokens attend to each other both ways, or None
+    (Gemma 4 only with `use_bidirectional_attention="vision"`: else its stock mask is causal, images included)."""
+    family = VISION_FAMILIES[model.config.model_type]
+    if model.config.model_type == "gemma4" and model.config.get_text_config().use_bidirectional_attention != "vision":
+        return None
+    return family["blocks"]
+
+
+def layout_reason(kwargs: dict, num_images: list[int], pixels: str) -> str | None:
+    """Why the image kwargs of a batch are not laid out as the family's processor lays them out (then the batch runs
+    stock's path: e.g. Gemma 3's pan-and-scan crops, an entry per crop), or None."""
+    entries, total = len(kwargs["pixel_values"]), sum(num_images)  # a tensor's first dimension, or a list's length
+    if pixels == "patches":
+        grid = kwargs.get("image_grid_thw")
+        if grid is None or len(grid) != total:
+            return "the image grids do not match the images"
+    elif pixels == "images" and entries != total:
+        return f"{entries} pixel entries for {total} images (one per image expected: crops?)"
+    elif pixels == "rows" and entries != len(num_images):
+        return f"{entries} pixel entries for {len(num_images)} rows (one per row expected)"
     return None
 
 
@@ -68,31 +101,38 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts) + np.arange(int(counts.sum()))
 
 
-def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray) -> dict:
+def image_indices(num_images: list[int], rows) -> np.ndarray:
+    """The images of the ordered `rows`, in order, given each row's image count."""
+    counts = np.asarray(num_images, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    return _ranges((np.cumsum(counts) - counts)[rows], counts[rows])
+
+
+def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels: str) -> dict:
     """
     The image kwargs of the ordered `rows` of a batch that `kwargs` and `num_images` (per row) describe, laid out as
-    TRL lays out a batch of just those rows (the branches of TRL 1.16's `_get_per_token_logps_and_entropies`): Qwen's
-    patch rows with their grids, Gemma 4's images with their patch positions, image-indexed `pixel_values` (Gemma 3,
-    LLaVA, LLaVA-Next with `image_sizes`), or row-indexed ones. Index arrays are built on the host; each tensor is
-    gathered once.
+    the processor lays out a batch of just those rows, `pixels` as the family's ([`VISION_FAMILIES`], checked by
+    [`layout_reason`]): Qwen's patch rows with their grids, one entry per image (with Gemma 4's patch positions and
+    LLaVA-Next's sizes), or one per row (Idefics3's tiles, with their pixel masks). Index arrays are built on the host;
+    each tensor is gathered once. Empty when the rows hold no image.
     """
     rows = np.asarray(rows, dtype=np.int64)
-    counts = np.asarray(num_images, dtype=np.int64)
-    images = _ranges((np.cumsum(counts) - counts)[rows], counts[rows])  # the selected rows' images, in order
+    images = image_indices(num_images, rows)
+    if images.size == 0:
+        return {}
 
     def take(value, index):
         return value.index_select(0, torch.from_numpy(index).to(value.device))
 
-    pixel_values, grid, out = kwargs["pixel_values"], kwargs.get("image_grid_thw"), {}
-    if grid is not None:  # Qwen: each image is grid.prod() rows of pixel_values
+    pixel_values, out = kwargs["pixel_values"], {}
+    if pixels == "patches":  # each image is grid.prod() rows of pixel_values
+        grid = kwargs["image_grid_thw"]
         per_image = grid.prod(-1).cpu().numpy()  # small: one entry per image (TRL reads it back too)
         first_patch = np.cumsum(per_image) - per_image
         out.update(pixel_values=take(pixel_values, _ranges(first_patch[images], per_image[images])),
                    image_grid_thw=take(grid, images))  # fmt: skip
-    elif pixel_values.size(0) == int(counts.sum()):  # one entry per image
-        out["pixel_values"] = take(pixel_values, images)
-    else:  # one entry per row (Idefics3's and SmolVLM's tiles)
-        out["pixel_values"] = take(pixel_values, rows)
+    else:
+        out["pixel_values"] = take(pixel_values, images if pixels == "images" else rows)
     for key in ("image_position_ids", "image_sizes"):  # per image
         if kwargs.get(key) is not None:
             out[key] = take(kwargs[key], images)
@@ -118,13 +158,13 @@ def packed_positions(positions: torch.Tensor, source_index: torch.Tensor) -> tor
     return positions.reshape(positions.shape[0], -1).index_select(1, source_index).unsqueeze(1)
 
 
-def body_blocks(token_types: torch.Tensor, source_index: torch.Tensor, groups: int, length: int,
-                body_lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def body_blocks(token_types: torch.Tensor, image_types: tuple[int, ...], source_index: torch.Tensor, groups: int,
+                length: int, body_lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """
     `(G, Pm)`: each body token's image block (runs of image tokens in stock's rows, numbered per row; -1 for text and
-    padding), from stock's token types `(B, W)` (image 1, video 2) gathered like the tokens.
+    padding), from stock's token types `(B, W)`, `image_types` counting as an image's, gathered like the tokens.
     """
-    image = token_types > 0
+    image = functools.reduce(torch.logical_or, [token_types == kind for kind in image_types])
     starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
     blocks = torch.where(image, torch.cumsum(starts.long(), dim=1) - 1, -1)
     body = blocks.view(-1).index_select(0, source_index[: groups * length]).view(groups, length)

@@ -25,9 +25,8 @@ from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_im
 from ..core.prefix_cache import prefix_cache_unsupported_reason
 from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
 from ..core.shared_generation import text_only
-from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, body_blocks, image_token_ids, packed_positions
-from ..core.vision import rope_index_positions
-from ..core.vision import select_images, vision_reason
+from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, body_blocks, image_blocks, image_token_ids, layout_reason
+from ..core.vision import packed_positions, rope_index_positions, select_images, vision_reason
 from .config import sharing_settings
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
@@ -89,6 +88,7 @@ class GroupSharingMixin(RewardSharingMixin):
                 self._fall_back(reason)
         # Batches with images: packed for the families whose image placement and positions are known (else stock's)
         self._vision_reason = vision_reason(unwrapped) if is_multimodal(unwrapped) else "the model has no vision tower"
+        self._vision = VISION_FAMILIES[unwrapped.config.model_type] if self._vision_reason is None else None
         self._image_tokens = image_token_ids(unwrapped)
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
         self._share_prefill = (
@@ -202,14 +202,15 @@ class GroupSharingMixin(RewardSharingMixin):
         if not self._share_prefill:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         with_images = not text_only(images, multimodal_fields)
-        reason = self._image_prefill_reason(prompt_ids, multimodal_fields) if with_images else None
-        if reason is not None:
-            self._fall_back(reason, permanent=False)
+        reason = self._image_prefill_reason(prompt_ids, images, multimodal_fields) if with_images else None
+        # Where every forward gathers parameters from all ranks, they all take stock's generate or none does
+        if not self._all_ranks_can(reason is None):
+            self._fall_back(reason or "another process's prompts cannot be prefilled once", permanent=False)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         with self._shared_prefill(prompt_ids, images if with_images else None):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
 
-    def _image_prefill_reason(self, prompt_ids, multimodal_fields) -> str | None:
+    def _image_prefill_reason(self, prompt_ids, images, multimodal_fields) -> str | None:
         """Why prompts with images cannot be prefilled once per group, or None when they can."""
         if self._vision_reason is not None:
             return self._vision_reason
@@ -218,7 +219,20 @@ class GroupSharingMixin(RewardSharingMixin):
             return f"the processor returns fields the shared prefill does not split ({', '.join(sorted(unknown))})"
         if any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
             return "a prompt ends with an image's token"  # the prefill stops one token short of it
+        if "pixel_values" in multimodal_fields:
+            return layout_reason(multimodal_fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
+                                 self._vision["pixels"])  # fmt: skip
         return None
+
+    def _all_ranks_can(self, can: bool) -> bool:
+        """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
+        if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
+            return can
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(can)], device=self.accelerator.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     @contextlib.contextmanager
     def _shared_prefill(self, prompt_ids: list[list[int]], images: list | None = None):
@@ -342,9 +356,11 @@ class GroupSharingMixin(RewardSharingMixin):
         rows = self._active_rows
         if not self._share_prefix or rows is None:
             return None
-        if images.get("pixel_values") is not None and self._vision_reason is not None:
-            self._fall_back(self._vision_reason, permanent=False)  # a batch with images: stock's forward, this batch
-            return None
+        if images.get("pixel_values") is not None:  # a batch with images: stock's forward where they cannot be packed
+            reason = self._vision_reason or layout_reason(images, images.get("num_images") or [], self._vision["pixels"])
+            if reason is not None:
+                self._fall_back(reason, permanent=False)
+                return None
         if any(key not in images for key in ("pixel_values", "num_images")) and images:  # token types, no image
             return None
         group, plen, scored = rows.numpy().T  # host values
@@ -371,6 +387,7 @@ class GroupSharingMixin(RewardSharingMixin):
         # A config asking for router logits would have TRL's head compute its own loss over our flat sequence
         extra = {"output_router_logits": False} if hasattr(text_config, "output_router_logits") else {}
         all_logps, all_entropies, all_aux = [], [], []
+        with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             with self.accelerator.autocast():
@@ -378,20 +395,18 @@ class GroupSharingMixin(RewardSharingMixin):
                 dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
                          else unwrapped.dtype)  # fmt: skip
                 packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype,
-                                     token_weights=compute_aux_loss)  # fmt: skip
+                                     token_weights=compute_aux_loss, group_sources=with_positions)  # fmt: skip
             chunk_images = {}
             if images and not isinstance(packed, str):
-                packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask, start, end)
+                packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask, start,
+                                                         logits_to_keep)  # fmt: skip
             if isinstance(packed, str):
                 self._fall_back(packed, permanent=False)
                 stock = super()._get_per_token_logps_and_entropies.__func__
                 stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
-                logps, entropies, aux = stock(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
-                                              compute_entropy, compute_aux_loss, **images) if images else stock(
-                    self, model, input_ids[start:end], attention_mask[start:end], logits_to_keep, end - start,
-                    compute_entropy, compute_aux_loss)  # fmt: skip
-                if images:  # TRL's own slicing of the images, for the whole batch at once
-                    return logps, entropies, aux
+                logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
+                                              logits_to_keep, end - start, compute_entropy, compute_aux_loss,
+                                              **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
             else:
                 self.packed_forward_tokens += packed.num_tokens
                 routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
@@ -410,26 +425,39 @@ class GroupSharingMixin(RewardSharingMixin):
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
         return logps, entropies, aux_loss
 
-    def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, end: int):
+    def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, logits_to_keep: int):
         """
-        The packed chunk `[start, end)` of an image batch: the images of each group's first row, once, in the bodies'
-        order, and what the family needs beside them ([`core.vision`]): stock's 3-D positions gathered (Qwen), or the
-        bodies' image blocks (Gemma). Returns `(packed, image kwargs)`.
+        The packed chunk starting at row `start` of an image batch: the images of each group's first row, once, in the
+        bodies' order, and what the family needs beside them ([`core.vision`]): Qwen's 3-D positions (the model's own
+        `get_rope_index` on each group's first row, its completion columns unmasked: the rows of a group share their
+        prompt's positions, and completions are text, one position per column), or the bodies' image blocks (Gemma).
+        Returns `(packed, image kwargs)`.
         """
-        family = VISION_FAMILIES[model.config.model_type]
-        chunk_rows = np.arange(start, end)
-        group_images = select_images(images, images["num_images"], start + packed.first_rows)
-        if family["positions"] == "rope_index":  # stock's positions for the chunk's padded rows, gathered
-            chunk = select_images(images, images["num_images"], chunk_rows)
-            token_types = images["mm_token_type_ids"][start:end]
-            positions = rope_index_positions(model, input_ids[start:end], attention_mask[start:end],
-                                             {**chunk, "mm_token_type_ids": token_types})  # fmt: skip
-            packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.source_index))
-        if family["blocks"] is not None:  # an image's tokens attend to each other both ways
-            key, layers = family["blocks"]
+        num_images, first = images["num_images"], start + packed.first_rows
+        group_images = select_images(images, num_images, first, self._vision["pixels"])
+        if self._vision["positions"] == "rope_index":
+            index = torch.from_numpy(first).to(input_ids.device)
+            mask = attention_mask.index_select(0, index)
+            mask[:, -logits_to_keep:] = 1
+            positions = rope_index_positions(model, input_ids.index_select(0, index), mask, {
+                "image_grid_thw": group_images.get("image_grid_thw"),
+                "mm_token_type_ids": images["mm_token_type_ids"].index_select(0, index)})  # fmt: skip
+            packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.group_source_index))
+        blocks = image_blocks(model)
+        if blocks is not None and group_images:  # an image's tokens attend to each other both ways
+            key, image_types, layers = blocks
             layout = packed.layout
-            blocks = body_blocks(images[key][start:end], packed.source_index, layout.split.groups,
-                                 layout.prompt_length, layout.body_lengths)  # fmt: skip
-            packed = dataclasses.replace(packed, layout=dataclasses.replace(layout, body_blocks=blocks,
-                                                                            blocks_on=layers))  # fmt: skip
+            body = body_blocks(images[key][start:], image_types, packed.source_index, layout.split.groups,
+                               layout.prompt_length, layout.body_lengths)  # fmt: skip
+            packed = dataclasses.replace(packed, layout=dataclasses.replace(layout, body_blocks=body, blocks_on=layers))
         return packed, group_images
+
+    def _images_of_rows(self, images: dict, start: int, end: int) -> dict:
+        """TRL's image kwargs for the rows `[start, end)` alone, as TRL's forward takes them for a batch of those."""
+        rows = np.arange(start, end)
+        out = select_images(images, images["num_images"], rows, self._vision["pixels"])
+        out["num_images"] = images["num_images"][start:end]
+        for key in TOKEN_TYPE_FIELDS:
+            if images.get(key) is not None:
+                out[key] = images[key][start:end]
+        return out
