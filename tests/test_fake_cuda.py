@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient.core import attention_kernels as kernels
@@ -124,13 +124,16 @@ def fake_cuda(monkeypatch, capability=HOPPER):
         with unset_fake_temporarily():
             return numpy(self, *args, **kwargs)
 
+    # The operators (type slots) on the fake tensors' class only: `__getitem__` set on `torch.Tensor` and removed again
+    # leaves CPython's sequence slot behind, and every tensor then counts as a sequence (`torch.tensor` of a list of
+    # 0-d tensors, as in Qwen-VL's get_rope_index, then fails in every later test)
+    for name, function in {"__getitem__": _getitem, "__setitem__": _setitem,
+                           "__invert__": lambda self: aten.bitwise_not.default(self)}.items():  # fmt: skip
+        monkeypatch.setattr(FakeTensor, name, function)
     for name, function in {
-        "__getitem__": _getitem,
-        "__setitem__": _setitem,
         "copy_": lambda self, src, non_blocking=False: aten.copy_.default(self, src, non_blocking),
         "contiguous": lambda self, memory_format=torch.contiguous_format: (
             self if self.is_contiguous(memory_format=memory_format) else aten.clone.default(self, memory_format=memory_format)),
-        "__invert__": lambda self: aten.bitwise_not.default(self),
         "pin_memory": lambda self, *args: self,
         "numpy": host_numpy,
     }.items():  # fmt: skip
