@@ -13,32 +13,23 @@ medians over `--repeats`.
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench_common import run_workload
+
 FAMILIES = ["llama", "gemma3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss", "gemma4", "glm4_moe",
             "qwen3_5", "qwen3_5_moe", "nemotron_h"]
 
 
 def run(method: str, arch: str, args, directory: Path) -> dict:
-    results = directory / f"{method}_{arch}.json"
-    command = [
-        sys.executable, str(HERE / "run_rloo.py"), "--trainer", args.trainer, "--method", method, "--arch", arch,
-        "--prompt_length", str(args.prompt_length), "--max_completion_length", str(args.completion_length),
-        "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", "3",
-        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-        "--results_file", str(results), "--output_dir", str(directory / "out"),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(f"{method} {arch} failed (exit {done.returncode})")
-    return json.loads(results.read_text())
+    return run_workload(method, [
+        "--trainer", args.trainer, "--arch", arch, "--prompt_length", str(args.prompt_length),
+        "--max_completion_length", str(args.completion_length), "--num_generations", str(args.k),
+        "--per_device_train_batch_size", str(args.k), "--max_steps", "3",
+    ], directory, f"{method}_{arch}")  # fmt: skip
 
 
 def main(argv=None) -> int:

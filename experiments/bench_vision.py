@@ -14,32 +14,23 @@ ratios are medians over `--repeats`.
 """
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from bench_common import run_workload
+
 STEPS = 3
 
 
 def run(method: str, args, directory: Path) -> dict:
-    results = directory / f"{method}.json"
-    command = [
-        sys.executable, str(HERE / "run_rloo.py"), "--trainer", args.trainer, "--method", method, "--arch", args.arch,
-        "--image_size", str(args.image_size), "--image_width", str(args.image_size),
-        "--prompt_length", str(args.prompt_length), "--max_completion_length", str(args.completion_length),
-        "--num_generations", str(args.k), "--per_device_train_batch_size", str(args.k), "--max_steps", str(STEPS),
-        "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-        "--results_file", str(results), "--output_dir", str(directory / "out"),
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(f"{method} failed (exit {done.returncode})")
-    return json.loads(results.read_text())
+    return run_workload(method, [
+        "--trainer", args.trainer, "--arch", args.arch, "--image_size", str(args.image_size),
+        "--image_width", str(args.image_size), "--prompt_length", str(args.prompt_length),
+        "--max_completion_length", str(args.completion_length), "--num_generations", str(args.k),
+        "--per_device_train_batch_size", str(args.k), "--max_steps", str(STEPS),
+    ], directory, method)  # fmt: skip
 
 
 def per_group(counts: dict) -> str:

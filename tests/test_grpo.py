@@ -10,6 +10,7 @@ from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 from .conftest import run, tiny_workload, training_args
+from .test_trainer import TransformersSampling
 
 
 # float64 with the exact head and norms (`exact_head`) for both: the same numbers to float64's resolution
@@ -124,35 +125,11 @@ def test_hydra_reward_adapter(workload, tmp_path, exact_head):
     assert {"policy_logps", "reference_logps"} <= phases_run(ours)
 
 
-class VLLMStandIn:
-    """
-    The RLOO test's stand-in for TRL's vLLM generation object ([`tests.test_trainer.TransformersSampling`]: each row
-    sampled once with transformers' `generate` from the live policy), returning what GRPO also reads: each sampled
-    token's log-probability (vLLM's top-1 list per token), for TRL's importance-sampling correction.
-    """
+class VLLMStandIn(TransformersSampling):
+    """The RLOO test's stand-in for TRL's vLLM generation object, returning what GRPO also reads: each sampled token's
+    log-probability, for TRL's importance-sampling correction."""
 
-    def __init__(self, model, processing_class, max_completion_length, temperature, **kwargs):
-        self.model, self.tokenizer = model, processing_class
-        self.max_completion_length, self.temperature = max_completion_length, temperature
-
-    def sync_weights(self):
-        pass
-
-    @torch.no_grad()
-    def generate(self, prompts, images, num_generations, profiler=None):
-        batch = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
-        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature, top_k=0,
-                                     max_new_tokens=self.max_completion_length, output_scores=True,
-                                     return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
-                                     eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
-        logprobs = self.model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True)
-        completions, token_logprobs = [], []
-        width = batch["input_ids"].shape[1]
-        for row, scores in zip(output.sequences[:, width:].tolist(), logprobs.tolist(), strict=True):
-            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
-            completions.append(row[:end])
-            token_logprobs.append([[value] for value in scores[:end]])
-        return prompts, completions, token_logprobs, None
+    logprobs = True
 
 
 def test_vllm_generation(workload, tmp_path, monkeypatch, exact_head):

@@ -107,7 +107,7 @@ def errors(module, fork_fn, layout_name) -> dict[str, float]:
 
 
 def scaled_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30))
+    return float((actual - expected).detach().abs().max() / expected.detach().abs().max().clamp(min=1e-30))
 
 
 def _tolerance(layer) -> float:

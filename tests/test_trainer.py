@@ -153,6 +153,7 @@ class TransformersSampling:
     """
 
     calls = 0
+    logprobs = False  # GRPO's stand-in also returns each sampled token's log-probability (vLLM's top-1 list per token)
 
     def __init__(self, model, processing_class, max_completion_length, temperature, **kwargs):
         self.model, self.tokenizer = model, processing_class
@@ -166,14 +167,19 @@ class TransformersSampling:
         type(self).calls += 1
         batch = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
         width = batch["input_ids"].shape[1]
-        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature,
-                                     max_new_tokens=self.max_completion_length, top_k=0,
-                                     pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
-        completions = []
-        for row in output[:, width:].tolist():  # up to and including the first EOS, as vLLM returns them
+        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature, top_k=0,
+                                     max_new_tokens=self.max_completion_length, output_scores=self.logprobs,
+                                     return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
+                                     eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
+        rows = output.sequences[:, width:].tolist()
+        scores = (self.model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True).tolist()
+                  if self.logprobs else [[]] * len(rows))  # fmt: skip
+        completions, token_logprobs = [], []
+        for row, row_scores in zip(rows, scores, strict=True):  # up to and including the first EOS, as vLLM returns them
             end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
             completions.append(row[:end])
-        return prompts, completions, None, None
+            token_logprobs.append([[value] for value in row_scores[:end]])
+        return prompts, completions, token_logprobs if self.logprobs else None, None
 
 
 def test_with_vllm_generation_the_other_phases_still_share_each_prompt(workload, model_cache, tmp_path, monkeypatch, exact_head):

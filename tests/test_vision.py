@@ -5,6 +5,7 @@ each group's image once per log-prob pass, where stock encodes it once per row."
 import functools
 import warnings
 
+import numpy
 import pytest
 import torch
 import trl
@@ -283,7 +284,7 @@ def _processed(processor, texts, images):
     pad_id = processor.tokenizer.pad_token_id
     ids = torch.tensor([[pad_id] * (width - len(row)) + list(row) for row in rows])
     mask = left_pad([[1] * len(row) for row in rows])
-    extra = {key: left_pad(value) if key in ("token_type_ids", "mm_token_type_ids") else torch.as_tensor(value)
+    extra = {key: left_pad(value) if key in ("token_type_ids", "mm_token_type_ids") else torch.as_tensor(numpy.asarray(value))
              for key, value in out.items() if key not in ("input_ids", "attention_mask")}  # fmt: skip
     return ids, mask, extra, [list(row) for row in rows]
 
