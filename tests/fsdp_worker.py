@@ -54,6 +54,86 @@ def full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def image_prompts(directory: Path) -> dict:
+    """
+    A tiny Qwen2-VL sharded as accelerate's FSDP2 wraps it (each decoder layer and vision block, then the root): the
+    shared prefill with images, rank 0's four rows two prompts, rank 1's three, each image encoded once per distinct
+    prompt; `synced` keeps the ranks on the same forwards. Then the ranks' agreement on the image prefill
+    ([`GroupSharingMixin._all_ranks_can`]): one rank that cannot makes both take stock's `generate`.
+    """
+    import functools
+    from types import SimpleNamespace
+
+    import numpy
+    from PIL import Image
+    from trl.data_utils import prepare_multimodal_messages
+
+    from rloo_efficient import GroupSharingMixin
+    from rloo_efficient.tiny_models import model_config, model_from_config
+    from rloo_efficient.workload import WorkloadConfig, build_processing_class, build_tokenizer
+
+    cfg = WorkloadConfig(arch="qwen2_vl", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, max_position_embeddings=512, model_dtype="float64",
+                         model_cache_dir=str(directory / f"models{dist.get_rank()}"))  # fmt: skip
+    torch.manual_seed(0)
+    config = model_config(cfg, build_tokenizer(cfg.vocab_size, cfg.arch))
+    model = model_from_config(cfg, config, torch.float64).eval()
+    reference = model_from_config(cfg, config, torch.float64).eval()
+    reference.load_state_dict(model.state_dict())
+    for layer in (*model.model.language_model.layers, *model.model.visual.blocks):
+        fully_shard(layer)
+    fully_shard(model)
+    prefix_attention.install(model)
+    encoded = []
+    encode = model.model.get_image_features
+
+    @functools.wraps(encode)
+    def recorded(pixel_values, *args, **kwargs):
+        encoded.append(len((kwargs["image_grid_thw"] if "image_grid_thw" in kwargs else args[0])))
+        return encode(pixel_values, *args, **kwargs)
+
+    model.model.get_image_features = recorded
+
+    pixels = torch.Generator().manual_seed(3)
+    one, two = (Image.fromarray(torch.randint(0, 256, (8, 16, 3), generator=pixels, dtype=torch.uint8).numpy())
+                for _ in range(2))  # fmt: skip
+    if dist.get_rank() == 0:
+        texts, images = ["Describe it.", "Describe it.", "What colour?", "What colour?"], [one, one, two, two]
+    else:  # rows 0 and 3 are one prompt; row 1 has row 0's tokens and other pixels
+        texts, images = ["Describe it.", "Describe it.", "What colour?", "Describe it."], [one, two, one, one]
+    processor = build_processing_class(cfg)
+    conversations = [prepare_multimodal_messages([{"role": "user", "content": text}], images=[image])
+                     for text, image in zip(texts, images, strict=True)]  # fmt: skip
+    batch = processor.apply_chat_template(conversation=conversations, add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)  # fmt: skip
+    prompt_ids, pad = [list(row) for row in batch.pop("input_ids")], processor.tokenizer.pad_token_id
+    width = max(map(len, prompt_ids))
+    batch = {key: (torch.tensor([[0] * (width - len(row)) + list(row) for row in value]) if key.endswith("type_ids")
+                   else torch.as_tensor(numpy.asarray(value))) for key, value in batch.items()}  # fmt: skip
+    batch["input_ids"] = torch.tensor([[pad] * (width - len(row)) + row for row in prompt_ids])  # left, as TRL pads
+    batch["attention_mask"] = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in prompt_ids])
+    generation = GenerationConfig(max_new_tokens=5, do_sample=True, pad_token_id=pad, eos_token_id=None, top_k=0)
+    kwargs = dict(generation_config=generation, output_logits=True, return_dict_in_generate=True, **batch)
+    torch.manual_seed(3)
+    ours, tokens = generate_with_shared_prefill(model, prompt_ids=prompt_ids, prompt_cache_once=True, synced=True,
+                                                synced_gpus=True, images=[[image] for image in images], **kwargs)  # fmt: skip
+    torch.manual_seed(3)
+    stock = reference.generate(**kwargs)
+    distinct = 2 if dist.get_rank() == 0 else 3
+    out = {"image_prefill_tokens": tokens == distinct * (batch["input_ids"].shape[1] - 1),
+           "images_encoded": encoded == [distinct],
+           "image_generate_same_tokens": bool(torch.equal(ours.sequences, stock.sequences)),
+           "image_generate_logits": max((a - b).abs().max().item() for a, b in zip(ours.logits, stock.logits,
+                                                                                    strict=True))}  # fmt: skip
+
+    # The agreement, on the sharded model as the trainer sees it
+    trainer = SimpleNamespace(model_wrapped=model, accelerator=SimpleNamespace(
+        num_processes=dist.get_world_size(), device=torch.device("cpu"), unwrap_model=lambda m: m))  # fmt: skip
+    trainer._forwards_are_collective = functools.partial(GroupSharingMixin._forwards_are_collective, trainer)
+    out["ranks_agree"] = [GroupSharingMixin._all_ranks_can(trainer, can) for can in (True, dist.get_rank() == 1)]
+    return out
+
+
 def main():
     dist.init_process_group("gloo")
     out = {}
@@ -102,6 +182,8 @@ def main():
     out["generate_same_tokens"] = bool(torch.equal(results[0].sequences, results[1].sequences))
     out["generate_logits"] = max((a - b).abs().max().item() for a, b in zip(results[0].logits, results[1].logits,
                                                                             strict=True))  # fmt: skip
+
+    out.update(image_prompts(Path(sys.argv[1])))
 
     # Packed reward scoring on a sharded sequence classifier, called at its root
     model, reference = pair(LlamaForSequenceClassification, num_labels=1)

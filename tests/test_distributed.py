@@ -90,7 +90,8 @@ def test_the_run_script_on_two_processes_builds_its_models_once_and_writes_one_r
 
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
     """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, the shared prefill with the
-    prompt cache once per group, and the packed reward scoring give the unsharded model's numbers."""
+    prompt cache once per group (text, and image prompts on a Qwen2-VL), and the packed reward scoring give the
+    unsharded model's numbers; the ranks agree on the image prefill."""
     worker = Path(__file__).with_name("fsdp_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(worker), str(tmp_path)]  # fmt: skip
@@ -102,3 +103,8 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
         assert result["packed_logps"] < 1e-6 and result["packed_grads"] < 1e-5  # TRL's head rounds to float32
         assert result["generate_same_tokens"] and result["generate_logits"] < 1e-6
         assert result["reward_scores"] < 1e-10
+        # Image prompts: each distinct prompt prefilled once with its image, the stock call's samples; one rank that
+        # cannot prefill image prompts once makes both take stock's generate (else their forwards would fall apart)
+        assert result["image_prefill_tokens"] and result["images_encoded"]
+        assert result["image_generate_same_tokens"] and result["image_generate_logits"] < 1e-6
+        assert result["ranks_agree"] == [True, False]
