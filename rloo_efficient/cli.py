@@ -50,7 +50,8 @@ def run(argv: list[str] | None = None) -> None:
     command, arguments = _command(list(sys.argv[1:] if argv is None else argv))
     with our_classes(command) as script:
         parser = script.make_parser(prog=f"rloo-efficient {command}")
-        script.main(*parser.parse_args_and_config(args=arguments))
+        # Launch keys in the recipe (num_processes, mixed_precision) were accelerate's: ignored here, as TRL's scripts do
+        script.main(*parser.parse_args_and_config(args=arguments, fail_with_unknown_args=False))
 
 
 def main(argv: list[str] | None = None) -> int:

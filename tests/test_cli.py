@@ -2,8 +2,8 @@
 The command line as users run it: a YAML recipe (a local model directory, a local dataset directory, a reward
 function named by dotted path, our fields beside TRL's), `trl <command> --config recipe.yaml` for stock and
 `rloo-efficient <command> --config recipe.yaml` for ours, each launched through `accelerate launch` by its console
-script, on one process and on two (`--accelerate_config` with the shipped data-parallel config, on CPU). Both must
-train the same weights, ours with its sharing on.
+script, on one process and on two (`num_processes` in the recipe, `--accelerate_config` with the shipped
+data-parallel config, on CPU). Both must train the same weights, ours with its sharing on.
 """
 
 import json
@@ -48,8 +48,8 @@ def launch(console_script: str, command: str, recipe: dict, directory: Path, pro
     (directory / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     arguments = [str(BIN / console_script), command, "--config", str(directory / "recipe.yaml")]
     if processes > 1:  # launch arguments the script does not know go to accelerate, as TRL's CLI passes them
-        arguments += ["--accelerate_config", str(cpu_config("multi_gpu", directory)), "--num_processes",
-                      str(processes), "--main_process_port", str(free_port())]  # fmt: skip
+        arguments += ["--accelerate_config", str(cpu_config("multi_gpu", directory)),
+                      "--main_process_port", str(free_port())]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "ACCELERATE_CONFIG_FILE": str(directory / "none.yaml")}  # no machine-wide accelerate config  # fmt: skip
     done = subprocess.run(arguments, cwd=directory, env=env, capture_output=True, text=True, timeout=600)
@@ -66,6 +66,7 @@ def test_recipe_runs_as_trl_runs_it(recipe_inputs, tmp_path, command, processes)
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, learning_rate=1e-2,
         beta=0.1, logging_steps=1, seed=1, report_to="none", save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
+    recipe["num_processes"] = processes  # a launch key in the recipe: accelerate's, unknown to the script's parser
     if processes > 1:
         recipe["use_cpu"] = True  # transformers otherwise runs each CPU process on its own
     stock = launch("trl", command, recipe, tmp_path / "stock", processes)
