@@ -66,6 +66,11 @@ def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantizat
     """
     if adapter.get("peft_type") != "LORA":
         return f"it is a {adapter.get('peft_type')} adapter, not LoRA"
+    init = adapter.get("init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        # PiSSA, OLoRA, CorDA, LoftQ: PEFT rewrites the base layers' weights when it creates such an adapter, on the
+        # policy's own weights here, on stock's separate copy there
+        return f"its init_lora_weights ({init}) rewrites the base model's weights when the adapter is loaded"
     if path is not None and not any(key.endswith("weight") for key in _score_keys(_adapter_keys(path))):
         # Stock's model gets a score head initialized from the global generator at load time: only loading it the
         # same way reproduces it
