@@ -228,6 +228,30 @@ def test_a_prompt_ending_with_an_image_runs_stock_with_one_warning(model_cache, 
     assert_same_run(stock, ours)
 
 
+@pytest.mark.parametrize("from_tool", [True, False])
+def test_images_a_tool_returned_run_stock_with_one_warning(model_cache, tmp_path, monkeypatch, from_tool):
+    """
+    Images a GRPO tool returns sit in the rows' completions, each row's own: that batch runs stock's forwards, with
+    one warning. Stock TRL 1.16 itself fails in the turn after such a tool on every family here (the processor's
+    extra fields reach `generate`), so no run is compared: TRL's `_generate` is stood in for by the tuple it returns.
+    """
+    cfg = tiny_workload(model_cache, arch="qwen2_vl", image_size=8, num_prompts=8)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    trainer = GRPOTrainer(model=path, reward_funcs=token_reward, args=grpo_args(tmp_path, max_steps=1),
+                          train_dataset=dataset, processing_class=build_processing_class(cfg))  # fmt: skip
+    prompts = [[{"role": "user", "content": [{"type": "text", "text": "Describe."}]}]] * 4  # one group of 4
+    tool_images = [[dataset[0]["image"]] if from_tool and row == 1 else [] for row in range(4)]
+    # prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+    result = ([[5, 6, 7]] * 4, [[8, 9]] * 4, None, None, None, {}, None, tool_images)
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda self, prompts: result)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trainer._generate(prompts) is result
+    reasons = [str(w.message) for w in caught if "a tool returned images" in str(w.message)]
+    assert len(reasons) == int(from_tool)
+    assert (trainer._active_rows is None) == from_tool
+
+
 def test_a_family_without_known_image_placement_runs_stock_with_one_warning(model_cache, tmp_path, monkeypatch):
     """Image batches of a family not in the vision list: stock's generation and forwards, one warning naming why; its
     text-only batches would still share."""

@@ -287,6 +287,11 @@ class GroupSharingMixin(RewardSharingMixin):
             # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
             self._fall_back("a prompt ends with an image's token", permanent=False)
             self._active_rows = None
+        tool_images = result[7] if len(result) > 7 else None  # GRPO: images a tool returned, per row
+        if self._is_vlm and tool_images and any(tool_images):
+            # In the rows' completions, each row's own: the packed forward takes images from the prompts only
+            self._fall_back("a tool returned images", permanent=False)
+            self._active_rows = None
         return result
 
     def _generate_and_score_completions(self, inputs):
