@@ -252,6 +252,24 @@ def test_images_a_tool_returned_run_stock_with_one_warning(model_cache, tmp_path
     assert (trainer._active_rows is None) == from_tool
 
 
+def test_crops_are_one_reason_whatever_the_batch(model_cache):
+    """Gemma 3's pan-and-scan crops (the processor's `do_pan_and_scan`) give more pixel entries than images: stock's
+    path, for a reason that reads the same for every such batch (warned about once, not once per image count)."""
+    from rloo_efficient.core.vision import VISION_FAMILIES, layout_reason
+
+    cfg = tiny_workload(model_cache, arch="gemma3_vlm", image_size=8, num_prompts=8)
+    processor, images = build_processing_class(cfg), build_dataset(cfg)["image"]  # 8x8, 16x8, 8x8, ...
+    pixels = VISION_FAMILIES["gemma3"]["pixels"]
+    crops = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=4, pan_and_scan_max_num_crops=2)
+
+    def reason(rows, **kwargs):
+        fields = processor(text=["<start_of_image>"] * len(rows), images=[[images[i]] for i in rows], **kwargs)
+        return layout_reason(dict(fields), [1] * len(rows), pixels)
+
+    assert reason([0, 1]) is None and reason([1, 3]) is None
+    assert reason([0, 1], **crops) == reason([1, 3, 5], **crops) == "the pixel values are not one entry per image (crops?)"
+
+
 def test_a_family_without_known_image_placement_runs_stock_with_one_warning(model_cache, tmp_path, monkeypatch):
     """Image batches of a family not in the vision list: stock's generation and forwards, one warning naming why; its
     text-only batches would still share."""

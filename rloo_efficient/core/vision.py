@@ -80,10 +80,10 @@ def layout_reason(kwargs: dict, num_images: list[int], pixels: str) -> str | Non
         grid = kwargs.get("image_grid_thw")
         if grid is None or len(grid) != total:
             return "the image grids do not match the images"
-    elif pixels == "images" and entries != total:
-        return f"{entries} pixel entries for {total} images (one per image expected: crops?)"
+    elif pixels == "images" and entries != total:  # the reason names no counts: it is warned about once
+        return "the pixel values are not one entry per image (crops?)"
     elif pixels == "rows" and entries != len(num_images):
-        return f"{entries} pixel entries for {len(num_images)} rows (one per row expected)"
+        return "the pixel values are not one entry per row"
     return None
 
 
