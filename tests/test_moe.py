@@ -9,6 +9,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient import GRPOConfig, GRPOTrainer
 from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.families import forward_unsupported_reason
 from rloo_efficient.core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from rloo_efficient.core.packing import pack_groups, row_groups
 from rloo_efficient.workload import build_dataset, build_model_dir
@@ -70,12 +71,13 @@ def test_the_packed_loss_is_stocks_with_unscored_rows_and_groups(moe_model):
     assert int(packed.token_weights.sum()) == int(attention_mask.sum())
 
 
-def test_router_jitter_refuses_the_packed_loss(moe_model):
-    """Jitter draws noise per token in training: a shared token would draw once where stock's rows draw k times."""
-    assert aux_loss_reason(moe_model) is None
+def test_router_jitter_refuses_the_packed_forward(moe_model):
+    """Jitter draws noise per token in training: a shared token would draw once where stock's rows draw k times, with
+    the load-balancing loss on or off (a trainer's run: test_prefix_sharing's test of what packing cannot reproduce)."""
+    assert aux_loss_reason(moe_model) is None and forward_unsupported_reason(moe_model) is None
     moe_model.config.router_jitter_noise = 0.1
     try:
-        assert "jitter" in aux_loss_reason(moe_model)
+        assert "jitter" in forward_unsupported_reason(moe_model)
     finally:
         moe_model.config.router_jitter_noise = 0.0
 

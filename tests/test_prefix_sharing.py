@@ -339,6 +339,48 @@ def test_absolute_positions_fall_back_with_one_warning(model_cache, tmp_path):
     assert step_metrics(ours) == step_metrics(stock)
 
 
+# Models whose stock run packing cannot reproduce, each a family's checkpoint with one config field changed: (arch,
+# workload settings, the field, the reason warned about)
+UNREPRODUCIBLE = {
+    # Stock zeroes its left padding before a recurrent layer's input projection: with a bias there, each pad enters
+    # the convolution as the bias and reaches the row's first tokens
+    "mamba2_projection_bias": ("nemotron_h", dict(model_dtype="float32", num_hidden_layers=3), dict(use_bias=True),
+                               "input projection has a bias"),
+    "short_conv_projection_bias": ("lfm2", {}, dict(conv_bias=True), "input projection has a bias"),
+    # Fresh noise per token in training, in generation and in the training forward; with the load-balancing loss off
+    "router_jitter": ("minimax_m2", dict(model_dtype="float32"),
+                      dict(router_jitter_noise=0.1, router_aux_loss_coef=0.0), "router adds random jitter"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(UNREPRODUCIBLE))
+def test_what_packing_cannot_reproduce_runs_stock_with_one_warning(model_cache, tmp_path, case):
+    from transformers import AutoTokenizer
+
+    arch, settings, field, reason = UNREPRODUCIBLE[case]
+    cfg = tiny_workload(model_cache, arch=arch, **settings)
+    saved = build_model_dir(cfg)
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype="auto", **field)
+    with torch.no_grad():  # the biases the checkpoint lacks, drawn (transformers would start them at zero)
+        for name, parameter in model.named_parameters():
+            if name.endswith("in_proj.bias"):
+                parameter.normal_(generator=torch.Generator().manual_seed(0))
+    path = str(tmp_path / "model")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(saved).save_pretrained(path)
+    dataset = build_dataset(cfg)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, max_steps=2), dataset)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, path, training_args(tmp_path / "o", max_steps=2), dataset)
+    # The packed forwards and the shared prefill, each off with one warning naming the reason
+    for phase in ("prompt-prefix sharing is off", "shared generation prefill is off"):
+        assert len([w for w in caught if phase in str(w.message) and reason in str(w.message)]) == 1, phase
+    assert ours.packed_forward_tokens == 0 and ours.shared_prefill_tokens == 0
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert step_metrics(ours) == step_metrics(stock)
+
+
 def test_active_dropout_falls_back(model_cache, tmp_path):
     cfg = tiny_workload(model_cache)
     path = build_model_dir(cfg)

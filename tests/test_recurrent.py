@@ -229,3 +229,30 @@ def test_the_check_runs_inside_a_no_grad_pass(monkeypatch):
         warnings.simplefilter("error")
         with torch.inference_mode():
             assert recurrent_checks.trusted("mamba2 scan", wrapped, torch.device("cpu"), torch.float32) is wrapped
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_layer_under_an_accelerate_hook_is_forked_after_the_hook(model_cache, offload):
+    """A model dispatched by accelerate (`device_map`, offloading) may hold a hook on a recurrent layer: its forward
+    moves the inputs and loads offloaded weights before the layer runs. The packed layout still reaches the fork, after
+    the hook's work: with the weights offloaded (on the meta device between calls), the fork computes what it computes
+    without the hook."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from rloo_efficient.core.prefix_attention import LAYOUT_KWARG
+
+    cfg = tiny_workload(model_cache, arch="lfm2", num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = model_from_config(cfg, model_config(cfg, build_tokenizer(arch=cfg.arch)), torch.float64)
+    module, fork = next(recurrent.recurrent_layers(model))
+    dim = module.in_proj.weight.shape[1]
+    packed, *_ = _packed("ragged", torch.float64, dim)
+    hidden = torch.randn(1, packed.input_ids.shape[1], dim, dtype=torch.float64)
+    expected = fork(module, hidden, packed.layout)
+    weights = {name: parameter.detach().clone() for name, parameter in module.named_parameters()} if offload else None
+    add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", offload=offload, weights_map=weights,
+                                                place_submodules=True))  # fmt: skip
+    if offload:
+        assert module.in_proj.weight.device.type == "meta"
+    assert recurrent.install(model) == recurrent.install(model) > 0  # idempotent under the hook too
+    torch.testing.assert_close(module(hidden, **{LAYOUT_KWARG: packed.layout}), expected, rtol=0, atol=0)

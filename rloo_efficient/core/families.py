@@ -6,6 +6,7 @@ Which models each phase can share exactly, and why the others cannot: the one li
 from torch import nn
 
 from .prefix_attention import _attention_modules
+from .recurrent import recurrent_layers
 
 
 # The one list every sharing path follows (the packed forwards, the shared prefill, the once-per-group prompt cache,
@@ -44,7 +45,32 @@ def forward_unsupported_reason(model: nn.Module) -> str | None:
     checkpoint's language model shares text batches, and image batches where [`vision.vision_reason`] allows. (A
     family with absolute positions, whose left padding shifts every token's position in stock's rows, is not on the
     list; listed families have rotary positions or none at all.)"""
-    return attention_reason(model) or rope_reason(model) or dropout_reason(model)
+    return (attention_reason(model) or rope_reason(model) or dropout_reason(model) or recurrent_reason(model)
+            or jitter_reason(model))  # fmt: skip
+
+
+def recurrent_reason(model: nn.Module) -> str | None:
+    """
+    A recurrent layer whose input projection has a bias (Nemotron-H's `use_bias`, Granite 4-H's and Falcon-H1's
+    `mamba_proj_bias`, LFM2's `conv_bias`): stock's left padding is zeroed before that projection, so each pad enters
+    the layer's convolution as the bias and reaches the row's first tokens, which a row without padding cannot give.
+    """
+    for module, _ in recurrent_layers(model):
+        if getattr(getattr(module, "in_proj", None), "bias", None) is not None:
+            return (f"its recurrent layers' input projection has a bias ({type(module).__name__}): stock's left padding "
+                    "reaches their convolution as that bias")  # fmt: skip
+    return None
+
+
+def jitter_reason(model: nn.Module) -> str | None:
+    """A MoE router with jitter multiplies each token by fresh noise in training: a shared token would draw once where
+    stock's rows draw once per copy, and every later draw would move."""
+    jitter = [getattr(model.config.get_text_config(), "router_jitter_noise", 0) or 0]
+    jitter += [value for module in model.modules() if isinstance(value := getattr(module, "jitter_noise", 0), float)]
+    if max(jitter) > 0:
+        return (f"its router adds random jitter in training (router_jitter_noise={max(jitter)}); shared tokens would "
+                "draw other noise than stock's rows")  # fmt: skip
+    return None
 
 
 def rope_reason(model: nn.Module) -> str | None:

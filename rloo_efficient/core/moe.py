@@ -34,12 +34,7 @@ def aux_loss_reason(model: nn.Module) -> str | None:
         return f"{type(model).__name__} records no router logits for the MoE load-balancing loss"
     if getattr(text_config, "num_experts", None) is None or getattr(text_config, "num_experts_per_tok", None) is None:
         return "its config names no num_experts / num_experts_per_tok, which TRL's load-balancing loss reads"
-    jitter = [getattr(text_config, "router_jitter_noise", 0) or 0]
-    jitter += [getattr(module, "jitter_noise", 0) or 0 for module in model.modules()]
-    if max(jitter) > 0:
-        return (f"its router adds random jitter in training (router_jitter_noise={max(jitter)}); shared tokens would "
-                "draw other noise than stock's rows")  # fmt: skip
-    return None
+    return None  # (router jitter: [`families.jitter_reason`], checked for every packed forward)
 
 
 @contextlib.contextmanager

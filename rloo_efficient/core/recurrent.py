@@ -257,9 +257,12 @@ def install(model: nn.Module) -> int:
     count = 0
     for module, fork in recurrent_layers(model):
         count += 1
-        if "forward" in vars(module):  # routed already
+        if getattr(module, "_rloo_efficient_routed", False):
             continue
-        own_forward = module.forward
+        # Under an accelerate hook (`device_map`, offloading), its forward moves the inputs (and loads offloaded
+        # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too
+        target = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+        own_forward = getattr(module, target)
 
         def forward(*args, _own=own_forward, _module=module, _fork=fork, **kwargs):
             layout = kwargs.pop(LAYOUT_KWARG, None)
@@ -267,5 +270,6 @@ def install(model: nn.Module) -> int:
                 return _own(*args, **kwargs)
             return _fork(_module, args[0] if args else kwargs["hidden_states"], layout)
 
-        module.forward = forward
+        setattr(module, target, forward)
+        module._rloo_efficient_routed = True
     return count

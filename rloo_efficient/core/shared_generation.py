@@ -24,7 +24,7 @@ from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
-from .families import dropout_reason, family_reason, rope_reason
+from .families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, kv_sources
@@ -60,7 +60,7 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
     if not layer_kinds <= set(_FANNABLE_LAYERS):
         names = ", ".join(sorted(kind.__name__ for kind in layer_kinds - set(_FANNABLE_LAYERS)))
         return f"its cache has layers ({names}) that are not plain per-row keys and values"
-    return rope_reason(model) or dropout_reason(model)
+    return rope_reason(model) or dropout_reason(model) or recurrent_reason(model) or jitter_reason(model)
 
 
 def unique_rows(prompt_ids: list[list[int]], images: list | None = None) -> tuple[list[int], list[int]]:
