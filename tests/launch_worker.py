@@ -5,10 +5,12 @@ workload (models pre-built by the test), and writes this rank's metrics, complet
 `<out>/<name>_rank<r>.json`.
 
 A run: {"name", "method": "stock"|"ours", "num_generations", "per_device_train_batch_size",
-"gradient_accumulation_steps", "reward": "rule"|"separate"|"hydra"}.
+"gradient_accumulation_steps", "reward": "rule"|"separate"|"hydra", "images": bool}; with "images", the workload is a
+tiny Qwen2-VL checkpoint with its processor and an image per prompt, scored by a rule on the completion's tokens.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -23,20 +25,28 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
-from rloo_efficient.workload import build_dataset, build_model_dir, build_reward_adapter_dir  # noqa: E402
+from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class  # noqa: E402
+from rloo_efficient.workload import build_reward_adapter_dir  # noqa: E402
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward  # noqa: E402
 from tests.conftest import METRICS, tiny_workload, training_args  # noqa: E402
 
 
-def launcher_workload(model_cache):
+def launcher_workload(model_cache, images: bool = False):
     # float32: DeepSpeed keeps float32 weights whatever the checkpoint holds (float64 does not survive ZeRO)
+    if images:  # 8 prompts, each with its own 8x8 or 16x8 image
+        return tiny_workload(model_cache, model_dtype="float32", arch="qwen2_vl", image_size=8, num_prompts=8)
     return tiny_workload(model_cache, model_dtype="float32")
 
 
+def token_reward(completion_ids, **kwargs):  # varies within every group (the vowel rule can be all 0 on images)
+    return [float(sum(ids) % 17) for ids in completion_ids]
+
+
 def train(run: dict, out: Path, model_cache: str) -> dict:
-    cfg = launcher_workload(model_cache)
+    images = run.get("images", False)
+    cfg = launcher_workload(model_cache, images)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
-    reward, extra = vowel_reward, {}
+    reward, extra = (token_reward if images else vowel_reward), {}
     if run["reward"] == "separate":
         reward = [vowel_reward, build_reward_model_dir(cfg)]
     elif run["reward"] == "hydra":
@@ -53,7 +63,19 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
     args = training_args(out / run["name"], **settings)
     trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
     trainer = trainer_class(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
-                            processing_class=build_tokenizer(), **extra)  # fmt: skip
+                            processing_class=build_processing_class(cfg) if images else build_tokenizer(),
+                            **extra)  # fmt: skip
+    encoded = []  # images through the vision tower, per call
+    if images:
+        language_model = trainer.accelerator.unwrap_model(trainer.model).model
+        encode = language_model.get_image_features
+
+        @functools.wraps(encode)  # generate reads its signature
+        def recorded_encode(pixel_values, image_grid_thw=None, *args, **kwargs):
+            encoded.append(len(image_grid_thw))
+            return encode(pixel_values, image_grid_thw, *args, **kwargs)
+
+        language_model.get_image_features = recorded_encode
     # Each call of generation on this rank: how many distinct prompts among how many rows
     generations = []
     generate = trainer._generate_single_turn
@@ -67,6 +89,7 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
     trainer.train()
     return {
         "generations": generations,
+        "images_encoded": encoded,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,

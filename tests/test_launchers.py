@@ -2,7 +2,8 @@
 Through the real launcher: `accelerate launch --config_file <config> --num_processes 2`, with the configs we ship
 (`experiments/accelerate_configs/`) made to run on CPU processes (gloo). Data parallel, DeepSpeed ZeRO-2 and ZeRO-3
 (parameters really sharded): stock TRL and ours on the same workload with `beta > 0` and gradient accumulation,
-whole groups per process and a group split across the processes, and under ZeRO-3 a separate reward model and Hydra.
+whole groups per process and a group split across the processes, and under ZeRO-3 a separate reward model, Hydra,
+and image prompts (a Qwen2-VL checkpoint, its vision tower sharded too).
 Ours must give stock's completions and per-step metrics, with its sharing on.
 
 FSDP is not here: with `use_cpu: true`, accelerate runs an FSDP config as plain data parallel (nothing is sharded), so
@@ -46,8 +47,10 @@ CASES = {  # launcher -> {case: (layout, reward)}
     "zero2": {layout: (layout, "rule") for layout in LAYOUTS},
     "zero3": {**{layout: (layout, "rule") for layout in LAYOUTS},
               "separate_reward_model": ("group_split_across_processes", "separate"),
-              "hydra_reward_adapter": ("group_split_across_processes", "hydra")},  # fmt: skip
+              "hydra_reward_adapter": ("group_split_across_processes", "hydra"),
+              "image_prompts": ("group_split_across_processes", "rule")},  # fmt: skip
 }
+IMAGE_CASES = {"image_prompts"}  # a Qwen2-VL checkpoint, its processor, an image per prompt
 EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),
             "zero3": ("DistributedType.DEEPSPEED", 3)}  # fmt: skip
 
@@ -97,12 +100,13 @@ def launched(model_cache, tmp_path_factory):
     (one launch per launcher: starting 2 processes with DeepSpeed costs more than a tiny run)."""
     cfg = launcher_workload(model_cache)
     build_model_dir(cfg), build_reward_model_dir(cfg), build_reward_adapter_dir(cfg, rank=4)  # once, before the ranks
+    build_model_dir(launcher_workload(model_cache, images=True))
     done = {}
 
     def launch(launcher: str) -> Path:
         if launcher not in done:
             out = tmp_path_factory.mktemp(launcher)
-            runs = [{"name": f"{method}_{case}", "method": method, "reward": reward,
+            runs = [{"name": f"{method}_{case}", "method": method, "reward": reward, "images": case in IMAGE_CASES,
                      "gradient_accumulation_steps": GRADIENT_ACCUMULATION, **LAYOUTS[layout]}
                     for case, (layout, reward) in CASES[launcher].items() for method in ("stock", "ours")]  # fmt: skip
             command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -156,6 +160,9 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
             assert ours["reward_forward_tokens"] > 0
             kind = {"separate": "DeepSpeedEngine", "hydra": "HydraReward"}[reward]
             assert ours["reward_funcs"][-1] == kind and stock["reward_funcs"][-1] == "DeepSpeedEngine"
+        if case in IMAGE_CASES:  # each call's rows are one group: its image encoded once, where stock's once per row
+            assert len(ours["images_encoded"]) == len(stock["images_encoded"]) > 0
+            assert set(ours["images_encoded"]) == {1} and min(stock["images_encoded"]) >= 2
         if zero_stage == 3:  # really sharded: each rank holds half of each model between forwards
             for model in ("policy", "reference", *(["reward"] if reward == "separate" else [])):
                 if model == "reference" and reward == "hydra":
