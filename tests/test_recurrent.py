@@ -231,28 +231,44 @@ def test_the_check_runs_inside_a_no_grad_pass(monkeypatch):
             assert recurrent_checks.trusted("mamba2 scan", wrapped, torch.device("cpu"), torch.float32) is wrapped
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_a_layer_under_an_accelerate_hook_is_forked_after_the_hook(model_cache, offload):
-    """A model dispatched by accelerate (`device_map`, offloading) may hold a hook on a recurrent layer: its forward
-    moves the inputs and loads offloaded weights before the layer runs. The packed layout still reaches the fork, after
-    the hook's work: with the weights offloaded (on the meta device between calls), the fork computes what it computes
-    without the hook."""
-    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+@pytest.mark.parametrize("arch, placement", [("lfm2", "disk"), ("qwen3_5", "disk"), ("nemotron_h", "disk"),
+                                             ("lfm2", "hooks_only")])  # fmt: skip
+def test_a_layer_dispatched_by_accelerate_is_forked_with_its_weights(model_cache, tmp_path, arch, placement):
+    """
+    A model loaded with a `device_map` carries accelerate's hooks: its recurrent layer's forward moves the inputs and
+    loads the layer's own offloaded weights before the layer runs, and the convolution child, whose weights the fork
+    reads without calling it, has a hook of its own. Loaded as a user loads it (`from_pretrained` with the layer's
+    block offloaded to disk, or every module on the CPU with hooks forced), the fork computes what it computes on the
+    plain model.
+    """
+    from accelerate import dispatch_model
+    from transformers import AutoModelForCausalLM
 
     from rloo_efficient.core.prefix_attention import LAYOUT_KWARG
+    from rloo_efficient.workload import build_model_dir
 
-    cfg = tiny_workload(model_cache, arch="lfm2", num_hidden_layers=2)
-    torch.manual_seed(0)
-    model = model_from_config(cfg, model_config(cfg, build_tokenizer(arch=cfg.arch)), torch.float64)
-    module, fork = next(recurrent.recurrent_layers(model))
-    dim = module.in_proj.weight.shape[1]
-    packed, *_ = _packed("ragged", torch.float64, dim)
-    hidden = torch.randn(1, packed.input_ids.shape[1], dim, dtype=torch.float64)
+    cfg = tiny_workload(model_cache, arch=arch, model_dtype="float64" if arch == "lfm2" else "float32",
+                        num_hidden_layers=3 if arch == "nemotron_h" else 2)  # fmt: skip
+    path = build_model_dir(cfg)
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    name, module = next((n, m) for n, m in plain.named_modules() if type(m).__name__ in recurrent.FORKS)
+    fork = recurrent.FORKS[type(module).__name__][0]
+    dim = plain.config.get_text_config().hidden_size
+    packed, *_ = _packed("ragged", plain.dtype, dim)
+    hidden = torch.randn(1, packed.input_ids.shape[1], dim, dtype=plain.dtype)
     expected = fork(module, hidden, packed.layout)
-    weights = {name: parameter.detach().clone() for name, parameter in module.named_parameters()} if offload else None
-    add_hook_to_module(module, AlignDevicesHook(execution_device="cpu", offload=offload, weights_map=weights,
-                                                place_submodules=True))  # fmt: skip
-    if offload:
-        assert module.in_proj.weight.device.type == "meta"
-    assert recurrent.install(model) == recurrent.install(model) > 0  # idempotent under the hook too
-    torch.testing.assert_close(module(hidden, **{LAYOUT_KWARG: packed.layout}), expected, rtol=0, atol=0)
+
+    block = ".".join(name.split(".")[:3])  # model.layers.<i>
+    device_map = {f"model.{child}": "cpu" for child, _ in plain.model.named_children() if child != "layers"}
+    device_map |= {f"model.layers.{i}": "cpu" for i in range(len(plain.model.layers))} | {"lm_head": "cpu"}
+    if placement == "disk":
+        model = AutoModelForCausalLM.from_pretrained(path, device_map=device_map | {block: "disk"},
+                                                     offload_folder=tmp_path / "offload")  # fmt: skip
+    else:
+        model = dispatch_model(AutoModelForCausalLM.from_pretrained(path), device_map, force_hooks=True)
+    hooked = model.get_submodule(name)
+    conv = getattr(hooked, "conv1d", None) or hooked.conv
+    assert hasattr(hooked, "_hf_hook") and hasattr(conv, "_hf_hook")
+    assert conv.weight.device.type == ("meta" if placement == "disk" else "cpu")
+    assert recurrent.install(model) == recurrent.install(model) > 0  # idempotent under the hooks too
+    torch.testing.assert_close(hooked(hidden, **{LAYOUT_KWARG: packed.layout}), expected, rtol=0, atol=0)

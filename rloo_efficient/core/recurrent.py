@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.integrations.accelerate import force_accelerate_hooks
 
 from .prefix_attention import LAYOUT_KWARG, PackedLayout
 from .recurrent_checks import trusted
@@ -230,23 +231,25 @@ def short_conv(layer, hidden_states: torch.Tensor, layout: PackedLayout) -> torc
 
 
 # -- installing the forks ----------------------------------------------------------------------------------------------
-# Each recurrent layer class (by name: each family's modeling module defines its own copy) and its forked forward
+# Each recurrent layer class (by name: each family's modeling module defines its own copy), its forked forward, and
+# the child whose weights it reads directly (the convolution), as the layer's own forward names it to
+# `force_accelerate_hooks`
 FORKS = {
-    "Qwen3NextGatedDeltaNet": gated_delta_net,
-    "Qwen3_5GatedDeltaNet": gated_delta_net,
-    "Qwen3_5MoeGatedDeltaNet": gated_delta_net,
-    "OlmoHybridGatedDeltaNet": gated_delta_net,
-    "NemotronHMamba2Mixer": mamba2,
-    "GraniteMoeHybridMambaLayer": mamba2,
-    "FalconH1Mixer": mamba2,
-    "Lfm2ShortConv": short_conv,
+    "Qwen3NextGatedDeltaNet": (gated_delta_net, "conv1d"),
+    "Qwen3_5GatedDeltaNet": (gated_delta_net, "conv1d"),
+    "Qwen3_5MoeGatedDeltaNet": (gated_delta_net, "conv1d"),
+    "OlmoHybridGatedDeltaNet": (gated_delta_net, "conv1d"),
+    "NemotronHMamba2Mixer": (mamba2, "conv1d"),
+    "GraniteMoeHybridMambaLayer": (mamba2, "conv1d"),
+    "FalconH1Mixer": (mamba2, "conv1d"),
+    "Lfm2ShortConv": (short_conv, "conv"),
 }
 
 
 def recurrent_layers(model: nn.Module):
     """`(module, fork)` for every recurrent layer of `model` this module forks."""
     for module in model.modules():
-        fork = FORKS.get(type(module).__name__)
+        fork, _ = FORKS.get(type(module).__name__, (None, None))
         if fork is not None:
             yield module, fork
 
@@ -260,9 +263,12 @@ def install(model: nn.Module) -> int:
         if getattr(module, "_rloo_efficient_routed", False):
             continue
         # Under an accelerate hook (`device_map`, offloading), its forward moves the inputs (and loads offloaded
-        # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too
+        # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too. The
+        # fork reads the convolution's weights without calling it: fire that child's hook around the fork, as the
+        # layer's own forward does (an offloaded child's weights are on the meta device until then)
         target = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
         own_forward = getattr(module, target)
+        fork = force_accelerate_hooks(FORKS[type(module).__name__][1])(fork)
 
         def forward(*args, _own=own_forward, _module=module, _fork=fork, **kwargs):
             layout = kwargs.pop(LAYOUT_KWARG, None)
