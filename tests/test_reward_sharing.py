@@ -262,21 +262,24 @@ def test_hydra_however_the_policy_is_passed_matches_stock_and_saves_what_stock_s
     assert policy_model.peft_config.keys() >= {hydra.adapter_name}  # still loaded after saving
 
 
-@pytest.mark.parametrize("kind", ["without_score_head", "pissa"])
+@pytest.mark.parametrize("kind", ["without_score_head", "pissa", "policy_pissa"])
 def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(workload, model_cache, tmp_path,
                                                                             exact_head, kind):  # fmt: skip
     """
     Stock loads an adapter without a score head with a freshly initialized one, drawn from the global generator at
-    load time; PEFT creates a PiSSA adapter (OLoRA, CorDA, LoftQ alike) by rewriting its base layers' weights, which
-    on the policy's base would rewrite the policy. Ours leaves both to stock's loading, with one warning, and gets
-    stock's rewards and training.
+    load time; PEFT creates a PiSSA adapter (OLoRA, CorDA, LoftQ, LoRA-GA alike) by rewriting its base layers'
+    weights, which on the policy's base would rewrite the policy; a policy whose own adapter was created so holds a
+    rewritten base, on which a reward adapter would score what stock's fresh base does not. Ours leaves all three to
+    stock's loading, with one warning, and gets stock's rewards and training.
     """
     from peft import LoraConfig
     from safetensors.torch import load_file, save_file
 
     cfg, path, dataset = workload
     tolerance = (F64_RTOL, F64_ATOL)
-    if kind == "pissa":  # PEFT initializes PiSSA in float32 or half only; packed and padded rows round apart there
+    policy_lora = LoraConfig(**POLICY_LORA, init_lora_weights="pissa" if kind == "policy_pissa" else True)
+    if kind != "without_score_head":
+        # PEFT initializes PiSSA in float32 or half only; packed and padded rows round apart there
         cfg = tiny_workload(model_cache, model_dtype="float32")
         path, dataset, tolerance = build_model_dir(cfg), build_dataset(cfg), (1e-5, 1e-6)
     adapter = Path(build_reward_adapter(tmp_path / "reward_adapter", path))
@@ -284,13 +287,15 @@ def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(wor
         weights = load_file(adapter / "adapter_model.safetensors")
         save_file({k: v for k, v in weights.items() if ".score." not in k}, adapter / "adapter_model.safetensors")
         reason = "holds no score head weights"
+    elif kind == "policy_pissa":
+        reason = r"the policy's adapter was created with init_lora_weights=pissa, which rewrote its base's weights"
     else:
         config = json.loads((adapter / "adapter_config.json").read_text())
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
         reason = r"init_lora_weights \(pissa\) rewrites the base model's weights"
     with pytest.warns(UserWarning, match=reason):
         stock, ours = compare(path, dataset, tmp_path, [vowel_reward, str(adapter)], max_steps=2, tolerance=tolerance,
-                              run_kwargs={"peft_config": LoraConfig(**POLICY_LORA)})  # fmt: skip
+                              run_kwargs={"peft_config": policy_lora})  # fmt: skip
     assert isinstance(ours.reward_funcs[1], torch.nn.Module)
 
 
