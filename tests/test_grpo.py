@@ -1,6 +1,7 @@
 """GRPO: TRL's `GRPOTrainer` and ours run the same way, compared metric by metric, with our sharing engaged."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -345,3 +346,29 @@ def test_a_subclass_of_grpo_gets_the_mixin(workload, tmp_path, exact_head):
     ours = run(SharedGMPOTrainer, path, grpo_args(tmp_path / "o", config_class=GMPOConfig, **settings), dataset)
     assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
     assert_same_run(stock, ours)
+
+
+def test_a_forward_given_a_batch_its_group_structure_does_not_fit_runs_stocks(workload, tmp_path, exact_head):
+    """
+    A user's `_compute_loss` that trims the last completion column before TRL's: the group structure, carried with
+    the batch, no longer fits the batch the training forward is given. That forward is stock's, with one warning for
+    the whole run, whatever shapes the batches have; the scoring passes stay packed, and the run is stock's.
+    """
+
+    def trimming(base):
+        class Trimming(base):
+            def _compute_loss(self, model, inputs):
+                width = inputs["completion_ids"].shape[1] - 1
+                per_token = lambda key: key.startswith("completion_") or key.endswith("per_token_logps")  # noqa: E731
+                return super()._compute_loss(model, {key: value[:, :width] if per_token(key) and value is not None
+                                                     else value for key, value in inputs.items()})  # fmt: skip
+
+        return Trimming
+
+    cfg, path, dataset = workload
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compare(path, dataset, tmp_path, stock_class=trimming(trl.GRPOTrainer), ours_class=trimming(GRPOTrainer),
+                beta=0.1, max_steps=4)  # fmt: skip
+    mismatches = [w for w in caught if "group structure" in str(w.message)]
+    assert len(mismatches) == 1, [str(w.message) for w in mismatches]

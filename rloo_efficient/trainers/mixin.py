@@ -375,12 +375,9 @@ class GroupSharingMixin(RewardSharingMixin):
         group, plen, scored = rows.numpy().T  # host values
         if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
             scored.max() > logits_to_keep):  # fmt: skip
-            self._fall_back(
-                f"the group structure ({len(group)} rows, prompts up to {plen.max()} tokens, completions up to "
-                f"{scored.max()}) does not match the batch it is given ({input_ids.shape[0]} rows of "
-                f"{input_ids.shape[1] - logits_to_keep} + {logits_to_keep} tokens)",
-                permanent=False,
-            )  # fmt: skip
+            # Count-free, so that it warns once however many batch shapes miss it
+            self._fall_back("the group structure of the batch's generation does not match the rows, prompt length or "
+                            "completion length of the batch a forward is given", permanent=False)  # fmt: skip
             return None
         return rows
 
