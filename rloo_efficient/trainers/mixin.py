@@ -319,9 +319,11 @@ class GroupSharingMixin(RewardSharingMixin):
         `torch.randperm(B)` in `_prepare_inputs`), lands each group's rows together ([`group_shuffle_order`]). The
         generator's state is put back: the draws stay stock's.
         """
-        state = torch.random.get_rng_state()
-        permutation = torch.randperm(len(group_ids))
-        torch.random.set_rng_state(state)
+        # TRL's randperm draws on the default device (set_default_device("cuda"): CUDA's generator): so does ours
+        device = torch.get_default_device()
+        forked = {"devices": []} if device.type == "cpu" else {"devices": [device], "device_type": device.type}
+        with torch.random.fork_rng(**forked):
+            permutation = torch.randperm(len(group_ids)).cpu()
         wanted = group_shuffle_order(group_ids, permutation)  # the rows TRL's shuffle should put at each place
         before = np.empty_like(wanted)
         before[permutation.numpy()] = wanted  # TRL takes before[permutation]: that is wanted
