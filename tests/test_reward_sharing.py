@@ -262,23 +262,26 @@ def test_hydra_however_the_policy_is_passed_matches_stock_and_saves_what_stock_s
     assert policy_model.peft_config.keys() >= {hydra.adapter_name}  # still loaded after saving
 
 
-@pytest.mark.parametrize("kind", ["without_score_head", "pissa", "policy_pissa"])
+@pytest.mark.parametrize("kind", ["without_score_head", "pissa", "policy_pissa", "policy_ia3"])
 def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(workload, model_cache, tmp_path,
                                                                             exact_head, kind):  # fmt: skip
     """
     Stock loads an adapter without a score head with a freshly initialized one, drawn from the global generator at
     load time; PEFT creates a PiSSA adapter (OLoRA, CorDA, LoftQ, LoRA-GA alike) by rewriting its base layers'
     weights, which on the policy's base would rewrite the policy; a policy whose own adapter was created so holds a
-    rewritten base, on which a reward adapter would score what stock's fresh base does not. Ours leaves all three to
-    stock's loading, with one warning, and gets stock's rewards and training.
+    rewritten base, on which a reward adapter would score what stock's fresh base does not; PEFT adds no LoRA adapter
+    to a policy whose adapter is of another type (IA3). Ours leaves all four to stock's loading, with one warning, and
+    gets stock's rewards and training.
     """
-    from peft import LoraConfig
+    from peft import IA3Config, LoraConfig
     from safetensors.torch import load_file, save_file
 
     cfg, path, dataset = workload
     tolerance = (F64_RTOL, F64_ATOL)
     policy_lora = LoraConfig(**POLICY_LORA, init_lora_weights="pissa" if kind == "policy_pissa" else True)
-    if kind != "without_score_head":
+    if kind == "policy_ia3":
+        policy_lora = IA3Config(target_modules=["q_proj", "v_proj"], feedforward_modules=[])
+    if kind in ("pissa", "policy_pissa"):
         # PEFT initializes PiSSA in float32 or half only; packed and padded rows round apart there
         cfg = tiny_workload(model_cache, model_dtype="float32")
         path, dataset, tolerance = build_model_dir(cfg), build_dataset(cfg), (1e-5, 1e-6)
@@ -289,6 +292,8 @@ def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(wor
         reason = "holds no score head weights"
     elif kind == "policy_pissa":
         reason = r"the policy's adapter was created with init_lora_weights=pissa, which rewrote its base's weights"
+    elif kind == "policy_ia3":
+        reason = "the policy's adapter is IA3, not LoRA"
     else:
         config = json.loads((adapter / "adapter_config.json").read_text())
         (adapter / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))

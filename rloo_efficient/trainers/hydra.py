@@ -58,23 +58,31 @@ def _score_keys(state) -> list[str]:
     return [key for key in state if key.split(".")[-2] in ("score", "classifier") or ".score." in key]
 
 
-# The inits with which PEFT 0.21 subtracts the new adapter's initial product from the base layer's weights
-# (`pissa_init`, `corda_init`, `olora_init`, `loftq_init`, `lora_ga_init` in `peft/tuners/lora/layer.py`); the others
-# (True, False, "gaussian", "eva", "orthogonal", "mica") set the adapter's own weights only
-_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+def rewrites_base(init, on_load: bool = False) -> bool:
+    """
+    Whether PEFT 0.21 rewrites the base layers' weights when it creates a LoRA adapter with `init_lora_weights=init`
+    (`pissa_init`, `corda_init`, `olora_init`, `loftq_init`, `lora_ga_init` in `peft/tuners/lora/layer.py` subtract
+    the new adapter's product; "eva", "orthogonal" and "mica" set the adapter's own weights only), matching the names
+    as PEFT does. `on_load`: when the adapter is loaded from a directory, where LoRA-GA, without the gradients its
+    preprocessing leaves on the layers, falls back to the default init.
+    """
+    if not isinstance(init, str):
+        return False
+    return init.startswith(("pissa", "corda")) or init.lower() == "olora" or init == "loftq" or (
+        init == "lora_ga" and not on_load)  # fmt: skip
 
 
-def rewrites_base(init) -> bool:
-    """Whether a LoRA adapter created with `init_lora_weights=init` rewrote its base layers' weights."""
-    return isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS)
-
-
-def policy_hydra_reason(policy_inits) -> str | None:
-    """Why no reward adapter can run on the policy's base, given the `init_lora_weights` of the policy's adapters."""
-    rewriting = sorted({str(init) for init in policy_inits if rewrites_base(init)})
-    if rewriting:
-        # Stock's reward model loads the base as saved; the policy's base holds the residual of its adapter's init
-        return f"the policy's adapter was created with init_lora_weights={rewriting[0]}, which rewrote its base's weights"
+def policy_hydra_reason(policy_configs) -> str | None:
+    """Why no reward adapter can run on the policy's base, given the PEFT configs of the policy's own adapters."""
+    for config in policy_configs:
+        peft_type = getattr(config, "peft_type", "LORA")
+        peft_type = getattr(peft_type, "value", peft_type)  # PEFT's enum, or its value in a config dict
+        if peft_type != "LORA":  # PEFT adds a LoRA adapter only to a model whose adapters are all LoRA
+            return f"the policy's adapter is {peft_type}, not LoRA"
+        init = getattr(config, "init_lora_weights", True)
+        if rewrites_base(init):
+            # Stock's reward model loads the base as saved; the policy's base holds the residual of its adapter's init
+            return f"the policy's adapter was created with init_lora_weights={init}, which rewrote its base's weights"
     return None
 
 
@@ -87,11 +95,11 @@ def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantizat
     if adapter.get("peft_type") != "LORA":
         return f"it is a {adapter.get('peft_type')} adapter, not LoRA"
     init = adapter.get("init_lora_weights", True)
-    if rewrites_base(init):
+    if rewrites_base(init, on_load=True):
         # PEFT rewrites the base layers' weights when it creates such an adapter: on the policy's own weights here,
         # on stock's separate copy there
         return f"its init_lora_weights ({init}) rewrites the base model's weights when the adapter is loaded"
-    if init not in (True, False, "gaussian"):
+    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
         return f"its init_lora_weights ({init}) has not been checked against stock TRL"
     if path is not None and not any(key.endswith("weight") for key in _score_keys(_adapter_keys(path))):
         # Stock's model gets a score head initialized from the global generator at load time: only loading it the
@@ -205,13 +213,13 @@ class HydraReward:
 
 
 def split_hydra_rewards(reward_funcs: list, policy_base: str | None, policy_dtype, policy_quantization,
-                        model_init_kwargs, enabled: bool, warn, policy_inits=()) -> list:  # fmt: skip
+                        model_init_kwargs, enabled: bool, warn, policy_configs=()) -> list:  # fmt: skip
     """
     `reward_funcs` with each reward adapter that can run on the policy's base replaced by a [`HydraReward`].
-    `policy_base` is None when the policy is not a PEFT model; `policy_inits` are its adapters' `init_lora_weights`.
+    `policy_base` is None when the policy is not a PEFT model; `policy_configs` are its adapters' PEFT configs.
     """
     out = list(reward_funcs)
-    shared_reason = "the policy is not a PEFT model" if policy_base is None else policy_hydra_reason(policy_inits)
+    shared_reason = "the policy is not a PEFT model" if policy_base is None else policy_hydra_reason(policy_configs)
     for index, func in enumerate(out):
         adapter = reward_adapter_config(func)
         if adapter is None or not enabled:

@@ -136,12 +136,12 @@ class GroupSharingMixin(RewardSharingMixin):
             policy_base = model.get_base_model() if is_peft_model(model) else model
             base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
             quantization = getattr(policy_base.config, "quantization_config", None)
-        # The policy's adapters: the ones it was given with, and the one TRL creates from `peft_config`
-        configs = list(model.peft_config.values()) if not isinstance(model, str) and is_peft_model(model) else []
+        # The policy's adapters: the ones it comes with (a PeftModel's, or a model's loaded through transformers'
+        # `load_adapter`), and the one TRL creates from `peft_config`
+        configs = [] if isinstance(model, str) else list(getattr(model, "peft_config", {}).values())
         configs += [peft_config] if peft_config is not None else []
-        inits = [getattr(config, "init_lora_weights", True) for config in configs]
         return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, self._settings.hydra_reward_adapter,
-                                   lambda message: warnings.warn(message, stacklevel=5), inits)  # fmt: skip
+                                   lambda message: warnings.warn(message, stacklevel=5), configs)  # fmt: skip
 
     def _attach_hydra_rewards(self) -> None:
         """Loads each Hydra reward adapter onto the policy, and its tokenizer where none was given (as stock would)."""
