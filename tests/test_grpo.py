@@ -1,5 +1,6 @@
 """GRPO: TRL's `GRPOTrainer` and ours run the same way, compared metric by metric, with our sharing engaged."""
 
+import inspect
 import math
 import warnings
 
@@ -206,9 +207,21 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     history (prompt, completion, the tool's answer) and is generated as stock generates it. The training forward packs
     each prompt once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
     scripted_tool_calls(monkeypatch)
+    # TRL continues a row only where its completion and the tool's answer fit in max_completion_length: the row must
+    # have ended early; the later turns' calls are counted (each row its own history: one generation per row)
+    later_turns = {}
+    single_turn = trl.GRPOTrainer._generate_single_turn
+
+    def counting(self, *args, **kwargs):
+        call = inspect.signature(single_turn).bind(self, *args, **kwargs).arguments
+        if call["num_generations"] == 1:
+            later_turns.setdefault(isinstance(self, GroupSharingMixin), []).append(len(call["prompt_ids"]))
+        return single_turn(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
     cfg = tiny_workload(model_cache, conversational=True)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
-    settings = dict(max_steps=2, max_completion_length=24, beta=0.1)
+    settings = dict(max_steps=4, max_completion_length=96, beta=0.1)
     runs = {}
     for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
                                               ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
@@ -218,6 +231,8 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     stock, ours = runs["stock"], runs["ours"]
     calls = [e["tools/call_frequency"] for e in stock.state.log_history if "tools/call_frequency" in e]
     assert calls and 0 < max(calls), "no tool was called: the case is not exercised"
+    assert later_turns.get(False), "no row continued after its tool's answer: the later turns are not exercised"
+    assert later_turns.get(True) == later_turns[False]  # ours continued the same rows, in the same calls
     assert ours.shared_prefill_tokens > 0 and ours.packed_forward_tokens > 0
     assert_same_run(stock, ours)
 
