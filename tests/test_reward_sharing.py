@@ -267,8 +267,8 @@ def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(wor
                                                                             exact_head, kind):  # fmt: skip
     """
     Stock loads an adapter without a score head with a freshly initialized one, drawn from the global generator at
-    load time; PEFT creates a PiSSA adapter (OLoRA, CorDA, LoftQ, LoRA-GA alike) by rewriting its base layers'
-    weights, which on the policy's base would rewrite the policy; a policy whose own adapter was created so holds a
+    load time; PEFT loads a PiSSA adapter (OLoRA, CorDA, LoftQ alike) by rewriting its base layers' weights, which
+    on the policy's base would rewrite the policy; a policy whose own adapter was created so (LoRA-GA too) holds a
     rewritten base, on which a reward adapter would score what stock's fresh base does not; PEFT adds no LoRA adapter
     to a policy whose adapter is of another type (IA3). Ours leaves all four to stock's loading, with one warning, and
     gets stock's rewards and training.

@@ -76,7 +76,7 @@ def policy_hydra_reason(policy_configs) -> str | None:
     """Why no reward adapter can run on the policy's base, given the PEFT configs of the policy's own adapters."""
     for config in policy_configs:
         peft_type = getattr(config, "peft_type", "LORA")
-        peft_type = getattr(peft_type, "value", peft_type)  # PEFT's enum, or its value in a config dict
+        peft_type = getattr(peft_type, "value", peft_type)  # PEFT's str enum: its value, for the message
         if peft_type != "LORA":  # PEFT adds a LoRA adapter only to a model whose adapters are all LoRA
             return f"the policy's adapter is {peft_type}, not LoRA"
         init = getattr(config, "init_lora_weights", True)

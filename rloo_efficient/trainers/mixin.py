@@ -138,7 +138,7 @@ class GroupSharingMixin(RewardSharingMixin):
             quantization = getattr(policy_base.config, "quantization_config", None)
         # The policy's adapters: the ones it comes with (a PeftModel's, or a model's loaded through transformers'
         # `load_adapter`), and the one TRL creates from `peft_config`
-        configs = [] if isinstance(model, str) else list(getattr(model, "peft_config", {}).values())
+        configs = list(getattr(model, "peft_config", {}).values())  # a path has none
         configs += [peft_config] if peft_config is not None else []
         return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, self._settings.hydra_reward_adapter,
                                    lambda message: warnings.warn(message, stacklevel=5), configs)  # fmt: skip
