@@ -1,5 +1,5 @@
 """
-Each model family, shrunk and built offline from its own config class (transformers 5.23), so that its own modeling
+Each model family, shrunk and built offline from its own config class (transformers 5.23 and 5.24), so that its own modeling
 code runs: its attention module, its cache layers, its router. What reaches attention differently in the real models is
 kept (windows, sinks, q/k norms, partial rotary, shared keys and values, latent attention, experts). Multimodal
 families are built as their `*ForConditionalGeneration` checkpoints are (a tiny vision tower beside the language

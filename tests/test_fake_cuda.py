@@ -27,6 +27,7 @@ from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.prefix_cache import PrefixCache
 from rloo_efficient.core.packing import pack_groups
 from rloo_efficient.core.shared_generation import prefill_prompts, unique_rows
+from rloo_efficient.core.transformers_compat import CACHE_KWARG
 
 from .test_prefix_attention import stock_batch
 
@@ -334,7 +335,7 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
                 chosen.clear()
                 positions = step_mask.sum(-1, keepdim=True) - 1
                 logits = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions,
-                               past_key_values=cache, use_cache=True).logits  # fmt: skip
+                               use_cache=True, **{CACHE_KWARG: cache}).logits  # fmt: skip
                 assert (logits.shape, logits.dtype) == ((6, 1, 64), dtype)
                 assert cache.layers[0].keys.shape == (6, 2, step, 64)  # each row's own tokens only
                 # Per layer: the rows' queries over their padded prompts (efficient, grouped heads folded), then

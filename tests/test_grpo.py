@@ -9,7 +9,8 @@ import torch
 import trl
 
 from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin
-from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
+from rloo_efficient.workload import vowel_reward
 
 from .conftest import run, tiny_workload, training_args
 from .test_trainer import TransformersSampling
@@ -92,6 +93,141 @@ def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
     expected = {"defaults_no_scoring_pass": set(), "reference_pass_only": {"reference_logps"}}.get(
         feature, {"policy_logps", "reference_logps"} if FEATURES[feature].get("beta") else {"policy_logps"})
     assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
+
+
+# -- GRPO's own defaults: the first forward through our code is the checkpointed training forward ----------------------
+# Every recurrent family (Gated DeltaNet, Mamba2, short convolutions), float32 as in the families test (their kernels
+# compute in float32)
+HYBRIDS = {"qwen3_5": {}, "qwen3_5_moe": {}, "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3),
+           "granitemoehybrid": {}, "falcon_h1": {}, "lfm2": {}}  # fmt: skip
+
+
+def first_use_again(monkeypatch):
+    """Every kernel's first-use check runs again in this test (their verdicts are kept per process)."""
+    from rloo_efficient.core import kernel_checks, recurrent_checks
+
+    monkeypatch.setattr(kernel_checks, "_status", {})
+    monkeypatch.setattr(recurrent_checks, "_trusted", {})
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+def test_grpo_defaults_with_gradient_checkpointing(model_cache, tmp_path, monkeypatch, arch, reentrant):
+    """
+    GRPOConfig's defaults: beta 0 and generation in step with optimizer steps (no scoring pass), gradient checkpointing
+    on. The first forward through the recurrent forks is the checkpointed training forward, where each kernel's
+    first-use check runs: it must not change what the forward saves (the recomputation would save less and fail).
+    """
+    first_use_again(monkeypatch)
+    cfg = tiny_workload(model_cache, arch=arch, model_dtype="float32", **HYBRIDS[arch])
+    stock, ours = compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5, max_steps=2,
+                          gradient_accumulation_steps=2, gradient_checkpointing=True,
+                          gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+                          run_kwargs={"processing_class": build_processing_class(cfg)})  # fmt: skip
+    assert phases_run(ours) & {"policy_logps", "reference_logps"} == set()  # training came first
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h"])
+def test_grpo_defaults_under_bf16_autocast(model_cache, tmp_path, monkeypatch, arch):
+    """TRL's default precision, bf16 autocast (here on the CPU), with GRPO's defaults: ours trains, shares, and gives
+    stock's first step (the samples can part later: bf16 rounds the packed forward's sums differently)."""
+    first_use_again(monkeypatch)
+    cfg = tiny_workload(model_cache, arch=arch, model_dtype="float32", **HYBRIDS[arch])
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(max_steps=2, gradient_accumulation_steps=2, bf16=True, use_cpu=True)
+    kwargs = {"processing_class": build_processing_class(cfg)}
+    stock = run(trl.GRPOTrainer, path, grpo_args(tmp_path / "stock", config_class=trl.GRPOConfig, **settings), dataset,
+                **kwargs)  # fmt: skip
+    ours = run(GRPOTrainer, path, grpo_args(tmp_path / "ours", **settings), dataset, **kwargs)
+    assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    first = [next(e for e in trainer.state.log_history if "loss" in e) for trainer in (stock, ours)]
+    for key in ("reward", "entropy", "grad_norm"):
+        assert first[1][key] == pytest.approx(first[0][key], rel=5e-2, abs=1e-2), key
+
+
+def test_vllm_generation_under_grpo_defaults(workload, tmp_path, monkeypatch, exact_head):
+    """An attention family with generation left to TRL (vLLM, stood in for) under GRPO's defaults and gradient
+    checkpointing."""
+    import trl.trainer.grpo_trainer
+
+    first_use_again(monkeypatch)
+    cfg, path, dataset = workload
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "VLLMGeneration", VLLMStandIn)
+    compare(path, dataset, tmp_path, use_vllm=True, max_steps=2, gradient_accumulation_steps=2, prefill=False,
+            gradient_checkpointing=True)  # fmt: skip
+
+
+def test_rloo_with_beta_zero(model_cache, tmp_path, monkeypatch):
+    """RLOO without its reference pass, gradient checkpointing on, a hybrid family."""
+    from rloo_efficient import RLOOTrainer
+
+    from .conftest import assert_metrics_close, step_metrics
+    first_use_again(monkeypatch)
+    cfg = tiny_workload(model_cache, arch="qwen3_5", model_dtype="float32")
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(beta=0.0, max_steps=2, gradient_accumulation_steps=2, gradient_checkpointing=True)
+    kwargs = {"processing_class": build_processing_class(cfg)}
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
+                dataset, **kwargs)  # fmt: skip
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset, **kwargs)
+    assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-4, 1e-5)
+
+
+# -- users' own ways into the trainer ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer_class", [trl.GRPOTrainer, GRPOTrainer], ids=["stock", "ours"])
+def test_a_trainer_made_without_init_runs_trls_methods(trainer_class):
+    """A unit test of a subclass may make the trainer with `object.__new__` and set only what TRL's method reads: each
+    of our wrappers is then TRL's method (no state of ours is read), and the same set-up serves stock and ours."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    trainer = object.__new__(trainer_class)
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, gather=lambda t: t)
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=2, num_input_tokens_seen=0)
+    trainer._last_loaded_step, trainer.use_vllm, trainer.use_transformers_continuous_batching = 1, False, False
+    trainer.processing_class = SimpleNamespace(batch_decode=MagicMock(return_value=["decoded"]))
+    trainer._tokenizer, trainer.tools = SimpleNamespace(eos_token_id=2, pad_token_id=0), None
+    trainer.eos_token_ids = [2]
+    names = ("num_tokens", *(f"completions/{stat}" for stat in ("mean_length", "min_length", "max_length",
+             "clipped_ratio", "mean_terminated_length", "min_terminated_length", "max_terminated_length")))  # fmt: skip
+    trainer._metrics = {"train": {name: [] for name in names}}
+    trainer.rollout_func = MagicMock(return_value={"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[0.0]]})
+    result = trainer._generate(["prompt"])
+    assert result[0] == [[1]] and result[1] == [[2]]
+    trainer.rollout_func.assert_called_once_with(["prompt"], trainer)
+
+
+@pytest.mark.parametrize("kind", ["patch", "wrapper"])
+def test_a_generate_set_on_the_model_is_called_as_stock_calls_it_and_left_in_place(workload, tmp_path, kind):
+    """A `generate` set on the model object (a test's `patch.object`, a tracing wrapper) is called with stock's
+    arguments, and is what the model holds after training (ours was set and deleted around each call, and deleted a
+    user's patch with it)."""
+    from unittest.mock import patch
+
+    cfg, path, dataset = workload
+    trainer = GRPOTrainer(model=path, reward_funcs=vowel_reward, args=grpo_args(tmp_path, max_steps=1),
+                          train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
+    model, calls = trainer.model, []
+    stock_generate = model.generate
+
+    def traced(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return stock_generate(*args, **kwargs)
+
+    if kind == "patch":
+        with patch.object(model, "generate", side_effect=traced):
+            trainer.train()
+        assert "generate" not in vars(model)  # the patch is undone, as it found the model
+    else:
+        model.generate = traced
+        trainer.train()
+        assert vars(model)["generate"] is traced
+    assert calls and all("cache" not in call and "past_key_values" not in call for call in calls)
+    assert trainer.packed_forward_tokens > 0
 
 
 def test_normalize_then_sum_with_two_rewards_and_a_reward_model(workload, tmp_path, exact_head):

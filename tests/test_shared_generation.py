@@ -14,6 +14,7 @@ from rloo_efficient import RLOOTrainer
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.prefix_cache import PrefixCache, prefix_cache_unsupported_reason
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+from rloo_efficient.core.transformers_compat import output_cache
 
 from .conftest import run, training_args
 
@@ -170,6 +171,18 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
 
 
 @pytest.mark.parametrize("once", [False, True])
+def test_a_config_naming_the_dynamic_cache(once):
+    """`cache_implementation="dynamic"` names the default's cache; generate refuses it beside a cache passed in, so
+    the shared prefill passes a copy of the config without it (the user's config is left as it was)."""
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(cache_implementation="dynamic")
+    stock, ours, tokens = stock_and_ours(model, ids, mask, config, once)
+    assert tokens > 0 and torch.equal(ours.sequences, stock.sequences)
+    assert config.cache_implementation == "dynamic"
+
+
+@pytest.mark.parametrize("once", [False, True])
 def test_same_logits_in_float32_eager(once):
     model = build("llama", dtype=torch.float32, attention="eager")
     ids, mask = left_pad(prompts_for("mixed_lengths"))
@@ -249,7 +262,7 @@ def test_prompt_cache_once_keeps_one_copy_and_leaves_the_model_as_it_was():
     seen = {}
 
     def record_cache(module, args, kwargs, output):
-        cache = output.past_key_values
+        cache = output_cache(output)
         if isinstance(cache, PrefixCache):
             seen["prefix_rows"] = cache.layers[0].prefix_keys.shape[0]
             seen["rows"] = cache.layers[0].keys.shape[0]
@@ -304,7 +317,7 @@ def test_a_sliding_layer_keeps_its_rows_last_tokens_only():
     seen = []
 
     def record(module, args, kwargs, output):
-        cache = output.past_key_values
+        cache = output_cache(output)
         if isinstance(cache, PrefixCache):
             seen.append([(layer.keys.shape[-2], layer.own_length) for layer in cache.layers])
 

@@ -1,4 +1,4 @@
-"""The private transformers internals rloo_efficient relies on, pinned in pyproject.toml (`transformers>=5.23,<5.24`):
+"""The private transformers internals rloo_efficient relies on, pinned in pyproject.toml (`transformers>=5.23,<5.25`):
 if an upgrade changes one of them, this says which, before any equivalence test fails in a less legible way."""
 
 import copy
@@ -22,7 +22,7 @@ def tiny():
 
 def test_the_pin_matches_what_is_installed():
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    assert (major, minor) == (5, 23), "re-run the suite and move the pin in pyproject.toml"
+    assert (major, minor) in ((5, 23), (5, 24)), "re-run the suite and move the pin in pyproject.toml"
 
 
 def test_cache_layers_are_per_row_keys_and_values():
@@ -96,3 +96,48 @@ def test_sliding_windows_and_sinks_reach_the_attention_function_as_assumed():
     keys = torch.randn(1, 2, 5, 4)
     returned, _ = layer.update(keys, keys)
     assert returned.shape[-2] == 5 and layer.keys.shape[-2] == 2 and torch.equal(layer.keys, keys[:, :, -2:])
+
+
+def test_the_cache_is_passed_by_the_name_the_installed_release_reads():
+    """transformers 5.24 renamed `past_key_values` to `cache`; 5.23 ignores a forward's `cache=` (the cache stays
+    empty) and refuses it in `generate`. A forward fills the cache passed by [`CACHE_KWARG`], and `generate`
+    continues from it, without a warning."""
+    import inspect
+    import warnings
+
+    from transformers import GenerationConfig
+
+    from rloo_efficient.core.transformers_compat import CACHE_KWARG, output_cache
+
+    model = tiny()
+    assert CACHE_KWARG in inspect.signature(LlamaForCausalLM.forward).parameters
+    cache = DynamicCache(config=model.config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        output = model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=True, **{CACHE_KWARG: cache})
+        assert cache.get_seq_length() == 3 and output_cache(output) is cache
+        config = GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=0)
+        out = model.generate(input_ids=torch.tensor([[1, 2, 3, 4]]), generation_config=config, **{CACHE_KWARG: cache})
+    assert out.shape == (1, 6) and cache.get_seq_length() == 5
+
+
+def test_every_file_we_rely_on_is_one_we_read(tmp_path):
+    """`python -m rloo_efficient.transformers_review` finds the installed release's files among those we read, and
+    names a family whose modeling code changed since."""
+    import json
+    from pathlib import Path
+
+    from rloo_efficient import transformers_review
+
+    root = Path(transformers.__file__).parent
+    reviewed = json.loads(transformers_review.REVIEWED.read_text())
+    lines, changed = transformers_review.review(root, reviewed)
+    assert changed == 0, [line for line in lines if "CHANGED" in line]
+    assert any(line.startswith("family qwen3_5: as read in") for line in lines)
+    newest = max(reviewed, key=lambda release: tuple(int(part) for part in release.split(".")[:3]))
+    edited = {release: dict(files) for release, files in reviewed.items()}
+    for files in edited.values():  # as if the installed release had edited Qwen3.5's modeling code
+        files["models/qwen3_5/modeling_qwen3_5.py"] = "0" * 64
+    lines, changed = transformers_review.review(root, edited)
+    assert changed == 1
+    assert f"family qwen3_5: CHANGED since {newest}: models/qwen3_5/modeling_qwen3_5.py" in lines

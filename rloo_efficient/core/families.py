@@ -14,7 +14,7 @@ from .recurrent import recurrent_layers
 # whose attention modules hand the interface scaled dot-product attention over queries (B, H, L, D) and keys and values
 # (B, Hkv, L, D) once rotary embeddings and q/k norms are applied, with positions from `position_ids` only, and at most
 # a sliding window (kwarg `sliding_window`: keys in (p - w, p]) and attention sinks (kwarg `s_aux`, one logit per
-# head). Each was read in its modeling code (transformers 5.23), and is listed only with its tests against stock TRL
+# head). Each was read in its modeling code (transformers 5.23 and 5.24), and is listed only with its tests against stock TRL
 # and plain `generate` in the suite. What each brings is in the README's families table.
 MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss",

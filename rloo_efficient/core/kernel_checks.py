@@ -5,8 +5,12 @@ reference computed with autocast off ([`check_kernel`]); a kernel that disagrees
 backward), is replaced by the math path for that configuration, with one warning naming the kernel and the reason.
 Out-of-memory errors and device faults propagate. [`attention_forward`] and [`attention_backward`] are what the
 backend calls.
+
+A first use is usually inside a model's forward, and that forward may be one gradient checkpointing replays (GRPO's
+defaults: no scoring pass, so the first forward is the checkpointed training one). Every check runs [`apart`] from it.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -15,6 +19,26 @@ from .attention_kernels import KernelState, backward, choose_kernel, forward, ma
 
 
 # -- first-use check and fallback ------------------------------------------------------------------------------------
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def apart():
+    """
+    The block runs as a program of its own, apart from the model's forward that calls it: with gradients on (a check
+    runs its backward; the caller may be a no-grad or inference-mode pass), and with its own saved tensors.
+    Non-reentrant gradient checkpointing packs every tensor a forward saves through its saved-tensor hooks and checks
+    that the recomputation saves as many; a check runs at the first use only, so its saved tensors must not reach
+    those hooks (they reach our identity hooks, the innermost). Nothing it computes joins the model's graph.
+    """
+    hooks = contextlib.nullcontext()
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():  # disabled (torch.compile's tracing): none can run
+        hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    with torch.inference_mode(False), torch.enable_grad(), hooks:
+        yield
+
+
 # Largest error allowed against the float64 reference, relative to the reference's largest magnitude, per dtype: about
 # 5 units in the last place for half precision (the CPU kernel measured at most 1.2: bf16 9.5e-3 in a key gradient,
 # fp16 1.3e-3), and room for other accumulation orders in float32 (1.7e-6 measured). A wrong layout, scale, mask or
@@ -128,7 +152,8 @@ def _usable(config: tuple) -> bool:
                           "attention uses the math path there (its scores in memory).", stacklevel=4)  # fmt: skip
         return False
     if config not in _status:
-        reason = check_kernel(config)
+        with apart():
+            reason = check_kernel(config)
         _status[config] = None
         if reason is not None:
             _disable(config, reason)

@@ -168,7 +168,13 @@ def kv_sources(config) -> list[int]:
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:
     """Why the once-per-group prompt cache cannot be exact for `model`, or None (a length limit is checked per batch
     by [`cache_limit`])."""
-    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    config = model.config.get_text_config(decoder=True)
+    layers = DynamicCache(config=config).layers
+    modes, types = getattr(config, "kv_sharing_modes", None) or [], getattr(config, "layer_types", None) or []
+    stored = {layer_type for layer_type, mode in zip(types, modes) if mode == "store"}
+    if any(mode == "reuse" and layer_type not in stored for layer_type, mode in zip(types, modes)):
+        # Gemma 4's assistant-style configs: every layer reads keys and values another model stores
+        return "a layer reuses keys and values that no layer of this model stores"
     if any(isinstance(layer, LinearAttentionLayer) and isinstance(layer, DynamicLayer) for layer in layers):
         # Falcon-H1's parallel blocks keep keys and states in one layer: the prefill is shared, the cache fanned out
         return "its cache layers hold attention keys and recurrent states together (Falcon-H1's parallel blocks)"

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .kernel_checks import NOT_RECOVERABLE
+from .kernel_checks import NOT_RECOVERABLE, apart
 
 
 # Largest error allowed against the reference, relative to the reference's largest value: the fused kernels compute in
@@ -89,7 +89,7 @@ def trusted(name: str, function, device, dtype):
         return function
     key = (name, function, device, dtype)
     if key not in _trusted:
-        with torch.inference_mode(False), torch.enable_grad():  # the first use may be a no-grad scoring pass
+        with apart():  # the first use may be a no-grad scoring pass, or a forward gradient checkpointing replays
             reason = check(name, function, reference, device, dtype)
         if reason is not None:
             warnings.warn(f"rloo_efficient: the {name} kernel on {device} ({str(dtype).removeprefix('torch.')}) "

@@ -15,6 +15,7 @@ columns after it, so leaving out the last column changes nothing before it.
 """
 
 import contextlib
+import copy
 import inspect
 import warnings
 
@@ -28,6 +29,7 @@ from .families import dropout_reason, family_reason, jitter_reason, recurrent_re
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, kv_sources
+from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
@@ -149,8 +151,8 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
         # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
         attention_mask=prefix_mask if padded else None,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
+        **{CACHE_KWARG: cache},
         **kwargs,
     )
     return cache
@@ -212,6 +214,9 @@ def generate_with_shared_prefill(
         prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width)
     prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
     config = kwargs.get("generation_config") or model.generation_config
+    if config.cache_implementation == "dynamic":  # the default's cache, named: generate refuses it beside a cache
+        kwargs["generation_config"] = config = copy.copy(config)
+        config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     limit = cache_limit(model)
     if prompt_cache_once and (limit is None or longest <= limit):
@@ -228,7 +233,7 @@ def generate_with_shared_prefill(
     del prefilled  # `cache` alone holds the prompt's keys and values now
     _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:
-        output = generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
     return output, len(first) * (width - 1)
 
 

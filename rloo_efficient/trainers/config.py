@@ -104,6 +104,10 @@ class SharingArguments:
 
 
 OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
+# Every switch off: what a trainer built without our `__init__` reads (see `GroupSharingMixin._constructed`)
+STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_prefill=False,
+                                  share_prompt_kv_cache=False, share_reward_prefix=False, hydra_reward_adapter=False,
+                                  shuffle_groups=False, empty_cache_policy="none", profile_memory=False)  # fmt: skip
 
 
 def sharing_settings(args) -> SharingArguments:

@@ -127,6 +127,9 @@ class MemoryProfilingMixin:
 
     memory_report_name = "memory_report.json"
     memory_steps_name = "memory_steps.jsonl"
+    # Profiling off for a trainer made without our `__init__` (a unit test's bare object): each wrapper is TRL's method
+    _profiler: PhaseProfiler | None = None
+    _scoring = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

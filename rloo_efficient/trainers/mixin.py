@@ -27,7 +27,7 @@ from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_pre
 from ..core.shared_generation import text_only
 from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, body_blocks, image_blocks, image_token_ids, layout_reason
 from ..core.vision import packed_positions, rope_index_positions, select_images, vision_reason
-from .config import sharing_settings
+from .config import STOCK_SETTINGS, sharing_settings
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
 from .rewards import RewardSharingMixin
@@ -65,6 +65,11 @@ class GroupSharingMixin(RewardSharingMixin):
     """
 
     _config_class: type | None = None  # our config for this trainer: a stock config of its base class becomes one
+    # What a trainer built without our `__init__` reads ([`_constructed`]): every switch off, so each wrapper passes
+    # through to TRL's method
+    _settings = STOCK_SETTINGS
+    _share_prefix = _share_prefill = _prompt_cache_once = False
+    _active_rows: torch.Tensor | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         if self._config_class is not None and type(args) is self._config_class._stock:
@@ -110,6 +115,15 @@ class GroupSharingMixin(RewardSharingMixin):
             for inner in (unwrapped, self.ref_model):
                 if inner is not None:
                     prefix_attention.install(self.accelerator.unwrap_model(inner))
+
+    @property
+    def _constructed(self) -> bool:
+        """
+        Whether our `__init__` ran. A trainer made without it (a unit test's bare `object.__new__(GRPOTrainer)` with
+        hand-set attributes, as TRL's own tests make one) reads the class defaults: every sharing switch off, and each
+        of our wrappers is TRL's method.
+        """
+        return "_settings" in vars(self)
 
     @property
     def _trl_base(self) -> type:
@@ -174,6 +188,11 @@ class GroupSharingMixin(RewardSharingMixin):
                 stacklevel=3,
             )
 
+    def _warn_once(self, message: str) -> None:
+        if message not in self._prefix_warned:
+            self._prefix_warned.add(message)
+            warnings.warn(message, stacklevel=3)
+
     # -- generation --------------------------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts: list):
         if not self._settings.share_prompt_prefix or self._is_vlm:
@@ -204,6 +223,12 @@ class GroupSharingMixin(RewardSharingMixin):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         if not self._share_prefill:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        if "generate" in vars(self.accelerator.unwrap_model(self.model_wrapped)):
+            # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
+            # is called as stock calls it, with stock's arguments
+            self._warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
+                            "generate: the model's generate is replaced on the model object")  # fmt: skip
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         with_images = not text_only(images, multimodal_fields)
         reason = self._image_prefill_reason(prompt_ids, images, multimodal_fields) if with_images else None
@@ -257,11 +282,12 @@ class GroupSharingMixin(RewardSharingMixin):
             self.shared_prefill_tokens += tokens
             return output
 
-        model.generate = generate
+        model.generate = generate  # on the instance: found before the class's method
         try:
             yield
         finally:
-            del model.generate
+            if vars(model).get("generate") is generate:  # ours, unless the block replaced it: the class's again
+                del model.generate
 
     def _forwards_are_collective(self, model) -> bool:
         """Whether every forward gathers parameters from all ranks (so that ranks must run the same forwards)."""
@@ -284,6 +310,8 @@ class GroupSharingMixin(RewardSharingMixin):
 
     def _generate(self, prompts: list):
         result = super()._generate(prompts)
+        if not self._constructed:
+            return result
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
         images = prompt_images(prompts)
         self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images)
