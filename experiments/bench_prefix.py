@@ -18,7 +18,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat
 from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.packing import pack_groups, row_groups
+from rloo_efficient.core.packing import pack_rows, row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
@@ -98,7 +98,7 @@ def main(argv=None):
         for k in args.ks:
             input_ids, attention_mask = stock_inputs(p, c, k, vocab, device)
             rows = row_groups([list(range(p))] * k, [c] * k)  # one group: k rows of one p-token prompt
-            packed = pack_groups(input_ids, c, rows, model.dtype)
+            packed = pack_rows(input_ids, c, rows)
             stock = measure(model, None, input_ids, attention_mask, c, args.repeats)
             ours = measure(model, packed, input_ids, attention_mask, c, args.repeats)
             # peaks are absolute on CPU: report the ratio of increments over idle

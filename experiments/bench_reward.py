@@ -69,10 +69,10 @@ def phase(args, device):
 
         def ours():
             with torch.inference_mode():
-                batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device, model.dtype)
+                batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device)
                 return packed_scores(model, model, None, batch)
 
-        batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device, model.dtype)
+        batch = pack_reward_rows(rows, [0] * k, tokenizer.pad_token_id, device)
         same = "yes" if torch.allclose(stock(), ours(), rtol=1e-4, atol=1e-5) else "NO"
         tokens = {"stock": padded["input_ids"].numel(), "ours": batch.num_tokens}
         results = {name: (peak_tensor_bytes(fn, device), timed(fn, args.repeats, device)) for name, fn in

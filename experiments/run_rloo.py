@@ -24,7 +24,7 @@ import torch
 import trl
 from trl import TrlParser
 
-from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin, RLOOConfig, RLOOTrainer
 from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
 from rloo_efficient.workload import build_processing_class, build_reward_model_dir, vowel_reward
@@ -86,16 +86,31 @@ def count_forwards(trainer) -> dict:
     """
     Counters per phase, filled while the trainer runs: the language-model tokens the policy and the reference model
     forward (what their embedding layer is given, padding included: what each forward computes; the packed forwards
-    give it no padding) and the images their vision tower encodes (one per image; Qwen's patch rows counted by their
-    grid). Hooks that only count.
+    give it no padding), the images their vision tower encodes (one per image; Qwen's patch rows counted by their
+    grid), and for ours the tokens each packed forward held against its prefix tree's real tokens (each shared run
+    once). Hooks that only count.
     """
     import functools
 
-    counts = {"language_model_tokens": {}, "images_encoded": {}}
+    counts = {"language_model_tokens": {}, "images_encoded": {}, "packed_tokens": {}, "tree_tokens": {}}
 
     def add(kind: str, number: int) -> None:
         phase = trainer._profiler.current_phase if trainer._profiler is not None else None
         counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
+
+    if isinstance(trainer, GroupSharingMixin):  # ours: each packed forward's tokens, and its prefix tree's real ones
+        import rloo_efficient.trainers.mixin as mixin
+
+        pack = mixin.pack_rows
+
+        def counted_pack(*args, **kwargs):
+            packed = pack(*args, **kwargs)
+            if not isinstance(packed, str):
+                add("packed_tokens", packed.num_tokens)
+                add("tree_tokens", int(packed.tree.real_tokens))
+            return packed
+
+        mixin.pack_rows = counted_pack
 
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:

@@ -61,6 +61,11 @@ class WorkloadConfig:
         metadata={"help": "If set, prompt lengths are drawn uniformly from [prompt_length_min, prompt_length]."},
     )
     num_prompts: int = field(default=64, metadata={"help": "Number of distinct prompts in the dataset."})
+    system_prompt_length: int = field(
+        default=0,
+        metadata={"help": "A system prompt of this many tokens before every prompt, the same for all (as agent datasets "
+                  "render instructions and tool docs before each task); prompt_length counts the task after it."},
+    )
     conversational: bool = field(default=False, metadata={"help": "Chat-format prompts, rendered by a chat template."})
     image_size: int | None = field(
         default=None,
@@ -116,6 +121,8 @@ class WorkloadConfig:
             )
         if self.num_prompts < 1:
             raise ValueError("num_prompts must be at least 1.")
+        if self.system_prompt_length < 0:
+            raise ValueError("system_prompt_length must be 0 or more.")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 "hidden_size must be divisible by num_attention_heads, and num_attention_heads by num_key_value_heads."
@@ -123,7 +130,8 @@ class WorkloadConfig:
 
     def check_fits(self, max_completion_length: int) -> None:
         """Fails early when a prompt plus its completion cannot fit the model's context."""
-        longest = self.prompt_length + max_completion_length + (32 if self.conversational else 0)
+        longest = self.system_prompt_length + self.prompt_length + max_completion_length + (
+            32 if self.conversational else 0)  # fmt: skip
         if longest > self.max_position_embeddings:
             raise ValueError(
                 f"prompt_length ({self.prompt_length}) + max_completion_length ({max_completion_length}) exceeds the "
@@ -207,18 +215,25 @@ def _report_text(rng: random.Random, length: int) -> str:
             word += "."
         words.append(word)
         total += len(word) + 1
-    return " ".join(words)[:length]
+    return " ".join(words).ljust(length)[:length]  # exactly `length` characters
 
 
 def build_dataset(cfg: WorkloadConfig) -> Dataset:
     """`num_prompts` prompts of exactly `prompt_length` tokens (or lengths drawn from a range), seeded."""
     rng = random.Random(cfg.workload_seed)
+    # The same for every prompt, ending in a newline
+    system = _report_text(random.Random(-1 - cfg.workload_seed), cfg.system_prompt_length - 1) + "\n" if (
+        cfg.system_prompt_length) else ""  # fmt: skip
     prompts = []
     for _ in range(cfg.num_prompts):
         length = cfg.prompt_length if cfg.prompt_length_min is None else rng.randint(cfg.prompt_length_min,
                                                                                      cfg.prompt_length)  # fmt: skip
         text = PROMPT_HEADER + _report_text(rng, length - len(PROMPT_HEADER))
-        prompts.append([{"role": "user", "content": text}] if cfg.conversational or cfg.image_size else text)
+        if cfg.conversational or cfg.image_size:
+            prompts.append(([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": text}])  # fmt: skip
+        else:
+            prompts.append(system + text)
     if not cfg.image_size:
         return Dataset.from_dict({"prompt": prompts})
     from datasets import Image as ImageFeature

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaF
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from rloo_efficient.core import prefix_attention  # noqa: E402
-from rloo_efficient.core.packing import pack_groups, row_groups  # noqa: E402
+from rloo_efficient.core.packing import pack_rows, row_groups  # noqa: E402
 from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores  # noqa: E402
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill  # noqa: E402
 
@@ -147,12 +147,13 @@ def main():
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 6)]
     rows = [0, 0, 1, 1, 1]
     width_p, width_c = 9, 5
-    ids = torch.tensor([[0] * (width_p - len(prompts[r])) + prompts[r] + torch.randint(3, 64, (width_c,), generator=g)
-                         .tolist() for r in rows])  # fmt: skip
-    structure = row_groups([prompts[r] for r in rows], [5, 3, 5, 2, 4])
+    completions = [torch.randint(3, 64, (width_c,), generator=g).tolist() for _ in rows]
+    ids = torch.tensor([[0] * (width_p - len(prompts[r])) + prompts[r] + c for r, c in zip(rows, completions)])
+    scored = [5, 3, 5, 2, 4]
+    structure = row_groups([prompts[r] for r in rows], scored, None, [c[:n] for c, n in zip(completions, scored)])
     grads, logps = [], []
     for m in (model, reference):
-        packed = pack_groups(ids, width_c, structure, torch.float64)
+        packed = pack_rows(ids, width_c, structure, min_saved=0)
         values = packed.unpack(m(**packed.model_inputs(), fused_lm_head=True).log_probs)
         (values * torch.linspace(-1, 1, values.numel()).view_as(values)).sum().backward()
         logps.append(values.detach())
@@ -189,7 +190,7 @@ def main():
     model, reference = pair(LlamaForSequenceClassification, num_labels=1)
     shard(model)
     texts = [prompts[0] + [7, 8, 9], prompts[0] + [7, 5], prompts[1] + [11]]
-    batch = pack_reward_rows(texts, [0, 0, 1], 0, torch.device("cpu"), torch.float64)
+    batch = pack_reward_rows(texts, [0, 0, 1], 0, torch.device("cpu"), min_saved=0)
     with torch.no_grad():
         ours = packed_scores(model, model, None, batch)
         width = max(map(len, texts))

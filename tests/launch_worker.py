@@ -28,7 +28,7 @@ from rloo_efficient import RLOOTrainer  # noqa: E402
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class  # noqa: E402
 from rloo_efficient.workload import build_reward_adapter_dir  # noqa: E402
 from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward  # noqa: E402
-from tests.conftest import METRICS, tiny_workload, training_args  # noqa: E402
+from tests.conftest import METRICS, per_micro_batch, tiny_workload, training_args  # noqa: E402
 
 
 def launcher_workload(model_cache, images: bool = False):
@@ -94,6 +94,7 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         "distributed_type": str(trainer.accelerator.distributed_type),
         "zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,
         "metrics": [{k: e.get(k) for k in METRICS} for e in trainer.state.log_history if "loss" in e],
+        "per_micro_batch": per_micro_batch(trainer),  # metrics that may differ where ours kept groups together
         "completions": list(trainer._logs["completion"]),
         "rewards": {name: list(values) for name, values in trainer._logs["rewards"].items()},
         "shared_prefill_tokens": getattr(trainer, "shared_prefill_tokens", None),

@@ -11,7 +11,7 @@ from rloo_efficient.core import kernel_checks as checks
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.attention_kernels import math_attention
 from rloo_efficient.core.kernel_checks import attention_backward, attention_forward
-from rloo_efficient.core.packing import pack_groups
+from rloo_efficient.core.packing import pack_rows
 
 
 def rand(generator, *shape, dtype=torch.float64):
@@ -118,7 +118,7 @@ def test_the_check_rejects_a_kernel_that_is_slightly_wrong(monkeypatch):
 
 
 def packed_grads(model, ids, rows, width_c):
-    packed = pack_groups(ids, width_c, rows, torch.float64)
+    packed = pack_rows(ids, width_c, rows, min_saved=0)
     model.zero_grad()
     out = model(**packed.model_inputs(), fused_lm_head=True)
     packed.unpack(out.log_probs).sum().backward()

@@ -25,7 +25,8 @@ from rloo_efficient.core import attention_kernels as kernels
 from rloo_efficient.core import kernel_checks as checks
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.prefix_cache import PrefixCache
-from rloo_efficient.core.packing import pack_groups
+from rloo_efficient.core.tree_attention import TreeAttention
+from rloo_efficient.core.packing import pack_rows
 from rloo_efficient.core.shared_generation import prefill_prompts, unique_rows
 from rloo_efficient.core.transformers_compat import CACHE_KWARG
 
@@ -289,31 +290,37 @@ def fake_model(arch: str, dtype: torch.dtype):
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
-    # Two groups, prompts of 20 and 14 tokens (the shorter padded: the prefix part carries a bias), 3 rows each
+    # Two groups, prompts of 20 and 14 tokens (nodes of other lengths: the level's part carries a bias), 3 rows each
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, dtype)
-        packed = pack_groups(ids.to(CUDA), 5, rows, dtype)
-        assert packed.input_ids.device == CUDA and packed.layout.split.prefix_bias.dtype == dtype
+        packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
+        layout = packed.layout
+        assert packed.input_ids.device == CUDA and len(layout.parts) == 1 and layout.parts[0].padded_keys
         logits = model(**packed.model_inputs()).logits
         assert (logits.shape, logits.dtype, logits.device) == ((1, packed.num_tokens, 64), dtype, CUDA)
-        # Per layer: the prompt bodies (causal) and each row's own tokens (causal) on flash; the rows' queries over
-        # their padded prompt on the efficient kernel with its grouped heads folded; never the math path
-        assert chosen == [("cuda_flash", 2), ("cuda_efficient", 1), ("cuda_flash", 2)] * 2
+        # Per layer: each length bucket of nodes (causal) on flash; the level's part (the rows' queries over their
+        # prompt) on the efficient kernel with its grouped heads folded; never the math path
+        assert chosen == ([("cuda_flash", 2)] * len(layout.buckets) + [("cuda_efficient", 1)]) * 2
+        _attention_backward(chosen, packed, layout, dtype)
 
-        # The packed attention's backward, called directly (autograd cannot record fake CUDA tensors)
-        chosen.clear()
-        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 4, 64, dtype=dtype)
-        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype), on_cuda(1, packed.num_tokens, 2, 64, dtype=dtype)
-        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False))
-        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, packed.layout, None, 0.125)
-        assert out.shape == (1, packed.num_tokens, 4, 64) and out.dtype == dtype
-        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
-        for got, like in zip(grads[:3], (q, k, v), strict=True):
-            assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
-        assert grads[3:] == (None,) * 5
-        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+
+def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, window=None, sinks=None, sliding=False):
+    """The tree attention's forward and backward, called directly (autograd cannot record fake CUDA tensors)."""
+    chosen.clear()
+    tokens = packed.num_tokens
+    q, grad = on_cuda(1, tokens, 4, dim, dtype=dtype), on_cuda(1, tokens, 4, dim, dtype=dtype)
+    k, v = on_cuda(1, tokens, kv_heads, dim, dtype=dtype), on_cuda(1, tokens, kv_heads, dim, dtype=dtype)
+    ctx = SimpleNamespace(needs_input_grad=(True, True, True, sinks is not None, False, False, False, False))
+    ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
+    out = TreeAttention.forward(ctx, q, k, v, sinks, layout, window, 0.125, sliding)
+    assert (out.shape, out.dtype) == ((1, tokens, 4, dim), dtype)
+    grads = TreeAttention.backward(ctx, grad.transpose(1, 2))
+    for got, like in zip(grads[:3], (q, k, v), strict=True):
+        assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
+    assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
+    assert grads[4:] == (None,) * 4
+    assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -349,36 +356,23 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
 @pytest.mark.parametrize("arch", list(WINDOWED))
 def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch):
     """A sliding window shorter than the packed prompts (20 and 14 tokens) and rows, and GPT-OSS's sinks: windowed
-    flash for the causal blocks, the efficient kernel for the prompt's tail, flash elsewhere; the packed attention's
-    backward too."""
+    flash for the nodes longer than the window, flash for the others, the efficient kernel for the prompts' tails read
+    by their subtrees; the tree attention's backward too."""
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [12, 4, 3, 11, 2, 1], 12, seed=0)
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, torch.bfloat16)
-        packed = pack_groups(ids.to(CUDA), 12, rows, torch.bfloat16)
+        packed = pack_rows(ids.to(CUDA), 12, rows, min_saved=0)
         logits = model(**packed.model_inputs()).logits
         assert logits.shape == (1, packed.num_tokens, 64) and logits.dtype == torch.bfloat16
-        # The sliding layer: prompt bodies and rows under the window on flash's windowed entry point, the rows'
-        # queries over the prompts' tails on the efficient kernel (a mask per query: not folded); the full layer as
-        # without a window
-        # (the tail's mask is per query: its few keys copied per query head)
+        # The sliding layer: the buckets on flash (its windowed entry point for those longer than the window), the
+        # level's part over the prompts' tails on the efficient kernel (a mask per query: not folded, its few keys
+        # copied per query head); the full layer as without a window
         kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
-        assert kernels_run == [("cuda_flash", 2), ("cuda_efficient", 2), ("cuda_flash", 2)] * 1 + [
-            ("cuda_flash", 2), ("cuda_efficient", 1), ("cuda_flash", 2)]  # fmt: skip
-        layer = model.model.layers[0].self_attn
-        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 4, 64,
-                                                                                     dtype=torch.bfloat16)  # fmt: skip
-        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 2, 64,
-                                                                                  dtype=torch.bfloat16)  # fmt: skip
-        sinks = getattr(layer, "sinks", None)
-        ctx = SimpleNamespace(needs_input_grad=(True, True, True, sinks is not None, False, False, False))
-        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, sinks, packed.layout, 8, 0.125)
-        assert out.shape == (1, packed.num_tokens, 4, 64)
-        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
-        for got, like in zip(grads[:3], (q, k, v), strict=True):
-            assert (got.shape, got.dtype, got.device) == (like.shape, torch.bfloat16, CUDA)
-        assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
-        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+        buckets = len(packed.layout.buckets)
+        assert kernels_run == [("cuda_flash", 2)] * buckets + [("cuda_efficient", 2)] + [
+            ("cuda_flash", 2)] * buckets + [("cuda_efficient", 1)]  # fmt: skip
+        sinks = getattr(model.model.layers[0].self_attn, "sinks", None)
+        _attention_backward(chosen, packed, packed.layout, torch.bfloat16, window=8, sinks=sinks, sliding=True)
 
 
 def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_math_path(monkeypatch):
@@ -416,56 +410,41 @@ def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monke
     dim for the kernels, the output cropped back."""
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
     with fake_cuda(monkeypatch) as chosen:
-        packed = pack_groups(ids.to(CUDA), 5, rows, torch.bfloat16)
+        packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
         tokens = packed.num_tokens
-        q, grad = on_cuda(1, tokens, 4, 512, dtype=torch.bfloat16), on_cuda(1, tokens, 4, 512, dtype=torch.bfloat16)
-        k, v = on_cuda(1, tokens, 1, 512, dtype=torch.bfloat16), on_cuda(1, tokens, 1, 512, dtype=torch.bfloat16)
-        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False))
-        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, packed.layout, None, 1.0)
-        assert out.shape == (1, tokens, 4, 512)
-        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
-        assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
-        assert {entry[0] for entry in chosen} <= {"cuda_efficient", "expanded keys"} and chosen
-
+        _attention_backward(chosen, packed, packed.layout, torch.bfloat16, dim=512, kv_heads=1)
         chosen.clear()
         q, k = on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16), on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16)
         v = on_cuda(1, tokens, 4, 12, dtype=torch.bfloat16)
         out, _ = prefix_attention.prefix_attention(None, q, k, v, prefix_attention.NO_MASK, scaling=0.2,
                                                    **{prefix_attention.LAYOUT_KWARG: packed.layout})  # fmt: skip
         assert out.shape == (1, tokens, 4, 12) and out.dtype == torch.bfloat16
-        # head_dim 24 in half precision: flash for the causal parts, the efficient kernel for the padded prompt part
-        assert [entry[0] for entry in chosen] == ["cuda_flash", "cuda_efficient", "cuda_flash"]
+        # head_dim 24 in half precision: flash for the causal buckets, the efficient kernel for the level's part
+        assert [entry[0] for entry in chosen] == ["cuda_flash"] * len(packed.layout.buckets) + ["cuda_efficient"]
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 
 @pytest.mark.parametrize("window", [None, 8])
-def test_image_blocks_in_the_prompt_bodies_run_the_fused_kernels_on_cuda(monkeypatch, window):
-    """Gemma's image tokens attend to each other both ways in the bodies: the bodies' attention under a per-query bias
-    (image blocks, and the window where there is one) on the efficient kernel, forward and backward."""
-    from rloo_efficient.core.vision import body_blocks
+def test_image_blocks_in_the_prompt_nodes_run_the_fused_kernels_on_cuda(monkeypatch, window):
+    """Gemma's image tokens attend to each other both ways in the prompts' nodes: those nodes' attention under a
+    per-query bias (image blocks, and the window where there is one) on the efficient kernel, forward and backward."""
+    import numpy as np
+
+    from rloo_efficient.core.tree_layout import tree_layout
+    from rloo_efficient.core.vision import token_blocks
 
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
     token_types = torch.zeros_like(ids)
     token_types[:, 8:12] = 1  # a 4-token image in every prompt (the second prompt's starts 6 columns later)
     with fake_cuda(monkeypatch) as chosen:
-        packed = pack_groups(ids.to(CUDA), 5, rows, torch.bfloat16)
-        layout = packed.layout
+        packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
+        tree = packed.tree
+        layout = tree_layout(tree, CUDA, image_nodes=np.flatnonzero(tree.depth == 0))[0]
         with unset_fake_temporarily():
-            blocks = body_blocks(token_types, (1,), packed.source_index.cpu(), layout.split.groups,
-                                 layout.prompt_length, layout.body_lengths.cpu())  # fmt: skip
-        layout = dataclasses.replace(layout, body_blocks=blocks.to(CUDA), blocks_on="all")
-        q, grad = on_cuda(1, packed.num_tokens, 4, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 4, 64,
-                                                                                     dtype=torch.bfloat16)  # fmt: skip
-        k, v = on_cuda(1, packed.num_tokens, 2, 64, dtype=torch.bfloat16), on_cuda(1, packed.num_tokens, 2, 64,
-                                                                                  dtype=torch.bfloat16)  # fmt: skip
-        ctx = SimpleNamespace(needs_input_grad=(True, True, True, False, False, False, False, False))
-        ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-        out = prefix_attention._PackedAttention.forward(ctx, q, k, v, None, layout, window, 0.125, window is not None)
-        assert out.shape == (1, packed.num_tokens, 4, 64)
-        # The bodies under their image blocks' bias: the efficient kernel, a mask per query (not folded)
-        assert chosen[0] == ("cuda_efficient", 2)
-        grads = prefix_attention._PackedAttention.backward(ctx, grad.transpose(1, 2))
-        for got, like in zip(grads[:3], (q, k, v), strict=True):
-            assert (got.shape, got.dtype, got.device) == (like.shape, torch.bfloat16, CUDA)
-        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+            blocks = token_blocks(token_types, (1,), packed.source_index.cpu())
+        layout = dataclasses.replace(layout, token_blocks=blocks.to(CUDA), blocks_on="all")
+        assert len(layout.image_buckets) == 1
+        _attention_backward(chosen, packed, layout, torch.bfloat16, window=window, sliding=window is not None)
+        # The prompts' nodes under their image blocks' bias: the efficient kernel, a mask per query (not folded)
+        kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
+        assert kernels_run[len(layout.buckets)] == ("cuda_efficient", 2)

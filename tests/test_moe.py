@@ -1,5 +1,6 @@
 """The MoE load-balancing loss of a packed batch: stock TRL's, its value and its gradient, with TRL's defaults."""
 
+import numpy as np
 import pytest
 import torch
 import trl
@@ -11,10 +12,11 @@ from rloo_efficient import GRPOConfig, GRPOTrainer
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core.families import forward_unsupported_reason
 from rloo_efficient.core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from rloo_efficient.core.packing import pack_groups, row_groups
+from rloo_efficient.core.packing import pack_rows
 from rloo_efficient.workload import build_dataset, build_model_dir
 
 from .conftest import METRICS, run, step_metrics, tiny_workload, training_args
+from .trees import random_rows, split_rows, stock_batch
 
 # float32: the experts' grouped GEMM has no float64; the packed and padded forwards sum in other orders
 RTOL, ATOL = 1e-5, 1e-6
@@ -29,46 +31,53 @@ def moe_model(model_cache):
     return model
 
 
-def test_the_packed_loss_is_stocks_with_unscored_rows_and_groups(moe_model):
-    """Three groups: one fully scored, one with a masked (unscored) row, one with every row unscored (its prompt still
-    counts in stock's mask). The weighted loss over the packed tokens and its gradient equal stock's on the padded
-    rows, whose attention mask drops the unscored rows' completions."""
-    model, config = moe_model, moe_model.config
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in (6, 4, 5)]
-    completions = [torch.randint(3, 200, (n,), generator=generator).tolist() for n in (4, 2, 3, 5, 2, 3)]
-    group_of_row, scored = [0, 0, 1, 1, 2, 2], [4, 2, 3, 0, 0, 0]
-    prompt_width, completion_width = 6, 5
-    input_ids = torch.zeros(6, prompt_width + completion_width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, (group, completion) in enumerate(zip(group_of_row, completions, strict=True)):
-        prompt = prompts[group]
-        input_ids[row, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
-        input_ids[row, prompt_width : prompt_width + len(completion)] = torch.tensor(completion)
-        attention_mask[row, prompt_width - len(prompt) : prompt_width] = 1
-        attention_mask[row, prompt_width : prompt_width + scored[row]] = 1  # TRL's completion mask
-
+def stock_and_packed_loss(model, seed: int, min_saved: int = 0):
+    """The load-balancing loss and its router gradients on stock's padded rows of a random tree (a third of its rows
+    unscored: their completions out of stock's mask, their prompts in it), and over the packed tree, each token
+    weighted by the rows holding it. Returns `(stock's, ours, the packed batch, stock's attention mask)`."""
+    config = model.config
+    rows = random_rows(seed, vocab=200)
+    prompts, completions = split_rows(rows, seed)
+    scored = [0 if i % 3 == 1 else len(c) for i, c in enumerate(completions)]
+    input_ids, attention_mask, width_c, structure = stock_batch(prompts, completions, scored)
+    results = []
     model.zero_grad()
     stock = model.model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
     expected = load_balancing_loss_func(stock.router_logits, config.num_experts, config.num_experts_per_tok,
                                         attention_mask)  # fmt: skip
     expected.backward()
-    expected_grads = [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]
-
+    results.append((expected.detach(), [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]))
     model.zero_grad()
-    rows = row_groups([prompts[g] for g in group_of_row], scored)
-    packed = pack_groups(input_ids, completion_width, rows, torch.float32, token_weights=True)
+    packed = pack_rows(input_ids, width_c, structure, token_weights=True, min_saved=min_saved)
     with recording_router_logits(model) as logits:
         model(**packed.model_inputs(), fused_lm_head=True, output_router_logits=False)
     assert len(logits) == config.num_hidden_layers
     ours = weighted_aux_loss(logits, packed.token_weights, config)
     ours.backward()
+    results.append((ours.detach(), [layer.mlp.gate.weight.grad.clone() for layer in model.model.layers]))
+    return results[0], results[1], packed, attention_mask
+
+
+@pytest.mark.parametrize("seed", [0, 5, 16])  # trees of 8 to 11 rows, 3 or 4 deep
+def test_the_packed_loss_is_stocks_over_a_tree_with_unscored_rows(moe_model, seed):
+    """Random trees (shared openings, completions that open alike, rows ending inside another's tokens), a third of
+    the rows unscored (their prompts still count in stock's mask): the weighted loss over the packed tokens and its
+    gradient equal stock's on the padded rows."""
+    (expected, expected_grads), (ours, grads), packed, attention_mask = stock_and_packed_loss(moe_model, seed)
     torch.testing.assert_close(ours, expected, rtol=RTOL, atol=ATOL)
-    for layer, grad in zip(model.model.layers, expected_grads, strict=True):
-        torch.testing.assert_close(layer.mlp.gate.weight.grad, grad, rtol=1e-4, atol=1e-7)
-    # Each group's prompt once: 5 + 3 + 4 body tokens, and segments of 1 + n tokens (one for the unscored group)
-    assert int((packed.token_weights > 0).sum()) == (5 + 3 + 4) + (5 + 3 + 4) + 1
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
+    # Every token stock's mask holds, each counted once per row holding it; shared ones packed once
     assert int(packed.token_weights.sum()) == int(attention_mask.sum())
+    assert packed.num_tokens < int(attention_mask.sum())
+
+
+def test_a_token_weighted_once_instead_of_once_per_row_fails(moe_model, monkeypatch):
+    from rloo_efficient.core.tree import Tree
+
+    monkeypatch.setattr(Tree, "token_weight", property(lambda self: np.ones(self.num_tokens, dtype=np.int64)))
+    (expected, _), (ours, _), _, _ = stock_and_packed_loss(moe_model, 0)
+    assert not torch.allclose(ours, expected, rtol=RTOL, atol=ATOL)
 
 
 def test_router_jitter_refuses_the_packed_forward(moe_model):

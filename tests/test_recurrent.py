@@ -1,31 +1,28 @@
 """
-Recurrent layers forked after the prompt (`rloo_efficient.core.recurrent`): one layer of each kind, taken from its
-family's own tiny model, on the packed sequence against the same layer run on each stock row on its own ([prompt,
-completion] from a zero state), forward and gradients, over ragged layouts (groups of 1-4 rows, not always adjacent;
-prompts of 1 token, shorter than the convolution, longer than a scan chunk; completions of 1-7 tokens).
+Recurrent layers over the prefix tree (`rloo_efficient.core.recurrent`): one layer of each kind, taken from its
+family's own tiny model, on the packed tree against the same layer run on each stock row on its own (from a zero
+state), forward and gradients, over ragged trees: depth 1 to 4; one-token nodes and nodes shorter than the 4-tap
+convolution (whose left context then reaches past the parent); a node longer than a scan chunk; rows that end inside
+another's tokens; completions of very different lengths.
 """
 
 import pytest
 import torch
 
 from rloo_efficient.core import recurrent
-from rloo_efficient.core.packing import pack_groups, row_groups
+from rloo_efficient.core.tree import build_tree
+from rloo_efficient.core.tree_layout import tree_layout
 from rloo_efficient.tiny_models import model_config, model_from_config
-from rloo_efficient.workload import WorkloadConfig, build_tokenizer
+from rloo_efficient.workload import build_tokenizer
 
 from .conftest import tiny_workload
+from .trees import random_rows
 
 
 # Gated DeltaNet (three projection layouts), Mamba2 (three families' mixers), a gated short convolution
 KINDS = ("qwen3_next", "qwen3_5", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2")
-# (prompt length per group, group of each row, completion length per row): one-token prompts and prompts shorter than
-# the 4-tap convolution; a prompt past Mamba2's 16-token chunks; rows of a group not adjacent; a lone row
-LAYOUTS = {
-    "short_prompts": ([1, 2, 3], [0, 1, 1, 2, 2, 2], [3, 1, 2, 4, 1, 2]),
-    "ragged": ([19, 6, 11], [0, 1, 0, 2, 1, 0], [2, 5, 7, 1, 3, 4]),
-    "one_token_prompts": ([1, 1], [0, 1, 0], [2, 3, 4]),
-    "lone_row": ([9], [0], [6]),
-}
+# Rows of a random tree: (seed, longest run); long runs pass Gated DeltaNet's 64-token chunks (Mamba2's are 16)
+TREES = {"short_runs": (25, 3), "ragged": (16, 9), "deep": (13, 6), "long_runs": (47, 70)}
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -42,64 +39,42 @@ def layer(request, model_cache):
     return module, fork
 
 
-def _packed(layout_name, dtype, dim, seed=0):
-    """The packed layout of a stock batch, stock's per-row hidden states (B rows of [prompt, completion], ragged), and
-    the packed hidden states gathered from them."""
-    prompt_lengths, group_of_row, completion_lengths = LAYOUTS[layout_name]
-    generator = torch.Generator().manual_seed(seed)
-    width_p, width_c = max(prompt_lengths), max(completion_lengths)
-    prompts = [torch.randn(p, dim, generator=generator, dtype=dtype) for p in prompt_lengths]
-    rows = [torch.cat([prompts[g], torch.randn(n, dim, generator=generator, dtype=dtype)])
-            for g, n in zip(group_of_row, completion_lengths, strict=True)]  # fmt: skip
-    # A stock batch of flat indices: packing gathers them, so the packed sequence says where each token comes from
-    width = width_p + width_c
-    index = torch.arange(len(rows) * width).view(len(rows), width)
-    structure = row_groups([[g + 1] * p for g, p in ((g, prompt_lengths[g]) for g in group_of_row)], completion_lengths)
-    packed = pack_groups(index, width_c, structure, dtype)
-    flat = torch.zeros(len(rows) * width, dim, dtype=dtype)
-    for r, row in enumerate(rows):  # left-padded prompt, then the completion (the test's reference, not the code's)
-        p = prompt_lengths[group_of_row[r]]
-        flat[r * width + width_p - p : r * width + width_p + completion_lengths[r]] = row
-    fork = recurrent.Fork.of(packed.layout)
-    real = torch.cat([fork.real.reshape(-1), (packed.shift_labels[0, fork.prompt_tokens :] != -100)])
-    return packed, rows, flat[packed.input_ids[0]][None], real, width, width_p, prompt_lengths, group_of_row
+def packed_tree(name: str):
+    """A random tree's packed layout (every shared run its node), and the tree."""
+    seed, longest = TREES[name]
+    tree = build_tree(random_rows(seed, max_run=longest), min_saved=0)
+    assert tree.depth.max() >= 1  # something is shared
+    return tree_layout(tree, torch.device("cpu"))[0], tree
 
 
-def errors(module, fork_fn, layout_name) -> dict[str, float]:
+def errors(module, fork_fn, tree_name) -> dict[str, float]:
     """The fork's output, input gradient and each parameter's gradient against the layer run on each stock row, each
-    as its largest difference over the reference's largest value."""
+    as its largest difference over the reference's largest value. Each stock row's inputs are read from the packed
+    ones, so that a token the tree holds once is one input of every row through it."""
     dtype = next(module.parameters()).dtype
     dim = next(p for n, p in module.named_parameters() if "proj" in n and p.dim() == 2).shape[1]
-    packed, rows, hidden, real, width, width_p, prompt_lengths, group_of_row = _packed(layout_name, dtype, dim)
-    hidden.requires_grad_(True)
-    out = fork_fn(module, hidden, packed.layout)
-    cotangent = torch.randn_like(out) * real[None, :, None]  # gradients from real positions only
+    layout, tree = packed_tree(tree_name)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, tree.num_tokens, dim, generator=generator, dtype=dtype).requires_grad_(True)
+    cotangent = torch.randn(1, tree.num_tokens, dim, generator=generator, dtype=dtype)
+    out = fork_fn(module, hidden, layout)
     module.zero_grad()
     (out * cotangent).sum().backward()
     ours = {name: parameter.grad.clone() for name, parameter in module.named_parameters() if parameter.grad is not None}
+    ours_input = hidden.grad.clone()
 
-    # Where each real packed token comes from: (stock row, position in that row's [prompt, completion])
-    source = packed.input_ids[0]
-    row_of = source // width
-    position = source % width - (width_p - torch.tensor(prompt_lengths)[torch.tensor(group_of_row)][row_of])
-    body = torch.arange(source.numel()) < packed.layout.prompt_tokens
-    # The reference: the layer on each stock row alone, each real token's cotangent at its own (row, position)
+    # The reference: the layer on each row alone; a token the tree holds once is weighted by 1 / its rows, so that the
+    # rows through it add up to its cotangent once
     module.zero_grad()
-    expected, input_grad = torch.zeros_like(out[0]), torch.zeros_like(hidden[0])
-    for r, row in enumerate(rows):
-        x = row[None].clone().requires_grad_(True)
-        y = module(x)[0]
-        mine = real & (row_of == r)
-        expected[mine] = y[position[mine]].detach()
-        weights = torch.zeros_like(y)
-        weights[position[mine]] = cotangent[0, mine]
-        (y * weights).sum().backward()
-        input_grad[mine & ~body] = x.grad[0, position[mine & ~body]]
-        # A body token is every row of its group's prompt token: its gradient sums over the group's rows
-        group_body = real & body & (torch.tensor(group_of_row)[row_of] == group_of_row[r])
-        input_grad[group_body] += x.grad[0, position[group_body]]
-    found = {"output": scaled_error(out[0][real], expected[real]),
-             "input gradient": scaled_error(hidden.grad[0][real], input_grad[real])}  # fmt: skip
+    hidden.grad = None
+    expected = torch.zeros_like(out[0])
+    share = torch.from_numpy(tree.token_weight).to(dtype)[:, None]
+    for inputs in tree.row_inputs:
+        index = torch.from_numpy(inputs)
+        y = module(hidden[:, index])[0]
+        expected[index] = y.detach()
+        ((y * cotangent[0, index]) / share[index]).sum().backward()
+    found = {"output": scaled_error(out[0], expected), "input gradient": scaled_error(ours_input, hidden.grad)}
     for name, parameter in module.named_parameters():
         if parameter.grad is not None:
             found[name] = scaled_error(ours[name], parameter.grad)
@@ -114,21 +89,32 @@ def _tolerance(layer) -> float:
     return 1e-10 if next(layer[0].parameters()).dtype == torch.float64 else 1e-4
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
-def test_a_forked_layer_is_the_layer_on_each_row(layer, layout_name):
+def _allowed(layer, name: str) -> float:
+    return _tolerance(layer) * (10 if name in DECAY else 1)
+
+
+# The decay's parameters: each token's gradient reaches them through the chunked scan's triangular solve, whose float32
+# rounding depends on where the chunks start (a node's own start, not its row's): Qwen3-Next measured 6e-4 of their
+# largest value over 3 levels; with its scan patched to float64, 3e-8 (the remaining float32: the log-decay's own)
+DECAY = ("A_log", "dt_bias")
+
+
+@pytest.mark.parametrize("tree_name", list(TREES))
+def test_a_forked_layer_is_the_layer_on_each_row(layer, tree_name):
     # Relative to each tensor's largest value: the float32 kernels (Gated DeltaNet's and Mamba2's compute in float32
     # whatever the layer's dtype) sum a parameter's gradient over the tokens in other orders (1e-5 of its scale seen);
     # the mutations below are off by 4e-3 to 10
-    tolerance = _tolerance(layer)
-    found = errors(*layer, layout_name)
-    assert max(found.values()) <= tolerance, {name: f"{error:.1e}" for name, error in found.items() if error > tolerance}
+    found = errors(*layer, tree_name)
+    assert all(found[name] <= _allowed(layer, name) for name in found), {
+        name: f"{error:.1e}" for name, error in found.items() if error > _allowed(layer, name)}  # fmt: skip
 
 
 MUTATIONS = {
-    "state_not_forked": ("initial", lambda own: lambda self, state: torch.zeros_like(own(self, state))),
-    "conv_tail_off_by_one": ("tail", lambda own: lambda self, body_x, kernel: own(
-        self, torch.nn.functional.pad(body_x, (0, 0, 1, 0))[:, :-1], kernel)),
-    "padding_moves_the_state": ("frozen", lambda own: lambda self, x, value=0.0: x),
+    "state_from_the_wrong_parent": ("inherit", lambda own: staticmethod(
+        lambda values, level: own(values, type(level)(level.blocks, level.length, level.parent.roll(1), level.real)))),
+    "conv_tail_off_by_one": ("tail", lambda own: staticmethod(
+        lambda full, level, kernel: own(torch.nn.functional.pad(full, (0, 0, 1, 0))[:, :-1], level, kernel))),
+    "padding_moves_the_state": ("frozen", lambda own: lambda self, parts, value=0.0: parts),
 }
 
 
@@ -136,11 +122,15 @@ MUTATIONS = {
 def test_mutations_fail(layer, monkeypatch, mutation):
     """Each of these mistakes in the fork is caught by the comparison above (a short convolution has no state)."""
     name, mutate = MUTATIONS[mutation]
-    if mutation != "conv_tail_off_by_one" and layer[1] is recurrent.short_conv:
+    if mutation == "padding_moves_the_state" and layer[1] is recurrent.short_conv:
         pytest.skip("a short convolution has no recurrent state")
-    monkeypatch.setattr(recurrent.Fork, name, mutate(getattr(recurrent.Fork, name)))
-    # Far outside the equivalence tolerance (at least 4e-3 of the largest value seen, against 1e-4 in float32)
-    assert max(errors(*layer, "ragged").values()) > 10 * _tolerance(layer)
+    monkeypatch.setattr(recurrent.Fork, name, mutate(recurrent.Fork.__dict__[name].__func__
+                                                     if isinstance(recurrent.Fork.__dict__[name], staticmethod)
+                                                     else recurrent.Fork.__dict__[name]))  # fmt: skip
+    # Far outside the equivalence tolerance somewhere (at least 4e-3 of the largest value seen, against 1e-4 in
+    # float32; the decay's parameters 2e-2, against 1e-3)
+    found = errors(*layer, "ragged")
+    assert any(error > 10 * _allowed(layer, name) for name, error in found.items()), found
 
 
 # -- the kernels' first-use check --------------------------------------------------------------------------------------
@@ -254,9 +244,9 @@ def test_a_layer_dispatched_by_accelerate_is_forked_with_its_weights(model_cache
     name, module = next((n, m) for n, m in plain.named_modules() if type(m).__name__ in recurrent.FORKS)
     fork = recurrent.FORKS[type(module).__name__][0]
     dim = plain.config.get_text_config().hidden_size
-    packed, *_ = _packed("ragged", plain.dtype, dim)
-    hidden = torch.randn(1, packed.input_ids.shape[1], dim, dtype=plain.dtype)
-    expected = fork(module, hidden, packed.layout)
+    layout, tree = packed_tree("ragged")
+    hidden = torch.randn(1, tree.num_tokens, dim, dtype=plain.dtype)
+    expected = fork(module, hidden, layout)
 
     block = ".".join(name.split(".")[:3])  # model.layers.<i>
     device_map = {f"model.{child}": "cpu" for child, _ in plain.model.named_children() if child != "layers"}
@@ -271,4 +261,4 @@ def test_a_layer_dispatched_by_accelerate_is_forked_with_its_weights(model_cache
     assert hasattr(hooked, "_hf_hook") and hasattr(conv, "_hf_hook")
     assert conv.weight.device.type == ("meta" if placement == "disk" else "cpu")
     assert recurrent.install(model) == recurrent.install(model) > 0  # idempotent under the hooks too
-    torch.testing.assert_close(hooked(hidden, **{LAYOUT_KWARG: packed.layout}), expected, rtol=0, atol=0)
+    torch.testing.assert_close(hooked(hidden, **{LAYOUT_KWARG: layout}), expected, rtol=0, atol=0)

@@ -11,7 +11,7 @@ import rloo_efficient
 from rloo_efficient import RLOOConfig, RLOOTrainer
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
 
-from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args
+from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 
 
 def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
@@ -53,7 +53,8 @@ def test_config_is_a_stock_config_subclass():
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
             "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "share_reward_prefix",
-            "hydra_reward_adapter", "shuffle_groups", "profile_memory")),
+            "hydra_reward_adapter", "profile_memory")),
+        ({"shuffle_groups": "false"}, "shuffle_groups must be True, False or None, got 'false'"),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
     ],
 )
@@ -205,6 +206,6 @@ def test_with_vllm_generation_the_other_phases_still_share_each_prompt(workload,
     assert min(lengths) < 48, "no completion stopped at EOS: the case is not exercised"
     # float64 all the way (exact_head): with TRL's float32 head, 48-token sums of log-probs rounded to float32 differ
     # by ~1e-5 relative in the second step's loss
-    assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol=1e-9, atol=1e-12)
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-9, 1e-12, per_micro_batch(ours))
     assert ours.shared_prefill_tokens == 0  # generation is not ours
     assert ours.packed_forward_tokens > 0 and ours.reward_forward_tokens > 0

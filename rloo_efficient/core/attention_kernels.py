@@ -1,9 +1,10 @@
 """
 Attention that also returns its log-sum-exp, forward and backward, on the fused kernel each device has.
 
-[`prefix_attention`] splits a completion's attention into two parts (its prompt, stored once per group, and its own
-tokens) and merges them by log-sum-exp. The merge needs each part's log-sum-exp, which `scaled_dot_product_attention`
-does not return, so the parts call the kernels underneath it ([`choose_kernel`], after PyTorch's own `sdp_utils.cpp`):
+[`tree_attention`] and [`prefix_attention`]'s decoding split attention into parts (a node's own tokens, each ancestor
+read by its subtree; a prompt stored once per group and a row's own tokens) and merge them by log-sum-exp. The merge
+needs each part's log-sum-exp, which `scaled_dot_product_attention` does not return, so the parts call the kernels
+underneath it ([`choose_kernel`], after PyTorch's own `sdp_utils.cpp`):
 
 - CPU: `aten._scaled_dot_product_flash_attention_for_cpu` (any float dtype, grouped-query heads, an additive mask);
 - CUDA, half precision without a mask, sm80 to sm121, head_dim a multiple of 8 up to 256:

@@ -22,7 +22,7 @@ MODEL_TYPES = (
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
-    # Hybrids: recurrent layers forked after the prompt (recurrent.py) among attention layers
+    # Hybrids: recurrent layers forked along the prefix tree (recurrent.py) among attention layers
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",  # Gated DeltaNet
     "nemotron_h", "granitemoehybrid", "falcon_h1",  # Mamba2 (Nemotron-H and Granite 4-H: attention without positions)
     "lfm2",  # gated short convolutions

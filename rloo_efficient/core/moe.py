@@ -6,7 +6,7 @@ coefficient (`output_router_logits` among its attributes, a non-zero coefficient
 head with Mixtral's `load_balancing_loss_func` over every layer's router logits and every token its 2-D attention mask
 holds: each prompt token once per row of its group. Routing is a function of each token's own hidden state, so a
 packed token routes as each of its copies in stock's rows does; the loss only counts tokens, so weighting each packed
-token by how many times stock's batch holds it ([`packing.pack_groups`] with `token_weights`) gives stock's loss. The
+token by how many times stock's batch holds it ([`packing.pack_rows`] with `token_weights`) gives stock's loss. The
 router logits are captured where transformers records them (the model's `_can_record_outputs["router_logits"]`: a
 module class and an output index), by our own forward hooks, active only during the packed forward (not during
 gradient checkpointing's recomputation).

@@ -1,24 +1,20 @@
 """
-Each prompt once per group: the batch's group structure, and the packed shared-prefix forward.
+Every real token once: the batch's rows, and the packed forward of a micro-batch over their prefix tree.
 
-Stock TRL scores a batch as `B` rows `[left-padded prompt | completion | right padding]`, so a group of `k`
-completions carries `k` copies of its prompt through every forward. Here a micro-batch becomes one flat sequence
+Stock TRL scores a micro-batch as `B` rows `[left-padded prompt | completion | right padding]`: every prompt once per
+row, every completion padded to the longest. Here the micro-batch becomes one flat sequence holding each node of its
+prefix tree ([`tree`]) once, every completion at its own length: no padding. Every token keeps its position in its rows
+(its column in stock's rows, or where a node is shared across groups whose prompts are of other lengths, a constant
+shift of it: rotary embeddings see the distances stock's rows give them), predicts the next
+token of its rows through `shift_labels` (a node opens with a copy of its parent's last token, so that no position
+predicts two labels), and attends to its ancestors and causally within its node through the layout
+([`tree_layout.TreeLayout`]) the model call carries. Rows with nothing to score (a masked truncated completion) are left
+out: stock TRL's log-probs for them are all zero, and so are ours.
 
-    [body_1 | body_2 | ... | body_G | segment_1 | segment_2 | ... | segment_S]
-     each prompt less its last token,   each scored row: [prompt[-1], c[0], ..., c[n-2]]
-     right-padded to the longest body   right-padded to the longest segment
-
-Each segment starts with a copy of its prompt's last token: its hidden state is the one stock TRL reads at the
-prompt's last position to score the completion's first token, so each segment scores its own completion's tokens
-`c[0..n-1]` through `shift_labels`, and no position predicts two labels. Every token keeps the position id it has in
-stock TRL's row (its column), so rotary embeddings see the same angles. The model call carries a
-[`prefix_attention.PackedLayout`]: prompt bodies attend causally within themselves; segment tokens attend to their
-group's body and their own earlier tokens (see [`prefix_attention`]). Rows with nothing to score (a masked truncated
-completion) are left out: stock TRL's log-probs for them are all zero, and so are ours.
-
-The structure (which rows share a prompt, prompt lengths, scored lengths) is known on the host from TRL's token lists
-once per generation batch ([`RowGroups`]); it travels with the batch as a small CPU tensor, and each micro-batch's
-index tensors are built from it with NumPy and sent to the device in one copy. Nothing reads a device value back.
+The structure comes from the token lists TRL holds, once per generation batch ([`row_groups`]): a small CPU tensor of
+each row's group, prompt length, scored length and tokens, which travels with the batch (TRL's shuffle and split carry
+it). Each micro-batch's tree and index tensors are built from it in NumPy and sent to the device in one copy; the
+tokens themselves are gathered from stock's batch on the device. Nothing reads a device value back.
 """
 
 import hashlib
@@ -28,10 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .prefix_attention import NO_MASK, LAYOUT_KWARG, PackedLayout, SplitLayout
+from .prefix_attention import LAYOUT_KWARG, NO_MASK
+from .tree import MIN_SAVED_TOKENS, Tree, build_tree
+from .tree_layout import TreeLayout, tree_layout
 
 
-ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3) CPU tensor of [group id, prompt length, scored length] per row
+ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3 + W) CPU tensor of [group id, prompt length, scored length, tokens]
+PAD = -1  # after a row's tokens in that tensor
 
 
 def prompt_key(prompt) -> str:
@@ -64,19 +63,40 @@ def group_ids_for(prompts: list) -> torch.Tensor:
     return torch.tensor([index.setdefault(key, len(index)) for key in keys], dtype=torch.long)
 
 
-def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: list | None = None) -> torch.Tensor:
+def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: list | None = None,
+               completion_ids: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
     """
-    The `(B, 3)` CPU tensor of [group id, prompt length, scored completion length] per row: rows with the same prompt
-    tokens share a group, and with `images` (each row's, or None) the same images too: an image's tokens are the same
-    placeholders whatever its pixels ([`prompt_key`] tells images apart by their content). Built once per generation
-    batch from TRL's token lists; it is shuffled and split with the batch like any other field.
+    The `(B, 3 + W)` CPU tensor of [group id, prompt length, scored completion length, the row's tokens] per row: its
+    prompt and the scored part of its completion, then [`PAD`]. Rows with the same prompt tokens share a group, and
+    with `images` (each row's, or None) the same images too: an image's tokens are the same placeholders whatever its
+    pixels ([`prompt_key`] tells images apart by their content). Without `completion_ids`, no two rows' completions
+    are taken to agree (nothing after the prompts is shared). Built once per generation batch from TRL's token lists;
+    it is shuffled and split with the batch like any other field.
     """
     keys = [list(ids) for ids in prompt_ids]
     if images is not None:
         keys = [prompt_key([ids, image]) for ids, image in zip(keys, images, strict=True)]
-    groups = group_ids_for(keys)
-    lengths = torch.tensor([[len(ids), n] for ids, n in zip(prompt_ids, scored_lengths, strict=True)], dtype=torch.long)
-    return torch.cat([groups.unsqueeze(1), lengths.view(-1, 2)], dim=1)
+    groups = group_ids_for(keys).numpy()
+    count = len(prompt_ids)
+    if completion_ids is None:  # a token no other row has: each completion its own
+        completion_ids = [[-2 - row] * n for row, n in enumerate(scored_lengths)]
+    rows = [list(ids) + list(completion)[:n] for ids, completion, n in
+            zip(prompt_ids, completion_ids, scored_lengths, strict=True)]  # fmt: skip
+    width = max((len(row) for row in rows), default=0)
+    table = np.full((count, 3 + width), PAD, dtype=np.int64)
+    table[:, 0] = groups
+    table[:, 1] = [len(ids) for ids in prompt_ids]
+    table[:, 2] = scored_lengths
+    for row, tokens in enumerate(rows):
+        table[row, 3 : 3 + len(tokens)] = tokens
+    return torch.from_numpy(table)
+
+
+def row_tokens(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """`(group, prompt length, scored length, each row's tokens)` of a [`row_groups`] tensor, on the host."""
+    table = rows.numpy()
+    group, plen, scored = table[:, 0], table[:, 1], table[:, 2]
+    return group, plen, scored, [table[row, 3 : 3 + plen[row] + scored[row]] for row in range(len(table))]
 
 
 def group_shuffle_order(group_ids: torch.Tensor, permutation: torch.Tensor) -> np.ndarray:
@@ -95,24 +115,24 @@ def group_shuffle_order(group_ids: torch.Tensor, permutation: torch.Tensor) -> n
 
 @dataclass
 class PackedBatch:
-    """A micro-batch packed as one flat sequence, and where its scored log-probs go in stock TRL's `(B, C)` layout."""
+    """A micro-batch packed as its prefix tree, and where its scored log-probs go in stock TRL's `(B, C)` layout."""
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N)
     shift_labels: torch.Tensor  # (1, N) the token each position predicts, -100 where none is scored
     unpack_index: torch.Tensor  # (B*C,) flat position of each (row, column) log-prob; N (a zero) where unscored
-    layout: PackedLayout
+    layout: TreeLayout
+    tree: Tree  # the host structure (its counts: the packed tokens, the radix tree's real ones)
     num_rows: int  # B
     num_cols: int  # C, the padded completion width
-    num_real_tokens: int  # tokens that are not padding
     token_weights: torch.Tensor | None = None  # (1, N) int64: how many times stock's batch holds each token
     source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
-    first_rows: np.ndarray | None = None  # (G,) host: the stock row each group's body is taken from, in body order
+    first_rows: np.ndarray | None = None  # (G,) host: one row per group, groups in the order their tokens come
     group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array, one row per group
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the model processes, padding included."""
+        """Tokens the model processes (no padding)."""
         return self.input_ids.shape[1]
 
     def model_inputs(self) -> dict:
@@ -126,145 +146,89 @@ class PackedBatch:
         }
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """`(1, N)` per-position values (zero where unscored) -> `(B, C)` in stock TRL's layout, differentiably."""
+        """`(1, N)` per-position values (zero where unscored) -> `(B, C)` in stock TRL's layout, differentiably (a
+        position several rows read gets the sum of their gradients)."""
         values = torch.cat([packed.view(-1), packed.new_zeros(1)])
         return values.index_select(0, self.unpack_index).view(self.num_rows, self.num_cols)
 
 
-def _split_layout(counts: np.ndarray, row_length: int) -> tuple[int | None, int, np.ndarray | None, np.ndarray | None]:
-    """(rows_per_group or None, slots, gather, scatter) of groups holding `counts` consecutive rows of `row_length`."""
-    groups = len(counts)
-    if (counts == counts[0]).all():
-        return int(counts[0]), int(counts[0]) * row_length, None, None
-    slots = int(counts.max()) * row_length
-    queries = counts * row_length  # each group's flat queries, consecutive
-    starts = np.cumsum(queries) - queries
-    slot = np.arange(slots)
-    gather = np.where(slot[None, :] < queries[:, None], starts[:, None] + slot[None, :], int(queries.sum()))
-    group_of_query = np.repeat(np.arange(groups), queries)
-    scatter = group_of_query * slots + (np.arange(int(queries.sum())) - np.repeat(starts, queries))
-    return None, slots, gather.reshape(-1), scatter
-
-
-def host_layout(counts: np.ndarray, body: np.ndarray, row_length: int, span: int, parts: list[np.ndarray], device,
-                dtype) -> tuple[PackedLayout, list[torch.Tensor]]:  # fmt: skip
-    """
-    The [`PackedLayout`] of `G = len(counts)` groups, group `g` a body of `body[g]` tokens (right-padded to the
-    longest) and `counts[g]` consecutive rows of `row_length` tokens; built on the host. The integer arrays `parts`
-    travel to `device` with the layout's own indices in one copy; returns the layout and the parts there.
-    """
-    groups, body_width = len(counts), int(body.max())
-    rows_per_group, slots, gather, scatter = _split_layout(counts, row_length)
-    padded = bool((body < body_width).any())  # bodies of different lengths: the rows must not see the padding
-    arrays = [*parts, body, *([] if gather is None else [gather, scatter])]
-    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64))
-    if device.type != "cpu":
-        host = host.pin_memory()
-    on_device = list(host.to(device, non_blocking=True).split([array.size for array in arrays]))
-    gather_t = scatter_t = bias = None
-    if gather is not None:
-        scatter_t, gather_t = on_device.pop(), on_device.pop()
-    lengths = on_device.pop()
-    if padded:  # the bias built where it is used, from the bodies' lengths: no blocking copy
-        bias = torch.full((groups, body_width), torch.finfo(dtype).min, dtype=dtype, device=device)
-        bias.masked_fill_(torch.arange(body_width, device=device) < lengths[:, None], 0.0)
-        bias = bias.view(groups, 1, 1, body_width)
-    split = SplitLayout(groups, rows_per_group, slots, gather_t, scatter_t, bias)
-    return PackedLayout(split, body_width, int(counts.sum()), row_length, span, lengths), on_device
-
-
-def pack_groups(
+def pack_rows(
     input_ids: torch.Tensor,
     logits_to_keep: int,
     rows: torch.Tensor,
-    dtype: torch.dtype,
     token_weights: bool = False,
     group_sources: bool = False,
+    image_tokens: set[int] | None = None,
+    min_saved: int = MIN_SAVED_TOKENS,
+    recurrent: bool = True,
 ) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
-    `logits_to_keep` columns being the completion) by its `rows` ([`row_groups`], a CPU tensor). Returns the
-    [`PackedBatch`], or the reason the batch cannot be packed (then the stock forward runs). `dtype`: the attention's
-    compute dtype, for the padding bias.
+    `logits_to_keep` columns being the completion) by its `rows` ([`row_groups`], a CPU tensor) into its prefix tree.
+    Returns the [`PackedBatch`], or the reason the batch cannot be packed (then the stock forward runs).
 
     With `token_weights` (for a loss over every token stock's batch holds, the MoE load-balancing loss), every token
-    stock's attention mask holds is also an input here, weighted by how many times stock's batch holds it: a segment
-    also takes its row's last completion token (which predicts nothing), a group whose completions are all unscored
-    keeps one segment of its prompt's last token, and [`PackedBatch.token_weights`] counts a prompt token once per row
-    of its group in the micro-batch (scored or not) and a completion token once.
+    stock's attention mask holds is an input, unscored rows' prompts and each row's last token included, and
+    [`PackedBatch.token_weights`] counts how many of stock's rows hold it. A micro-batch with nothing scored packs
+    likewise (its forward gives stock's zeros, with a graph to carry their gradient).
 
-    With `group_sources`, [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)`
-    array of one row per group, in body order (for what is the same for every row of a group: Qwen's 3-D positions).
+    With `image_tokens` (an image batch: the placeholder ids), the rows of other groups share nothing (their images
+    differ where their placeholders agree), each group's prompt stays one node (its images encoded once), and
+    [`PackedBatch.first_rows`] gives one row per group in the order their images come. With `group_sources`,
+    [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)` array of those rows
+    (for what is the same for every row of a group: Qwen's 3-D positions). `recurrent`: whether the model has
+    recurrent layers (the layout then holds their levels).
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
     prompt_width = width - logits_to_keep
-    group, plen, scored = rows.numpy().T  # host values, read without dispatching a tensor operator
-    row_index = np.flatnonzero(scored > 0)
-    if len(row_index) == 0:
-        return "no completion token is scored in this micro-batch"
-    if token_weights:  # a group with no scored row keeps its first row, for its prompt's tokens
-        ids, first_row, group_rows = np.unique(group, return_index=True, return_counts=True)
-        unscored = ~np.isin(ids, group[row_index])
-        row_index = np.union1d(row_index, first_row[unscored])
-    # Rows grouped by prompt, groups in order of first appearance, rows in batch order within a group
-    _, first_seen, group_rank = np.unique(group[row_index], return_index=True, return_inverse=True)
-    group_rank = np.argsort(np.argsort(first_seen))[group_rank]
-    order = np.lexsort((row_index, group_rank))
-    row_index, group_rank = row_index[order], group_rank[order]
-    counts = np.bincount(group_rank)
-    first = row_index[np.cumsum(counts) - counts]  # one row per group
-    prompt_len = plen[first]
-    if (plen[row_index] != prompt_len[group_rank]).any():
-        raise ValueError("Rows grouped together have prompts of different lengths: the grouping is wrong.")
-    if (prompt_len == 0).any():
+    group, plen, scored, sequences = row_tokens(rows)
+    if (plen == 0).any():
         return "an empty prompt has no token to condition its completion on"
-    n = scored[row_index]  # labels per segment
-    m = n + 1 if token_weights else n  # inputs per segment: [prompt[-1], c[0], ..., c[m - 2]]
-    body = prompt_len - 1
-    body_width, row_length = int(body.max()), int(m.max())
-    groups, num_segments = len(first), len(row_index)
-
-    # Flat index into input_ids (and, for labels, N_in = the -100 sentinel) of every packed position
-    flat_width = num_rows * width
-    j = np.arange(body_width)
-    in_body = j[None, :] < body[:, None]
-    body_col = np.where(in_body, prompt_width - prompt_len[:, None] + j[None, :], prompt_width - 1)
-    body_tokens = first[:, None] * width + body_col
-    body_pos = body_col
-    c = np.arange(row_length)
-    in_row, labeled = c[None, :] < m[:, None], c[None, :] < n[:, None]
-    seg_col = prompt_width - 1 + c[None, :]  # [prompt[-1], c[0], ...] sit in these columns of stock's row
-    seg_tokens = row_index[:, None] * width + np.where(in_row, seg_col, prompt_width - 1)
-    seg_labels = np.where(labeled, row_index[:, None] * width + seg_col + 1, flat_width)
-    tokens = np.concatenate([body_tokens.reshape(-1), seg_tokens.reshape(-1)])
-    labels = np.concatenate([np.full(body_tokens.size, flat_width), seg_labels.reshape(-1)])
-    positions = np.concatenate([body_pos.reshape(-1), np.broadcast_to(seg_col, seg_tokens.shape).reshape(-1)])
-    total = tokens.size
-    # Where each (row, column) log-prob of stock's (B, C) layout is: its segment position, or the zero at N
+    full = token_weights or not scored.any()  # every token stock's mask holds is an input
+    members = np.arange(num_rows) if full else np.flatnonzero(scored > 0)
+    images = image_tokens is not None
+    tree = build_tree([sequences[row] for row in members], keys=group[members] if images else None, ends=full,
+                      min_saved=min_saved, keep_roots=images)  # fmt: skip
+    total = tree.num_tokens
+    member_rows = members[tree.token_row]  # (N,) a stock row holding each token
+    positions = tree.token_position
+    offset = prompt_width - plen  # a row's token at position j sits in column offset + j of stock's row
+    source = member_rows * width + offset[member_rows] + positions
+    # Position ids: stock's columns, those of each root's row under it (a node shared across groups whose prompts are
+    # of other lengths shifts its other rows' positions by a constant: attention reads only their differences)
+    root_rows = members[tree.row[tree.root]]
+    position_ids = np.repeat(offset[root_rows], tree.length) + positions
+    # Labels and the unpacking: position j of row r predicts its token j + 1, a completion token where j + 1 >= plen
+    labels = np.full(total, num_rows * width, dtype=np.int64)  # the -100 sentinel after stock's flat batch
     unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
-    seg_start = groups * body_width + np.arange(num_segments)[:, None] * row_length
-    cols = np.broadcast_to(c, labeled.shape)
-    unpack[np.broadcast_to(row_index[:, None], labeled.shape)[labeled], cols[labeled]] = (
-        seg_start + c[None, :])[labeled]  # fmt: skip
-    parts = [tokens, labels, positions, unpack.reshape(-1)]
-    if group_sources:
-        seg_cols = np.where(in_row, seg_col, prompt_width - 1)
-        parts.append(np.concatenate([(np.arange(groups)[:, None] * width + body_col).reshape(-1),
-                                     (group_rank[:, None] * width + seg_cols).reshape(-1)]))  # fmt: skip
+    for member, row in enumerate(members):
+        count = scored[row]
+        if count == 0:
+            continue
+        flat = tree.row_inputs[member][plen[row] - 1 : plen[row] - 1 + count]
+        labels[flat] = row * width + prompt_width + np.arange(count)
+        unpack[row, :count] = flat
+    parts = [source, labels, position_ids, unpack.reshape(-1)]
+    first_rows = None
+    if images:
+        roots = np.flatnonzero(tree.parent == -1)
+        _, first = np.unique(group[members[tree.row[roots]]], return_index=True)
+        first_rows = members[tree.row[roots[np.sort(first)]]]  # one row per group, in the order of its first node
+        if group_sources:
+            rank = np.full(int(group.max()) + 1, -1)
+            rank[group[first_rows]] = np.arange(len(first_rows))
+            parts.append(rank[group[member_rows]] * width + offset[member_rows] + positions)
     if token_weights:
-        stock_rows = group_rows[np.searchsorted(ids, group[first])]  # each group's rows in stock's micro-batch
-        body_weight = np.where(in_body, stock_rows[:, None], 0)
-        # The prompt's last token: once per stock row; the group's first segment counts the rows without a segment
-        opening = np.ones(num_segments, dtype=np.int64)
-        opening[np.cumsum(counts) - counts] += stock_rows - counts
-        seg_weight = np.where(c[None, :] == 0, opening[:, None], 1) * in_row
-        parts.append(np.concatenate([body_weight.reshape(-1), seg_weight.reshape(-1)]))
-
-    layout, on_device = host_layout(counts, body, row_length, int((prompt_len[group_rank] + n).max()), parts, device,
-                                    dtype)  # fmt: skip
+        parts.append(tree.token_weight)
+    image_nodes = None
+    if images:
+        values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows] + positions]
+        holds = np.isin(values, np.fromiter(image_tokens, dtype=np.int64))
+        image_nodes = np.unique(np.repeat(np.arange(len(tree.start)), tree.length)[holds])
+    layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent)
     weights = on_device.pop().view(1, total) if token_weights else None
-    group_source = on_device.pop() if group_sources else None
+    group_source = on_device.pop() if images and group_sources else None
     index, label_index, position_ids, unpack_index = on_device
     ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
     gathered = ids.index_select(0, torch.cat([index, label_index]))
@@ -274,11 +238,11 @@ def pack_groups(
         shift_labels=gathered[total:].view(1, total),
         unpack_index=unpack_index,
         layout=layout,
+        tree=tree,
         num_rows=num_rows,
         num_cols=logits_to_keep,
-        num_real_tokens=int(body.sum() + m.sum()),
         token_weights=weights,
         source_index=index,
-        first_rows=first,
+        first_rows=first_rows,
         group_source_index=group_source,
     )

@@ -1,24 +1,24 @@
 """
-Recurrent layers forked after the prompt: Gated DeltaNet, Mamba2 and gated short convolutions in the packed forward.
+Recurrent layers over the prefix tree: Gated DeltaNet, Mamba2 and gated short convolutions in the packed forward.
 
 Hybrid models interleave attention with layers that carry a state along the sequence: a causal depthwise convolution
 over the last `K` inputs and, for Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Mamba2 (Nemotron-H,
 Granite 4-H, Falcon-H1), a recurrent state. On stock's padded rows each row runs them over [prompt, completion] from a
-zero state. In the packed sequence ([`packing`]: `G` prompt bodies of `Pm` tokens, right-padded, then `S` rows of `Cm`
-tokens, each opened by its prompt's last token) a layer runs in two batched steps:
+zero state. In the packed prefix tree ([`tree_layout`]) a layer runs level by level, from the roots down, each level
+one batched call over its nodes (padded to the level's longest, gathered from the flat sequence):
 
-1. the prompt bodies, from a zero state, give each group's state after its body and each body's conv tail (its last
-   `K - 1` conv inputs, zeros before its first token). A body's right padding must not move its state: there the
-   state is frozen (Gated DeltaNet: no write, no decay; Mamba2: no input, no decay), since padded steps would decay it
-   (Mamba2's `dt` has a floor, so a zeroed input still decays);
-2. the rows start from their group's state (one gather: its backward sums the `k` rows' gradients into their group's
-   state), their convolution reading the group's tail as left context.
+- each node starts from its parent's final state (a gather: its backward sums the children's gradients into their
+  parent's state), the roots from zero;
+- its convolution reads its parent's tail as left context: the last `K - 1` inputs of the parent's path (zeros before
+  a row's first token), which reach back past the parent where the parent is shorter than `K - 1`;
+- a node's padding must not move its state: there the state is frozen (Gated DeltaNet: no write, no decay; Mamba2: no
+  input, no decay), since padded steps would decay it (Mamba2's `dt` has a floor, so a zeroed input still decays).
 
 Everything else in these layers (projections, gates, norms) is per token and runs once over all tokens. The kernels
 are the layer's own module's (transformers' torch implementations, or the fused ones it imported when installed: they
 take initial states and return final states). [`install`] routes a layer to its fork when the packed layout reaches
 it in the call's keyword arguments, which transformers passes to these mixers; without one the layer is the model's
-own. Nothing loops over groups or rows.
+own. The number of kernel calls per layer is the tree's depth: nothing loops over nodes or rows.
 """
 
 import sys
@@ -29,76 +29,101 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.accelerate import force_accelerate_hooks
 
-from .prefix_attention import LAYOUT_KWARG, PackedLayout
+from .prefix_attention import LAYOUT_KWARG
 from .recurrent_checks import trusted
+from .tree_layout import Level, TreeLayout
 
 
 @dataclass(frozen=True)
 class Fork:
-    """What a recurrent layer needs of a [`PackedLayout`]: where its bodies end, and each row's group."""
+    """What a recurrent layer reads of a [`TreeLayout`]: its levels (each depth's nodes by length bucket), and where
+    each token sits in them."""
 
-    groups: int  # G
-    prompt_length: int  # Pm
-    rows: int  # S
-    row_length: int  # Cm
-    real: torch.Tensor  # (G, Pm) bool: the bodies' real tokens
-    body_lengths: torch.Tensor  # (G,)
-    row_groups: torch.Tensor  # (S,) each row's group
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.groups * self.prompt_length
+    levels: tuple[tuple[Level, ...], ...]
+    assemble: torch.Tensor  # (N,) each token's slot in the levels' blocks, flattened and concatenated
 
     @staticmethod
-    def of(layout: PackedLayout) -> "Fork":
+    def of(layout: TreeLayout) -> "Fork":
         """The layout's fork, derived once per batch for every layer."""
+        if layout.assemble is None:
+            raise ValueError("rloo_efficient: this packed layout was built without the recurrent layers' levels.")
         if "fork" not in layout.memo:
-            split, device = layout.split, layout.body_lengths.device
-            if split.rows_per_group is not None:
-                row_groups = torch.arange(split.groups, device=device).repeat_interleave(split.rows_per_group)
-            else:  # scatter[q] = group * slots + slot of the row's query q = s * Cm + j
-                row_groups = split.scatter.view(layout.rows, layout.row_length)[:, 0] // split.slots
-            real = torch.arange(layout.prompt_length, device=device) < layout.body_lengths[:, None]
-            layout.memo["fork"] = Fork(split.groups, layout.prompt_length, layout.rows, layout.row_length, real,
-                                       layout.body_lengths, row_groups)  # fmt: skip
+            layout.memo["fork"] = Fork(layout.levels, layout.assemble)
         return layout.memo["fork"]
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed `(1, N, *rest)` -> bodies `(G, Pm, *rest)` and rows `(S, Cm, *rest)` (views)."""
+    @property
+    def blocks(self) -> list[Level]:
+        """Every depth's buckets, in order."""
+        return [run for level in self.levels for run in level]
+
+    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Packed `(1, N, *rest)` -> per bucket of each depth, its nodes' blocks `(n, L, *rest)` (padding: a token of
+        the node)."""
         flat = x[0]
-        return (flat[: self.prompt_tokens].view(self.groups, self.prompt_length, *flat.shape[1:]),
-                flat[self.prompt_tokens :].view(self.rows, self.row_length, *flat.shape[1:]))  # fmt: skip
+        return [flat.index_select(0, run.blocks.gather.view(-1)).view(*run.blocks.shape, *flat.shape[1:])
+                for run in self.blocks]  # fmt: skip
 
-    def join(self, bodies: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The inverse of [`split`]: `(1, N, *rest)`."""
-        return torch.cat([bodies.flatten(0, 1), rows.flatten(0, 1)])[None]
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The inverse of [`split`], the padding dropped: `(1, N, *rest)`."""
+        flat = torch.cat([part.reshape(-1, *part.shape[2:]) for part in parts])
+        return flat.index_select(0, self.assemble)[None]
 
-    def frozen(self, x: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-        """Bodies' per-step values `(G, Pm, *rest)` set to `value` at the padding."""
-        real = self.real.view(*self.real.shape, *([1] * (x.dim() - 2)))
-        return torch.where(real, x, torch.full((), value, dtype=x.dtype, device=x.device))
+    def frozen(self, parts: list[torch.Tensor], value: float = 0.0) -> list[torch.Tensor]:
+        """Per-step values `(n, L, *rest)` of each bucket set to `value` at the padding."""
+        out = []
+        for run, x in zip(self.blocks, parts, strict=True):
+            real = run.real.view(*run.real.shape, *([1] * (x.dim() - 2)))
+            out.append(torch.where(real, x, torch.full((), value, dtype=x.dtype, device=x.device)))
+        return out
 
-    def conv(self, conv_fn, body_x: torch.Tensor, row_x: torch.Tensor, kernel: int):
+    def _depths(self, parts: list) -> list[list]:
+        """`parts` (one per bucket, in order) grouped by depth."""
+        grouped, first = [], 0
+        for level in self.levels:
+            grouped.append(parts[first : first + len(level)])
+            first += len(level)
+        return grouped
+
+    def conv(self, conv_fn, parts: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:
         """
-        A causal depthwise convolution `conv_fn((batch, channels, length)) -> same` over the bodies `(G, Pm, C)` from
-        zero left context, and over the rows `(S, Cm, C)` with their group's body tail as left context. Returns both
-        outputs, token-major.
+        A causal depthwise convolution `conv_fn((batch, channels, length)) -> same` over each bucket's nodes
+        `(n, L, C)`, each with its parent's tail as left context (zeros at the roots). Returns the outputs, token-major.
         """
-        tail = self.tail(body_x, kernel)  # (G, K - 1, C)
-        bodies = conv_fn(body_x.transpose(1, 2)).transpose(1, 2) if self.prompt_length else body_x  # one-token prompts
-        rows = torch.cat([tail.index_select(0, self.row_groups), row_x], dim=1)
-        rows = conv_fn(rows.transpose(1, 2))[:, :, kernel - 1 :].transpose(1, 2)
-        return bodies, rows
+        outs, tails = [], None
+        for level, xs in zip(self.levels, self._depths(parts), strict=True):
+            depth_tails = []
+            for run, x in zip(level, xs, strict=True):
+                left = x.new_zeros(x.shape[0], kernel - 1, x.shape[-1]) if tails is None else self.inherit(tails, run)
+                full = torch.cat([left, x], dim=1)  # position i here is the node's input i - (K - 1)
+                outs.append(conv_fn(full.transpose(1, 2))[:, :, kernel - 1 :].transpose(1, 2))
+                depth_tails.append(self.tail(full, run, kernel))
+            tails = torch.cat(depth_tails)  # this depth's nodes in order, for the depth below
+        return outs
 
-    def tail(self, body_x: torch.Tensor, kernel: int) -> torch.Tensor:
-        """`(G, K - 1, C)`: each body's last `K - 1` inputs, zeros before its first token."""
-        left = F.pad(body_x, (0, 0, kernel - 1, 0))  # position i here is body position i - (K - 1)
-        index = self.body_lengths[:, None] + torch.arange(kernel - 1, device=body_x.device)
-        return left.gather(1, index[:, :, None].expand(-1, -1, body_x.shape[-1]))
+    @staticmethod
+    def tail(full: torch.Tensor, level: Level, kernel: int) -> torch.Tensor:
+        """`(n, K - 1, C)`: each node's last `K - 1` inputs along its path, from `[parent's tail | node]` `full`."""
+        index = level.length[:, None] + torch.arange(kernel - 1, device=full.device)
+        return full.gather(1, index[:, :, None].expand(-1, -1, full.shape[-1]))
 
-    def initial(self, state: torch.Tensor) -> torch.Tensor:
-        """Each row's initial state: its group's (a gather; its backward sums the rows' gradients per group)."""
-        return state.index_select(0, self.row_groups)
+    @staticmethod
+    def inherit(values: torch.Tensor, level: Level) -> torch.Tensor:
+        """Each node of `level` gets its parent's entry of `values` (the depth above's, its nodes in order): a gather,
+        whose backward sums the children's gradients into their parent."""
+        return values.index_select(0, level.parent)
+
+    def scan(self, run, parts: list[tuple]) -> list[torch.Tensor]:
+        """`run(*inputs, initial) -> (out, final)` over each bucket's `inputs`, each node from its parent's final state
+        (None at the roots: zero). Returns each bucket's outputs."""
+        outs, states = [], None
+        for level, inputs_of in zip(self.levels, self._depths(parts), strict=True):
+            finals = []
+            for bucket, inputs in zip(level, inputs_of, strict=True):
+                out, final = run(*inputs, None if states is None else self.inherit(states, bucket))
+                outs.append(out)
+                finals.append(final)
+            states = torch.cat(finals)
+        return outs
 
 
 def _kernels(layer, hidden_states: torch.Tensor, scan: str, scan_name: str):
@@ -128,9 +153,9 @@ def _gdn_projections(layer, hidden_states):
     return mixed, gate.reshape(batch, length, -1, layer.head_v_dim), b, a
 
 
-def gated_delta_net(layer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
-    """A Gated DeltaNet layer over the packed sequence `(1, N, D)`: bodies from a zero state (frozen at their
-    padding), rows from their group's state, the convolution's left context the body's tail."""
+def gated_delta_net(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """A Gated DeltaNet layer over the packed tree `(1, N, D)`: each node from its parent's final state (its padding
+    neither writes (beta 0) nor decays (log-decay 0) the state), its convolution's left context its parent's tail."""
     fork = Fork.of(layout)
     chunk, causal_conv = _kernels(layer, hidden_states, "torch_chunk_gated_delta_rule", "gated delta rule")
     mixed, gate, b, a = _gdn_projections(layer, hidden_states)
@@ -146,22 +171,14 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: PackedLayout) ->
         return (query.unflatten(-1, (-1, layer.head_k_dim)), key.unflatten(-1, (-1, layer.head_k_dim)),
                 value.unflatten(-1, (-1, layer.head_v_dim)))  # fmt: skip
 
-    body_x, row_x = fork.split(mixed)
-    body_g, row_g = fork.split(g)
-    body_beta, row_beta = fork.split(beta)
-    body_conv, row_conv = fork.conv(conv, body_x, row_x, layer.conv_kernel_size)
-    state = None  # one-token prompts: no body, a zero state
-    body_out = body_conv.new_empty(fork.groups, 0, layer.num_v_heads, layer.head_v_dim)
-    if fork.prompt_length > 0:  # padding neither writes (beta 0) nor decays (log-decay 0) a body's state
-        body_out, state = chunk(
-            *heads(body_conv), g=fork.frozen(body_g), beta=fork.frozen(body_beta), initial_state=None,
-            output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )  # fmt: skip
-    row_out, _ = chunk(
-        *heads(row_conv), g=row_g, beta=row_beta, initial_state=None if state is None else fork.initial(state),
-        output_final_state=False, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
-    core = fork.join(body_out, row_out)  # (1, N, Hv, dv)
+    conv_out = fork.conv(conv, fork.split(mixed), layer.conv_kernel_size)
+
+    def run(x, g, beta, initial):
+        return chunk(*heads(x), g=g, beta=beta, initial_state=initial, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    outs = fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(g)), fork.frozen(fork.split(beta)), strict=True)))
+    core = fork.join(outs)  # (1, N, Hv, dv)
     norm = layer.norm if hasattr(layer, "norm") else layer.o_norm
     out_proj = layer.out_proj if hasattr(layer, "out_proj") else layer.o_proj
     core = norm(core.reshape(-1, layer.head_v_dim), gate.reshape(-1, layer.head_v_dim))
@@ -169,10 +186,10 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: PackedLayout) ->
 
 
 # -- Mamba2 (Nemotron-H, Granite 4-H, Falcon-H1) ----------------------------------------------------------------------
-def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
-    """A Mamba2 mixer over the packed sequence `(1, N, D)`, as its own torch path computes it (the fused training
-    path, where installed, would skip the fork): bodies from a zero state with `dt` zeroed at their padding after its
-    floor (no input, no decay), rows from their group's state, the convolution's left context the body's tail."""
+def mamba2(mixer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """A Mamba2 mixer over the packed tree `(1, N, D)`, as its own torch path computes it (the fused training path,
+    where installed, would skip the fork): each node from its parent's final state, `dt` zeroed at its padding after
+    its floor (no input, no decay), its convolution's left context its parent's tail."""
     fork = Fork.of(layout)
     chunk_scan, causal_conv = _kernels(mixer, hidden_states, "mamba2_chunk_scan", "mamba2 scan")
     heads, head_dim, groups, state_size = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
@@ -187,27 +204,21 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Te
     def conv(x):
         return causal_conv(x, weight, mixer.conv1d.bias, activation=mixer.activation)
 
-    # dt as the scan makes it (softplus, then clamped to the family's limits), before the bodies' padding is frozen
+    # dt as the scan makes it (softplus, then clamped to the family's limits), before the nodes' padding is frozen
     dt = torch.clamp(F.softplus(dt + mixer.dt_bias.to(dt.dtype)), *mixer.time_step_limit)
     A = -torch.exp(mixer.A_log.float())
 
-    def scan(xbc, dt, initial, final):
+    def run(xbc, dt, initial):
         x, B, C = torch.split(xbc, [mixer.intermediate_size, groups * state_size, groups * state_size], dim=-1)
-        return chunk_scan(
+        y, final = chunk_scan(
             x.unflatten(-1, (heads, head_dim)), dt, A, B.unflatten(-1, (groups, state_size)),
             C.unflatten(-1, (groups, state_size)), chunk_size=mixer.chunk_size, D=mixer.D, z=None, dt_bias=None,
-            dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=initial, return_final_states=final,
+            dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=initial, return_final_states=True,
         )  # fmt: skip
+        return y.flatten(2), final
 
-    body_x, row_x = fork.split(xbc)
-    body_dt, row_dt = fork.split(dt)
-    body_conv, row_conv = fork.conv(conv, body_x, row_x, mixer.conv_kernel_size)
-    state = None
-    body_y = body_conv.new_empty(fork.groups, 0, heads, head_dim, dtype=torch.float32)
-    if fork.prompt_length > 0:
-        body_y, state = scan(body_conv, fork.frozen(body_dt), None, True)
-    row_y = scan(row_conv, row_dt, None if state is None else fork.initial(state), False)
-    y = fork.join(body_y.flatten(2), row_y.flatten(2))
+    conv_out = fork.conv(conv, fork.split(xbc), mixer.conv_kernel_size)
+    y = fork.join(fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(dt)), strict=True))))
     if getattr(mixer, "mamba_rms_norm", True):
         y = mixer.norm(y, gate)
     else:  # Falcon-H1 without its norm
@@ -216,9 +227,9 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Te
 
 
 # -- gated short convolutions (LFM2) -----------------------------------------------------------------------------------
-def short_conv(layer, hidden_states: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
-    """LFM2's gated short convolution `out_proj(C * conv(B * x))` over the packed sequence: the rows' convolution reads
-    their group's body tail as left context."""
+def short_conv(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """LFM2's gated short convolution `out_proj(C * conv(B * x))` over the packed tree: each node's convolution reads
+    its parent's tail as left context."""
     fork = Fork.of(layout)
     B, C, x = layer.in_proj(hidden_states).chunk(3, dim=-1)
     weight = layer.conv.weight
@@ -226,8 +237,7 @@ def short_conv(layer, hidden_states: torch.Tensor, layout: PackedLayout) -> torc
     def conv(u):
         return F.conv1d(F.pad(u, (weight.shape[-1] - 1, 0)), weight, layer.conv.bias, groups=u.shape[1])
 
-    body_conv, row_conv = fork.conv(conv, *fork.split(B * x), weight.shape[-1])
-    return layer.out_proj(C * fork.join(body_conv, row_conv))
+    return layer.out_proj(C * fork.join(fork.conv(conv, fork.split(B * x), weight.shape[-1])))
 
 
 # -- installing the forks ----------------------------------------------------------------------------------------------

@@ -1,14 +1,13 @@
 """
-Reward models scored inside the group: each group's shared prefix once.
+Reward models scored over the prefix tree of their rows, in their own tokenization, with no padding.
 
 Stock TRL scores completions with a reward model by rendering prompt + completion as text, tokenizing it with the
-reward model's tokenizer and running the model on the `B` rows: `k` copies of each prompt. Here the rows of a group
-(the same prompt) are tokenized as stock tokenizes them, their longest common token prefix is found (never assumed to
-be the prompt: a tokenizer may merge tokens across the prompt/completion boundary), and the batch is packed as the
-policy's forwards pack it ([`packing`]): the common prefix less its last token once per group, then each row's
-remainder opened by a copy of that last token, attending through [`prefix_attention`]. Each row's score is read where
-stock's sequence-classification pooling reads it, at the row's last non-padding token, and the model's score head is
-applied there.
+reward model's tokenizer and running the model on the `B` rows, right-padded: `k` copies of each prompt. Here the rows
+are tokenized as stock tokenizes them and packed as their prefix tree ([`tree`], without the shift a predicting forward
+needs: a reward model reads hidden states): every run of tokens rows share once, found in the reward tokenization
+(never assumed to be the prompt: a tokenizer may merge tokens across the prompt/completion boundary), attending through
+[`prefix_attention`]. Each row's score is read where stock's sequence-classification pooling reads it, at the row's
+last non-padding token, and the model's score head is applied there.
 """
 
 import contextlib
@@ -19,81 +18,61 @@ import torch
 from torch import nn
 
 from .families import attention_reason, rope_reason
-from .packing import host_layout
-from .prefix_attention import LAYOUT_KWARG, NO_MASK, PackedLayout
+from .prefix_attention import LAYOUT_KWARG, NO_MASK
+from .tree import MIN_SAVED_TOKENS, build_tree
+from .tree_layout import TreeLayout, tree_layout
 
 
 # -- packing the reward batch ----------------------------------------------------------------------------------------
 @dataclass
 class RewardBatch:
-    """The rows of a reward batch packed as one flat sequence, and where each row's score is read."""
+    """The rows of a reward batch packed as their prefix tree, and where each row's score is read."""
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N)
     score_index: torch.Tensor  # (B,) flat position of each row's last non-padding token
-    layout: PackedLayout
-    shared_prefix_lengths: list[int]  # per group, the common token prefix of its rows
+    layout: TreeLayout
+    shared_prefix_lengths: list[int]  # per prompt group, the common token prefix of its rows
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
 
-def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_id: int, device,
-                     dtype) -> RewardBatch | str:  # fmt: skip
-    """
-    Packs reward rows (each one's unpadded tokens) whose `prompt_groups` say which share a prompt, or returns why the
-    batch cannot be packed. A group whose rows share no first token is split into rows of their own. Array operations
-    over all rows at once, on the host (where the tokenizer put them).
-    """
-    lengths = np.array([len(row) for row in rows], dtype=np.int64)
-    if (lengths == 0).any():
-        return "a reward text has no token"
-    rows_count, longest = len(rows), int(lengths.max())
-    valid = np.arange(longest)[None, :] < lengths[:, None]
-    matrix = np.full((rows_count, longest), -1, dtype=np.int64)
-    matrix[valid] = np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
-    # Prompt groups in order of first appearance; each row's common prefix with its group's first row
-    _, first_of_id, id_of_row = np.unique(np.asarray(prompt_groups), return_index=True, return_inverse=True)
-    appearance = np.argsort(first_of_id)  # ids in order of their first row
-    rank = np.empty(len(first_of_id), dtype=np.int64)
-    rank[appearance] = np.arange(len(first_of_id))
-    group_of_row = rank[id_of_row.reshape(-1)]
-    leader = first_of_id[appearance][group_of_row]
-    same = (matrix == matrix[leader]) & valid & valid[leader]
-    common = np.where(same.all(axis=1), longest, same.argmin(axis=1))
-    group_shared = np.full(len(first_of_id), longest, dtype=np.int64)
-    np.minimum.at(group_shared, group_of_row, common)
-    # Rows in group order (row order within); a group sharing nothing is split into rows of their own
-    order = np.lexsort((np.arange(rows_count), group_of_row))
-    group_sorted = group_of_row[order]
-    alone = group_shared[group_sorted] == 0
-    starts = np.ones(rows_count, dtype=bool)
-    starts[1:] = (group_sorted[1:] != group_sorted[:-1]) | alone[1:]
-    group_of_slot = np.cumsum(starts) - 1
-    counts = np.bincount(group_of_slot)
-    shared = np.where(alone, lengths[order], group_shared[group_sorted])[starts]
-    body = shared - 1  # the shared prefix less its last token, which opens every row's segment
-    opening = np.repeat(body, counts)  # each slot's segment starts at this token of its row
-    body_width = int(body.max())
-    row_length = int((lengths[order] - opening).max())
+def common_prefixes(rows: list[list[int]], prompt_groups: list[int]) -> list[int]:
+    """Per prompt group (in order of first appearance), the common token prefix of its rows."""
+    found: dict[int, list[int]] = {}
+    for row, group in zip(rows, prompt_groups, strict=True):
+        if group not in found:
+            found[group] = list(row)
+            continue
+        prefix = found[group]
+        same = next((i for i, (a, b) in enumerate(zip(prefix, row)) if a != b), min(len(prefix), len(row)))
+        found[group] = prefix[:same]
+    return [len(prefix) for prefix in found.values()]
 
-    body_columns = np.arange(body_width)[None, :]
-    body_tokens = np.where(body_columns < body[:, None], matrix[order[starts]][:, :body_width], pad_token_id)
-    columns = opening[:, None] + np.arange(row_length)[None, :]
-    in_row = columns < lengths[order][:, None]
-    row_tokens = np.where(in_row, matrix[order[:, None], np.minimum(columns, longest - 1)], pad_token_id)
-    tokens = np.concatenate([body_tokens.reshape(-1), row_tokens.reshape(-1)])
-    positions = np.concatenate([np.broadcast_to(body_columns, body_tokens.shape).reshape(-1), columns.reshape(-1)])
+
+def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_id: int, device,
+                     min_saved: int = MIN_SAVED_TOKENS, recurrent: bool = True) -> RewardBatch | str:  # fmt: skip
+    """
+    Packs reward rows (each one's unpadded tokens) as their prefix tree, or returns why the batch cannot be packed.
+    `prompt_groups` (which rows share a prompt) only names what is reported; the tree finds what the rows share.
+    `recurrent`: whether the reward model has recurrent layers.
+    """
+    if any(len(row) == 0 for row in rows):
+        return "a reward text has no token"
+    tree = build_tree(rows, shift=False, min_saved=min_saved)
     # Stock's pooling: the rightmost token that is not padding (the first position when there is none)
-    real = valid & (matrix != pad_token_id)
-    last = np.where(real.any(axis=1), longest - 1 - real[:, ::-1].argmax(axis=1), 0)[order]
-    slot_start = len(counts) * body_width + np.arange(rows_count) * row_length
-    score_index = np.empty(rows_count, dtype=np.int64)
-    score_index[order] = np.where(last >= opening, slot_start + last - opening, group_of_slot * body_width + last)
-    layout, (tokens_t, positions_t, score_t) = host_layout(counts, body, row_length, longest,
-                                                           [tokens, positions, score_index], device, dtype)  # fmt: skip
-    return RewardBatch(tokens_t.view(1, -1), positions_t.view(1, -1), score_t, layout, shared.tolist())
+    last = [max((i for i, token in enumerate(row) if token != pad_token_id), default=0) for row in rows]
+    score_index = np.array([inputs[i] for inputs, i in zip(tree.row_inputs, last, strict=True)], dtype=np.int64)
+    flat_rows = np.concatenate([np.asarray(row, dtype=np.int64) for row in rows])
+    starts = np.cumsum([0, *(len(row) for row in rows)])[:-1]
+    positions = tree.token_position
+    tokens = flat_rows[starts[tree.token_row] + positions]
+    layout, (tokens_t, positions_t, score_t) = tree_layout(tree, device, parts=[tokens, positions, score_index],
+                                                           recurrent=recurrent)  # fmt: skip
+    return RewardBatch(tokens_t.view(1, -1), positions_t.view(1, -1), score_t, layout,
+                       common_prefixes(rows, prompt_groups))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -2,11 +2,12 @@
 Image prompts once per group: each distinct image encoded once per group, its features placed into the packed prompt
 body once.
 
-In the packed sequence ([`packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`), a
-group's prompt body from the group's first row (`first_rows`). Rows group by their prompt tokens and their images'
-pixels. So the model gets the images of each group's first row, in the bodies' order ([`select_images`]): their
-features fill the bodies' placeholder tokens in order of appearance, and the vision tower sees each distinct image once
-per group (in training, that one encode receives every completion's gradient). What each family adds:
+In the packed prefix tree ([`packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`).
+Rows group by their prompt tokens and their images' pixels; in an image batch the rows of other groups share nothing,
+and each group's prompt is one node, holding the tokens of the group's first row (`first_rows`). So the model gets the
+images of each group's first row, in the order of the groups' nodes ([`select_images`]): their features fill the
+nodes' placeholder tokens in order of appearance, and the vision tower sees each distinct image once per group (in
+training, that one encode receives every completion's gradient). What each family adds:
 
 - **Qwen2-VL, Qwen2.5-VL, Qwen3.5**: 3-D rotary positions, which stock computes inside the model from the padded rows
   (`get_rope_index`: an image's grid, and the text after it offset by the image's rope delta). The rows of a group
@@ -15,8 +16,8 @@ per group (in training, that one encode receives every completion's gradient). W
   gathered like the tokens ([`packed_positions`]).
 - **Gemma 3, Gemma 4**: an image's tokens attend to each other both ways inside the prompt (Gemma 3 on every layer,
   Gemma 4's `use_bidirectional_attention="vision"` on its sliding layers; under a window, as stock combines them:
-  (causal or same image) and within the window). The bodies' image blocks ([`body_blocks`], from stock's token
-  types gathered like the tokens) go to the attention in the layout.
+  (causal or same image) and within the window). The tokens' image blocks ([`token_blocks`], from stock's token
+  types gathered like the tokens) go to the attention in the layout: the nodes holding images attend under them.
 - **LLaVA, LLaVA-Next, Idefics3, SmolVLM**: positions are the columns, as for text.
 """
 
@@ -25,6 +26,8 @@ import functools
 import numpy as np
 import torch
 from torch import nn
+
+from .tree import ranges
 
 
 # Per multimodal family (the checkpoint's `model_type`), how its images and their tokens differ from text:
@@ -94,18 +97,11 @@ def image_token_ids(model: nn.Module) -> set[int]:
     return {value for name in names if isinstance(value := getattr(config, name, None), int)}
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenated ranges [starts[i], starts[i] + counts[i]), without a loop."""
-    counts = np.asarray(counts, dtype=np.int64)
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, counts) + np.arange(int(counts.sum()))
-
-
 def image_indices(num_images: list[int], rows) -> np.ndarray:
     """The images of the ordered `rows`, in order, given each row's image count."""
     counts = np.asarray(num_images, dtype=np.int64)
     rows = np.asarray(rows, dtype=np.int64)
-    return _ranges((np.cumsum(counts) - counts)[rows], counts[rows])
+    return ranges((np.cumsum(counts) - counts)[rows], counts[rows])
 
 
 def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels: str) -> dict:
@@ -129,7 +125,7 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels:
         grid = kwargs["image_grid_thw"]
         per_image = grid.prod(-1).cpu().numpy()  # small: one entry per image (TRL reads it back too)
         first_patch = np.cumsum(per_image) - per_image
-        out.update(pixel_values=take(pixel_values, _ranges(first_patch[images], per_image[images])),
+        out.update(pixel_values=take(pixel_values, ranges(first_patch[images], per_image[images])),
                    image_grid_thw=take(grid, images))  # fmt: skip
     else:
         out["pixel_values"] = take(pixel_values, images if pixels == "images" else rows)
@@ -158,22 +154,21 @@ def packed_positions(positions: torch.Tensor, source_index: torch.Tensor) -> tor
     return positions.reshape(positions.shape[0], -1).index_select(1, source_index).unsqueeze(1)
 
 
-def body_blocks(token_types: torch.Tensor, image_types: tuple[int, ...], source_index: torch.Tensor, groups: int,
-                length: int, body_lengths: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def token_blocks(token_types: torch.Tensor, image_types: tuple[int, ...], source_index: torch.Tensor) -> torch.Tensor:
     """
-    `(G, Pm)`: each body token's image block (runs of image tokens in stock's rows, numbered per row; -1 for text and
-    padding), from stock's token types `(B, W)`, `image_types` counting as an image's, gathered like the tokens.
+    `(N,)`: each packed token's image block (runs of image tokens in stock's rows, numbered per row; -1 for text), from
+    stock's token types `(B, W)`, `image_types` counting as an image's, gathered like the tokens.
     """
     image = functools.reduce(torch.logical_or, [token_types == kind for kind in image_types])
     starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
     blocks = torch.where(image, torch.cumsum(starts.long(), dim=1) - 1, -1)
-    body = blocks.view(-1).index_select(0, source_index[: groups * length]).view(groups, length)
-    return body.masked_fill(torch.arange(length, device=body.device) >= body_lengths[:, None], -1)
+    return blocks.view(-1).index_select(0, source_index)
 
 
 def block_bias(blocks: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
-    """`(G, 1, Pm, Pm)` additive: body token i sees token j when j <= i or both are in one image, and under a sliding
-    `window` only when j is also within it (stock's mask: (causal or same image) and window)."""
+    """`(n, 1, L, L)` additive, from each block's tokens' image blocks `(n, L)` (-1 for text): token i sees token j when
+    j <= i or both are in one image, and under a sliding `window` only when j is also within it (stock's mask: (causal
+    or same image) and window)."""
     length = blocks.shape[1]
     i = torch.arange(length, device=blocks.device).view(-1, 1)
     allowed = (torch.arange(length, device=blocks.device) <= i) | (

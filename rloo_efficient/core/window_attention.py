@@ -2,16 +2,15 @@
 Sliding windows and attention sinks in the prefix-attention backend ([`prefix_attention`]).
 
 A sliding window `w` lets the token at position p attend to the keys at positions (p - w, p] (transformers'
-`sliding_window_overlay`). In the packed sequence, every part of a completion's attention keeps its shape:
+`sliding_window_overlay`). Every part of the attention keeps its shape:
 
-- causal blocks (prompt bodies, and each row's own tokens) longer than the window: flash applies the window itself
+- causal blocks (a prefix tree's nodes, [`tree_attention`]) longer than the window: flash applies the window itself
   on CUDA (its variable-length entry point, the blocks as sequences); elsewhere [`band_forward`] splits the run of
   blocks into chunks of `w` queries, each reading the `2w - 1` keys that can reach it as an overlapping view of a
   copy of the keys, with one (chunks, 1, w, 2w - 1) mask for the band and the block boundaries: memory linear in the
   run, no (L, L) mask;
-- a group's prompt read by its completions: only the prompt's last `w - 1` tokens can be in any completion token's
-  window ([`prompt_tail`]), gathered once per group; a completion token `t` tokens into its row sees the tail's keys
-  from `t` on ([`tail_bias`]);
+- a node read by its subtree: only its last `w - 1` tokens can be in any descendant's window, gathered once per node
+  and masked per query by position ([`tree_attention`]);
 - decoding from the prompt stored once per group: one mask per step over the stored prompt and one over the row's own
   tokens ([`decode_window_biases`]).
 
@@ -134,41 +133,6 @@ def band_backward(band: BandState, grad, query, key, value, out, lse, window: in
         return run[window - 1 : window - 1 + blocks * length].view(blocks, length, -1, dim).transpose(1, 2)
 
     return _unflat(grad_q, blocks, length), fold(grad_k), fold(grad_v)
-
-
-# -- a prompt read by its completions under a window ---------------------------------------------------------------
-def prompt_tail(body_lengths: torch.Tensor, prompt_length: int, window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """
-    `(index, valid, T)`: the flat token index of each group's last `T = min(w - 1, Pm)` body tokens `(G * T,)` (body g
-    holds `body_lengths[g]` tokens from token g Pm on), and which of them exist `(G, T)`. The other body tokens are out
-    of every completion token's window.
-    """
-    tail = max(1, min(window - 1, prompt_length))  # a window of 1 reads none: one key, masked
-    groups = body_lengths.shape[0]
-    offset = body_lengths.view(groups, 1) - tail + torch.arange(tail, device=body_lengths.device)
-    index = torch.arange(groups, device=body_lengths.device).view(groups, 1) * prompt_length + offset.clamp(min=0)
-    return index.view(-1), offset >= 0, tail
-
-
-def gather_tail(x: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
-    """The tokens `index` (G * T,) of the token-major `(1, h, N, D)` -> `(G, h, T, D)`, token-major (a copy)."""
-    picked = x[0].transpose(0, 1).index_select(0, index)  # (G * T, h, D)
-    return picked.view(groups, -1, *picked.shape[1:]).transpose(1, 2)
-
-
-def scatter_tail(target: torch.Tensor, grad: torch.Tensor, index: torch.Tensor) -> None:
-    """Adds the tail's gradient `(G, h, T, D)` to the token-major `(1, h, N, D)` `target` at `index`."""
-    target[0].transpose(0, 1).index_add_(0, index, grad.transpose(1, 2).reshape(-1, *grad.shape[1:2], grad.shape[-1]))
-
-
-def tail_bias(query_offsets: torch.Tensor, valid: torch.Tensor, tail: int, window: int, dtype) -> torch.Tensor:
-    """
-    `(G, 1, Q, T)`: a completion query `t` tokens into its row (`query_offsets` (G, Q) or (1, Q)) sees tail key `m`
-    when it exists and `m >= t + 1 + T - w` (the key's position is within the query's window; for T = w - 1: m >= t).
-    """
-    keys = torch.arange(tail, device=valid.device).view(1, 1, tail)
-    allowed = valid.unsqueeze(1) & (keys >= query_offsets.unsqueeze(-1) + 1 + tail - window)
-    return torch.zeros((), dtype=dtype, device=valid.device).masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
 # -- decoding under a window -----------------------------------------------------------------------------------------

@@ -9,16 +9,18 @@ EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
 
 SHARING_DOC = r"""
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):
-            Process each unique prompt once per micro-batch: prompts are tokenized once per unique string, and the
-            policy, reference and training forwards pack a micro-batch as one flat sequence holding each prompt once
-            and its completions, each completion attending to its prompt's keys and values through rloo_efficient's
-            prefix-attention backend (fused kernels, no `(L, L)` mask; see `rloo_efficient.core.prefix_attention`),
-            whatever attention implementation the model was loaded with. Exact: same log-probs and gradients as the
-            stock forward, to floating-point tolerance; sliding windows and attention sinks included. Models where it
-            cannot be exact (families other than those in `rloo_efficient.core.families.MODEL_TYPES`, absolute
-            position embeddings, rotary embeddings that depend on the sequence length, bidirectional attention, active
-            dropout, a batch with images, a MoE router with jitter) use the stock path, with one warning naming the
-            reason. A MoE model's load-balancing loss (TRL's default) is computed exactly from the packed tokens.
+            Process every real token of a micro-batch once: prompts are tokenized once per unique string, and the
+            policy, reference and training forwards pack a micro-batch as its prefix tree, one flat sequence holding
+            each run of tokens its rows share once (a group's prompt, a system prompt shared across groups,
+            completions that open alike) and each completion at its own length, with no padding; each token attends
+            to its ancestors and causally within its node through rloo_efficient's attention backend (fused kernels,
+            no `(L, L)` mask; see `rloo_efficient.core.tree_attention`), whatever attention implementation the model
+            was loaded with. Exact: same log-probs and gradients as the stock forward, to floating-point tolerance;
+            sliding windows, attention sinks and recurrent layers included. Models where it cannot be exact (families
+            other than those in `rloo_efficient.core.families.MODEL_TYPES`, absolute position embeddings, rotary
+            embeddings that depend on the sequence length, bidirectional attention, active dropout, a MoE router with
+            jitter) use the stock path, with one warning naming the reason. A MoE model's load-balancing loss (TRL's
+            default) is computed exactly from the packed tokens, each weighted by the rows holding it.
         share_generation_prefill (`bool`, *optional*, defaults to `True`):
             In `generate` (the regular transformers path), prefill each distinct prompt once and fan its KV cache out
             to its `k` rows, instead of prefilling `k` copies. Sampling draws the random generator exactly as stock
@@ -34,11 +36,10 @@ SHARING_DOC = r"""
             rows, sliding windows and sinks included. For the families in `MODEL_TYPES`; other models fan the cache
             out, with one warning naming the reason.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
-            Score reward models with each group's rows packed like the policy's forwards: the longest common token
-            prefix of the group's rows (in the reward model's own tokenization, chat template included) once, each
-            row's remainder attending to it; each row's score read where the model's pooling reads it. For the
-            sequence classifiers of the families in `MODEL_TYPES`; others are called as stock TRL calls them, with one
-            warning.
+            Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
+            template included), with no padding: each run of tokens the rows share once; each row's score read where
+            the model's pooling reads it. For the sequence classifiers of the families in `MODEL_TYPES`; others are
+            called as stock TRL calls them, with one warning.
         hydra_reward_adapter (`bool`, *optional*, defaults to `True`):
             When the policy is a PEFT LoRA model and a reward function is the directory of a PEFT sequence-
             classification adapter on the same base (as TRL's `RewardTrainer` saves it), load it onto the policy's
@@ -46,13 +47,18 @@ SHARING_DOC = r"""
             (Hydra-RLHF). Rewards are computed with it active and the policy's adapter off, under no gradient. An
             adapter on another base, or in another dtype or quantization than the policy's base, is loaded as its
             own model as stock TRL loads it, with one warning.
-        shuffle_groups (`bool`, *optional*, defaults to `False`):
+        shuffle_groups (`bool` or `None`, *optional*, defaults to `None`):
             When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
-            rows, so a group's completions share a micro-batch (and so its prompt) wherever the batch sizes allow.
-            Consumes the random generator exactly as the row shuffle does. It changes which completions share a
-            micro-batch, so when `steps_per_generation > gradient_accumulation_steps` or `num_iterations > 1` the
-            trajectory is no longer stock TRL's, and the per-micro-batch `entropy` average differs; leave it off
-            for a run that must match stock TRL step for step.
+            rows, so a group's completions share a micro-batch (and so its prefix tree) wherever the batch sizes
+            allow. Consumes the random generator exactly as the row shuffle does. `None` (the default) turns it on
+            where keeping groups together changes only the order of a sum: every micro-batch of a generation feeds
+            one optimizer step (`steps_per_generation == gradient_accumulation_steps`, TRL's default) and the loss is
+            a sum over sequences normalized independently of the micro-batch's makeup (RLOO's; GRPO's `grpo`, `dr_grpo`,
+            `dapo`, `cispo`, `sapo`, `luspo`, `vespo`), with no per-micro-batch term (the MoE load-balancing loss,
+            `bnpo`, `top_entropy_quantile`, the entropy bonus). Per-micro-batch averages in the logs (`entropy`, the
+            clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
+            groups together everywhere (the trajectory is then no longer stock TRL's where the rule above does not
+            hold).
         empty_cache_policy (`str`, *optional*, defaults to `"after_generation"`):
             When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per
             generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
@@ -71,7 +77,7 @@ class SharingArguments:
 
     share_prompt_prefix: bool = field(
         default=True,
-        metadata={"help": "Process each unique prompt once per micro-batch (packed shared-prefix forward)."},
+        metadata={"help": "Pack each micro-batch as its prefix tree: each shared run of tokens once, no padding."},
     )
     share_generation_prefill: bool = field(
         default=True,
@@ -83,15 +89,16 @@ class SharingArguments:
     )
     share_reward_prefix: bool = field(
         default=True,
-        metadata={"help": "Score reward models with each group's shared token prefix once (packed rows)."},
+        metadata={"help": "Score reward models over the prefix tree of their rows (each shared run once, no padding)."},
     )
     hydra_reward_adapter: bool = field(
         default=True,
         metadata={"help": "Load a reward LoRA adapter on the policy's own base instead of a second model copy."},
     )
-    shuffle_groups: bool = field(
-        default=False,
-        metadata={"help": "Shuffle whole prompt groups, not rows, into micro-batches (changes micro-batch makeup)."},
+    shuffle_groups: bool | None = field(
+        default=None,
+        metadata={"help": "Shuffle whole prompt groups, not rows, into micro-batches: None (default) where that only "
+                          "reorders a sum, True always, False never (stock's row shuffle)."},
     )
     empty_cache_policy: str = field(
         default="after_generation",
@@ -138,9 +145,13 @@ class _SharingConfigMixin:
     def __post_init__(self):
         for name in OUR_FIELDS:
             value = getattr(self, name)
-            if SharingArguments.__dataclass_fields__[name].type in (bool, "bool") and not isinstance(value, bool):
+            kind = SharingArguments.__dataclass_fields__[name].type
+            optional = kind in (bool | None, "bool | None")
+            if kind in (bool, "bool", bool | None, "bool | None") and not (
+                    isinstance(value, bool) or (optional and value is None)):  # fmt: skip
                 # "false" would be truthy and turn the feature on
-                raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__}).")
+                allowed = "True, False or None" if optional else "True or False"
+                raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__}).")
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."

@@ -1,9 +1,10 @@
 """
 The one mixin that binds the core to a TRL group trainer: [`trl.RLOOTrainer`], [`trl.GRPOTrainer`], or a subclass of
 either (TRL's own `GMPOTrainer`, a user's). It wraps TRL's methods and calls `super()` in each; no TRL method body is
-copied. The batch's group structure ([`core.packing.row_groups`]) is computed once per generation batch from the token
-lists TRL's `_generate` returns, is active while TRL's own no-grad passes run, travels with the batch TRL returns
-(TRL's shuffle and split carry it), and is active again while TRL's loss runs for each micro-batch.
+copied. The batch's rows ([`core.packing.row_groups`]: each row's group, lengths and tokens) are read once per
+generation batch from the token lists TRL's `_generate` returns, are active while TRL's own no-grad passes run, travel
+with the batch TRL returns (TRL's shuffle and split carry them), and are active again while TRL's loss runs for each
+micro-batch, which packs them as its prefix tree ([`core.tree`]).
 """
 
 import contextlib
@@ -21,16 +22,21 @@ from trl.trainer.utils import get_config_model_id, split_pixel_values_by_grid, u
 from ..core import prefix_attention
 from ..core.families import forward_unsupported_reason, is_multimodal
 from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from ..core.packing import ROWS_KEY, group_shuffle_order, pack_groups, prompt_images, prompt_key, row_groups
+from ..core.packing import ROWS_KEY, group_shuffle_order, pack_rows, prompt_images, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
+from ..core.recurrent import recurrent_layers
 from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
 from ..core.shared_generation import text_only
-from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, body_blocks, image_blocks, image_token_ids, layout_reason
-from ..core.vision import packed_positions, rope_index_positions, select_images, vision_reason
+from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, image_blocks, image_token_ids, layout_reason
+from ..core.vision import packed_positions, rope_index_positions, select_images, token_blocks, vision_reason
 from .config import STOCK_SETTINGS, sharing_settings
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
 from .rewards import RewardSharingMixin
+
+
+# The modules of the losses `_group_shuffle_reason` reads
+TRL_LOSSES = ("trl.trainer.rloo_trainer", "trl.trainer.grpo_trainer")
 
 
 def _supported(reason: str | None, consequence: str) -> bool:
@@ -55,7 +61,8 @@ class GroupSharingMixin(RewardSharingMixin):
       ([`core.shared_generation`]), its images encoded once ([`core.vision`]); vLLM and continuous batching go to TRL
       untouched.
     - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes.
-    - `_generate_and_score_completions`: the structure is added to the batch it returns; with `shuffle_groups`, the
+    - `_generate_and_score_completions`: the structure is added to the batch it returns; keeping groups together
+      (`shuffle_groups`, by default where that only reorders a sum: [`_group_shuffle_reason`]), the
       batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
     - `_compute_loss`: the micro-batch's structure is active while TRL's loss runs.
     - `_get_per_token_logps_and_entropies`: the packed forward ([`core.packing`]) when the active structure matches
@@ -68,7 +75,7 @@ class GroupSharingMixin(RewardSharingMixin):
     # What a trainer built without our `__init__` reads ([`_constructed`]): every switch off, so each wrapper passes
     # through to TRL's method
     _settings = STOCK_SETTINGS
-    _share_prefix = _share_prefill = _prompt_cache_once = False
+    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = False
     _active_rows: torch.Tensor | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
@@ -78,6 +85,7 @@ class GroupSharingMixin(RewardSharingMixin):
         self._prefix_warned: set[str] = set()
         self._active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
+        self.tree_tokens = 0  # the real tokens of the prefix trees those forwards packed (each shared run once)
         self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
         self.reward_forward_tokens = 0  # tokens the packed reward forward processed (read by tests)
         reward_funcs = self._hydra_reward_funcs(model, reward_funcs, args, positional, kwargs)
@@ -109,12 +117,45 @@ class GroupSharingMixin(RewardSharingMixin):
                            "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
                            "still shared)")
         )  # fmt: skip
+        # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
+        # its rows stay in stock's order)
+        several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
+        self._keep_groups = bool(self._settings.shuffle_groups) and several
+        if self._settings.shuffle_groups is None and several:
+            reason = self._group_shuffle_reason()  # by default, where keeping groups together only reorders a sum
+            self._keep_groups = reason is None
+            if reason is not None:
+                warnings.warn(f"rloo_efficient: micro-batches follow TRL's row shuffle, which splits groups "
+                              f"(shuffle_groups=True keeps them together anyway): {reason}.", stacklevel=2)  # fmt: skip
         if self._share_prefix or self._prompt_cache_once:
             # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for inner in (unwrapped, self.ref_model):
                 if inner is not None:
                     prefix_attention.install(self.accelerator.unwrap_model(inner))
+
+    def _group_shuffle_reason(self) -> str | None:
+        """Why keeping each group's rows in one micro-batch would change more than the order of a sum, or None: every
+        micro-batch of a generation must feed one optimizer step, and the loss must be a sum over sequences normalized
+        independently of which rows share a micro-batch."""
+        args = self.args
+        if args.gradient_accumulation_steps % args.steps_per_generation:
+            return (f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) is not a multiple of "
+                    f"steps_per_generation ({args.steps_per_generation}): a generation's micro-batches feed several "
+                    "optimizer steps")  # fmt: skip
+        for method in ("compute_loss", "_compute_loss"):  # TRL's own RLOO or GRPO loss, read below
+            owner = next(cls for cls in type(self).__mro__ if method in cls.__dict__ and cls is not GroupSharingMixin)
+            if owner.__module__ not in TRL_LOSSES:
+                return f"{type(self).__name__} computes its own loss ({owner.__name__}.{method})"
+        if self.aux_loss_enabled:
+            return "the MoE load-balancing loss is computed per micro-batch"
+        if getattr(self, "loss_type", None) == "bnpo":
+            return "the bnpo loss is normalized by each micro-batch's tokens"
+        if getattr(self, "top_entropy_quantile", 1.0) < 1.0:
+            return "top_entropy_quantile takes its threshold over each micro-batch's tokens"
+        if getattr(self, "_entropy_bonus_enabled", False):
+            return "the entropy bonus is a mean over each micro-batch's tokens"
+        return None
 
     @property
     def _constructed(self) -> bool:
@@ -314,7 +355,7 @@ class GroupSharingMixin(RewardSharingMixin):
             return result
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
         images = prompt_images(prompts)
-        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images)
+        self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images, completion_ids)
         if images is not None and any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
             # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
             self._fall_back("a prompt ends with an image's token", permanent=False)
@@ -335,8 +376,8 @@ class GroupSharingMixin(RewardSharingMixin):
             self._active_rows = None
         if rows is None:
             return output
-        output[ROWS_KEY] = rows  # a (B, 3) CPU tensor: TRL's shuffle and split carry it with the batch
-        if self._settings.shuffle_groups and self.model.training:
+        output[ROWS_KEY] = rows  # a (B, 3 + W) CPU tensor: TRL's shuffle and split carry it with the batch
+        if self._keep_groups and self.model.training:
             output = self._ordered_for_group_shuffle(output, rows[:, 0])
         return output
 
@@ -402,7 +443,7 @@ class GroupSharingMixin(RewardSharingMixin):
                 return None
         if any(key not in images for key in ("pixel_values", "num_images")) and images:  # token types, no image
             return None
-        group, plen, scored = rows.numpy().T  # host values
+        group, plen, scored = rows[:, :3].numpy().T  # host values
         if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
             scored.max() > logits_to_keep):  # fmt: skip
             # Count-free, so that it warns once however many batch shapes miss it
@@ -424,14 +465,12 @@ class GroupSharingMixin(RewardSharingMixin):
         extra = {"output_router_logits": False} if hasattr(text_config, "output_router_logits") else {}
         all_logps, all_entropies, all_aux = [], [], []
         with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
+        recurrent = any(True for _ in recurrent_layers(unwrapped))
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
-            with self.accelerator.autocast():
-                device_type = input_ids.device.type
-                dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                         else unwrapped.dtype)  # fmt: skip
-                packed = pack_groups(input_ids[start:end], logits_to_keep, rows[start:end], dtype,
-                                     token_weights=compute_aux_loss, group_sources=with_positions)  # fmt: skip
+            packed = pack_rows(input_ids[start:end], logits_to_keep, rows[start:end], token_weights=compute_aux_loss,
+                               group_sources=with_positions, image_tokens=self._image_tokens if images else None,
+                               recurrent=recurrent)  # fmt: skip
             chunk_images = {}
             if images and not isinstance(packed, str):
                 packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask, start,
@@ -445,6 +484,7 @@ class GroupSharingMixin(RewardSharingMixin):
                                               **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
             else:
                 self.packed_forward_tokens += packed.num_tokens
+                self.tree_tokens += packed.tree.real_tokens
                 routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
                 with self.accelerator.autocast(), routers as router_logits:
                     outputs = model(**packed.model_inputs(), **chunk_images, fused_lm_head=True, **extra)
@@ -464,10 +504,10 @@ class GroupSharingMixin(RewardSharingMixin):
     def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, logits_to_keep: int):
         """
         The packed chunk starting at row `start` of an image batch: the images of each group's first row, once, in the
-        bodies' order, and what the family needs beside them ([`core.vision`]): Qwen's 3-D positions (the model's own
-        `get_rope_index` on each group's first row, its completion columns unmasked: the rows of a group share their
-        prompt's positions, and completions are text, one position per column), or the bodies' image blocks (Gemma).
-        Returns `(packed, image kwargs)`.
+        order of the groups' nodes, and what the family needs beside them ([`core.vision`]): Qwen's 3-D positions (the
+        model's own `get_rope_index` on each group's first row, its completion columns unmasked: the rows of a group
+        share their prompt's positions, and completions are text, one position per column), or the tokens' image
+        blocks (Gemma). Returns `(packed, image kwargs)`.
         """
         num_images, first = images["num_images"], start + packed.first_rows
         group_images = select_images(images, num_images, first, self._vision["pixels"])
@@ -482,10 +522,9 @@ class GroupSharingMixin(RewardSharingMixin):
         blocks = image_blocks(model)
         if blocks is not None and group_images:  # an image's tokens attend to each other both ways
             key, image_types, layers = blocks
-            layout = packed.layout
-            body = body_blocks(images[key][start:], image_types, packed.source_index, layout.split.groups,
-                               layout.prompt_length, layout.body_lengths)  # fmt: skip
-            packed = dataclasses.replace(packed, layout=dataclasses.replace(layout, body_blocks=body, blocks_on=layers))
+            ids = token_blocks(images[key][start : start + packed.num_rows], image_types, packed.source_index)
+            packed = dataclasses.replace(packed, layout=dataclasses.replace(packed.layout, token_blocks=ids,
+                                                                            blocks_on=layers))  # fmt: skip
         return packed, group_images
 
     def _images_of_rows(self, images: dict, start: int, end: int) -> dict:

@@ -1,0 +1,228 @@
+"""
+Attention over a packed prefix tree ([`tree_layout.TreeLayout`]): each token attends to its ancestors' tokens and
+causally within its own node.
+
+The attention is computed in parts and merged exactly by log-sum-exp (Hydragen, arXiv 2402.05099; ring attention
+merges the same way): first every node's own tokens (causal, one fused-kernel call per length bucket), then one part
+per tree level, in which each node's tokens are read by its whole subtree below it (one non-causal call per level).
+A token at depth `d` merges `d` parts into its own:
+
+    out = lerp(out, out_part, sigmoid(lse_part - lse)),   lse = logaddexp(lse, lse_part)
+
+The merge accumulates in float32 for half precision, as the kernels do. The backward calls each part's kernel backward
+with the merged output and log-sum-exp: each part's gradients are then exactly its share of the gradients of attention
+over all the keys a token reads, and a node's keys receive the sum of its descendants' gradients. Every part reads and
+writes the flat `(N, h, D)` sequence through one gather and one scatter of its blocks (their padding slots read zeros
+and write to a dump row): no `(N, N)` mask exists.
+
+Under a sliding window `w` a node's own tokens go through [`window_attention.band_forward`]; a level's part reads only
+each node's last `w - 1` tokens, masked by the distance of each query's position to theirs. Attention sinks (GPT-OSS)
+are applied once, to the merged output. Gemma's image blocks (an image's tokens attend to each other both ways) apply
+to the nodes holding them, on the layers they apply to.
+"""
+
+import torch
+
+from .kernel_checks import attention_backward, attention_forward
+from .tree_layout import Blocks, Part, TreeLayout
+from .vision import block_bias
+from .window_attention import apply_sinks, band_backward, band_forward, sink_gradient
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """`(1, h, N, D)` (token-major, as transformers hands them over) -> `(N, h, D)`, a view."""
+    return x[0].transpose(0, 1)
+
+
+def _gather(x: torch.Tensor, blocks: Blocks, zero_padding: bool = False) -> torch.Tensor:
+    """`blocks` of `x` `(N, h, *rest)` as token-major `(n, h, L, *rest)`: a view where they are a run of the flat
+    sequence, else gathered (a padding slot holds a real token of its block, or zero with `zero_padding`). A padding
+    slot's query only computes an output that goes to the dump row; its output gradient must be zero (then it adds
+    nothing to any key's)."""
+    if blocks.run is not None:
+        picked = x.narrow(0, *blocks.run)
+    else:
+        picked = x.index_select(0, blocks.gather.view(-1))
+        if zero_padding:
+            picked.masked_fill_(blocks.padding.view(-1, *([1] * (x.dim() - 1))), 0)
+    return picked.view(*blocks.shape, *x.shape[1:]).transpose(1, 2)
+
+
+def _rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Token-major blocks `(n, h, L, *rest)` -> `(n L, h, *rest)`."""
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1], *blocks.shape[3:])
+
+
+def _lse_rows(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's log-sum-exp `(n, h, L)` -> `(n L, h)`."""
+    return lse.transpose(1, 2).reshape(-1, lse.shape[1]).to(dtype)
+
+
+def _read(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """The rows of `x` `(N + 1, ...)` that `blocks` write, flat `(n L, ...)` (the dump row at padding)."""
+    return x.narrow(0, *blocks.run) if blocks.run is not None else x.index_select(0, blocks.scatter.view(-1))
+
+
+def _write(x: torch.Tensor, blocks: Blocks, rows: torch.Tensor) -> None:
+    if blocks.run is not None:
+        x.narrow(0, *blocks.run).copy_(rows)
+    else:
+        x.index_copy_(0, blocks.scatter.view(-1), rows)
+
+
+def _add(x: torch.Tensor, blocks: Blocks, rows: torch.Tensor) -> None:
+    if blocks.run is not None:
+        x.narrow(0, *blocks.run).add_(rows)
+    else:
+        x.index_add_(0, blocks.scatter.view(-1), rows)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None, dtype) -> tuple[Blocks, torch.Tensor | None]:
+    """A level's keys (`Blocks`) and bias: each node's tokens, masked where it is shorter than the longest; under a
+    `window` shorter than the rows, each node's last `T = min(w - 1, Kmax)` tokens, masked per query where they are out
+    of its window (or before the node). Built once per batch for every layer alike."""
+    memo_key = ("part", index, window, dtype)
+    if memo_key in layout.memo:
+        return layout.memo[memo_key]
+    minimum = torch.finfo(dtype).min
+    if window is None:
+        bias = None
+        if part.padded_keys:
+            bias = torch.zeros((), dtype=dtype, device=part.key_length.device).masked_fill(
+                part.keys.padding, minimum)[:, None, None, :]  # fmt: skip
+        layout.memo[memo_key] = (part.keys, bias)
+        return layout.memo[memo_key]
+    nodes, width = part.keys.shape
+    tail = max(1, min(window - 1, width))  # a window of 1 reads no earlier key: one key, masked
+    device = part.key_length.device
+    slot = part.key_length[:, None] - tail + torch.arange(tail, device=device)  # (A, T) slots of the key blocks
+    valid = slot >= 0
+    slot = slot.clamp(min=0)
+    keys = Blocks(part.keys.gather.gather(1, slot), torch.where(valid, part.keys.scatter.gather(1, slot), layout.tokens),
+                  ~valid, part.keys.run if tail == width else None)  # fmt: skip
+    key_position = part.key_end_position[:, None] - (tail - 1) + torch.arange(tail, device=device)  # (A, T)
+    query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(part.queries.shape)
+    allowed = valid[:, None, :] & (query_position[:, :, None] - key_position[:, None, :] < window)
+    bias = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, minimum)[:, None]  # (A, 1, Qmax, T)
+    layout.memo[memo_key] = (keys, bias)
+    return layout.memo[memo_key]
+
+
+def _image_bias(layout: TreeLayout, index: int, blocks: Blocks, window: int | None, sliding: bool, dtype):
+    """The `(n, 1, L, L)` bias of an image bucket where its image tokens attend to each other both ways on this layer,
+    or None where its nodes attend causally."""
+    if layout.token_blocks is None or (layout.blocks_on == "sliding" and not sliding):
+        return None
+    memo_key = ("image blocks", index, window, dtype)
+    if memo_key not in layout.memo:
+        ids = layout.token_blocks.index_select(0, blocks.gather.view(-1)).view(blocks.shape)
+        layout.memo[memo_key] = block_bias(ids.masked_fill(blocks.padding, -1), window, dtype)
+    return layout.memo[memo_key]
+
+
+def _buckets(layout: TreeLayout):
+    """`(index, blocks, is an image bucket)` of every self-attention call."""
+    for index, blocks in enumerate(layout.buckets):
+        yield index, blocks, False
+    for index, blocks in enumerate(layout.image_buckets):
+        yield index, blocks, True
+
+
+class TreeAttention(torch.autograd.Function):
+    """
+    Attention of the packed flat sequence (see the module docstring): `query` (1, H, N, D), `key`/`value`
+    (1, Hkv, N, D), token-major; `sinks` (H,) or None; `window` a sliding window (keys in (p - w, p]) or None.
+    Returns `(1, N, H, D)`. One autograd node per layer; its backward is the kernels' backward.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
+                sliding: bool = False):  # fmt: skip
+        tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+        q, k, v = _flat(query), _flat(key), _flat(value)
+        work = _work_dtype(query.dtype)
+        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
+        # padding slots write (and read back what they wrote there), so nothing needs zeroing
+        out = q.new_empty(tokens + 1, heads, dim, dtype=work)
+        lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
+        states = []
+        for index, blocks, images in _buckets(layout):
+            qb, kb, vb = _gather(q, blocks), _gather(k, blocks), _gather(v, blocks)
+            bias = _image_bias(layout, index, blocks, window, sliding, query.dtype) if images else None
+            if bias is None:
+                out_b, lse_b, state = band_forward(qb, kb, vb, window, scale)
+            else:
+                out_b, lse_b, state = attention_forward(qb, kb, vb, bias, False, scale)
+            states.append(state)
+            _write(out, blocks, _rows(out_b).to(work))
+            _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
+        for index, part in enumerate(layout.parts):
+            keys, bias = _keys_of(layout, index, part, window, query.dtype)
+            queries = part.queries
+            out_p, lse_p, state = attention_forward(_gather(q, queries), _gather(k, keys), _gather(v, keys), bias,
+                                                    False, scale)  # fmt: skip
+            states.append(state)
+            lse_p = _lse_rows(lse_p, lse_dtype)
+            current = _read(lse, queries)
+            weight = torch.sigmoid(lse_p - current).unsqueeze(-1).to(work)
+            merged = torch.lerp(_read(out, queries), _rows(out_p).to(work), weight)  # new tensors: then written
+            _write(lse, queries, torch.logaddexp(current, lse_p))
+            _write(out, queries, merged)
+        out, lse = out[:tokens], lse[:tokens]
+        if sinks is not None:
+            apply_sinks(out.transpose(0, 1).unsqueeze(0), lse.transpose(0, 1).unsqueeze(0), sinks)
+        result = out.to(query.dtype)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(query, key, value, sinks, result, lse)
+        # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
+        ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
+        return result.unsqueeze(0)  # (1, N, H, D), token-major as transformers' attention functions return
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, sinks, out, lse = ctx.saved_tensors
+        layout, window, scale = ctx.layout, ctx.window, ctx.scale
+        tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+        q, k, v, grad = _flat(query), _flat(key), _flat(value), grad_out[0]
+        work = _work_dtype(query.dtype)
+        grad_q = q.new_zeros(tokens + 1, heads, dim, dtype=work)
+        grad_k = k.new_zeros(tokens + 1, *k.shape[1:], dtype=work)
+        grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
+        grad_sinks = None
+        if ctx.needs_input_grad[3]:  # not for frozen sinks (a PEFT policy's)
+            grad_sinks = sink_gradient(grad.transpose(0, 1).unsqueeze(0), out.transpose(0, 1).unsqueeze(0),
+                                       lse.transpose(0, 1).unsqueeze(0), sinks)  # fmt: skip
+        def scored(blocks: Blocks):  # the queries' side of a call: no output gradient at the padding slots
+            return _gather(q, blocks), _gather(grad, blocks, zero_padding=True), _gather(out, blocks), _gather(lse, blocks)
+
+        def add(target, blocks: Blocks, value):
+            _add(target, blocks, _rows(value).to(target.dtype))
+
+        states = iter(ctx.states)
+        for index, blocks, images in _buckets(layout):
+            qb, gb, ob, lb = scored(blocks)
+            kb, vb = _gather(k, blocks), _gather(v, blocks)
+            state = next(states)
+            bias = _image_bias(layout, index, blocks, window, ctx.sliding, query.dtype) if images else None
+            if bias is None:
+                grads = band_backward(state, gb, qb, kb, vb, ob, lb, window, scale)
+            else:
+                grads = attention_backward(state, gb, qb, kb, vb, bias, ob, lb, False, scale)
+            for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
+                add(target, blocks, value)
+        for index, part in enumerate(layout.parts):
+            keys, bias = _keys_of(layout, index, part, window, query.dtype)
+            qp, gp, op, lp = scored(part.queries)
+            dq, dk, dv = attention_backward(next(states), gp, qp, _gather(k, keys), _gather(v, keys), bias, op, lp,
+                                            False, scale)  # fmt: skip
+            add(grad_q, part.queries, dq)
+            add(grad_k, keys, dk)
+            add(grad_v, keys, dv)
+        token_major = lambda x, like: x[:tokens].to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+        return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
+                None, None, None)  # fmt: skip

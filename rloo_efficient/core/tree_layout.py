@@ -1,0 +1,218 @@
+"""
+A [`tree.Tree`] as the index tensors the layers of a packed forward read: the attention's parts and the recurrent
+layers' levels. Built on the host in NumPy, sent to the device in one copy, passed in the model call's keyword
+arguments (`rloo_prefix_layout=`), which transformers hands to every attention and recurrent layer and which gradient
+checkpointing's recomputation receives again.
+
+A token attends to its ancestors' tokens and causally within its own node. The attention is computed in parts, each one
+batched kernel call over padded blocks gathered from the flat sequence (the flat sequence itself has no padding):
+
+- the nodes' own tokens, causal: nodes bucketed by length (within a factor [`BUCKET_RATIO`] of their bucket's longest,
+  so that padding costs at most that factor squared of a block's work);
+- per tree level `l`: each node at depth `l` with descendants, its tokens read (all of them) by every token of its
+  subtree below it (contiguous in the depth-first flat order); the nodes bucketed alike by their subtrees' sizes.
+
+The parts are merged by log-sum-exp ([`tree_attention`]). The number of kernel calls per layer is the number of
+buckets, a few per level: it does not grow with the number of rows or nodes. A recurrent layer runs level by level,
+each level's nodes bucketed by length: each node starts from its parent's final state and convolution tail
+([`recurrent`]).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .tree import Tree
+
+
+# Nodes in one call are at least 1 / BUCKET_RATIO as long as its longest (measured on CPU: experiments/bench_tree.py
+# --buckets), or shorter where the call's padding stays within SMALL_PADDING slots in all: each call costs a gather, a
+# kernel and a scatter (about twenty operators, each a launch on a GPU), and a few short nodes are not worth them (a
+# call of ragged completions of at most 512 tokens, not one per power of two of their lengths)
+BUCKET_RATIO = 2.0
+SMALL_PADDING = 256
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Padded blocks gathered from the flat sequence: `gather` (n, L) flat token of each slot (a real token of the
+    block at its padding), `scatter` (n, L) the same with N (a dump row) at the padding, `padding` (n, L) bool. `run`:
+    `(first, n L)` where the blocks are the flat sequence's tokens `[first, first + n L)` in order, with no padding (one
+    node, or nodes of one length one after another): then they are a view of it, with no gather and no scatter."""
+
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    padding: torch.Tensor
+    run: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.gather.shape)
+
+
+def _run(starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int] | None:
+    """`(first, tokens)` where the runs `[starts, starts + lengths)` are of one length and follow each other."""
+    if len(starts) == 0 or (lengths != lengths[0]).any() or (np.diff(starts) != lengths[0]).any():
+        return None
+    return int(starts[0]), int(lengths.sum())
+
+
+@dataclass(frozen=True)
+class Part:
+    """Level `l` of the tree: each of its `A` nodes with descendants (keys, `(A, Kmax)`) read by its subtree below it
+    (queries, `(A, Qmax)`); `key_length` (A,) its tokens, `key_end_position` (A,) the position of its last token."""
+
+    queries: Blocks
+    keys: Blocks
+    key_length: torch.Tensor
+    key_end_position: torch.Tensor
+    padded_keys: bool  # whether some node is shorter than the longest (a key padding bias is needed)
+
+
+@dataclass(frozen=True)
+class Level:
+    """Nodes of one depth in one length bucket, for the recurrent layers: their tokens `(n, L)`, lengths, and each
+    one's parent's index among the nodes of the depth above (its buckets' nodes in order; -1 at the roots)."""
+
+    blocks: Blocks
+    length: torch.Tensor  # (n,)
+    parent: torch.Tensor  # (n,)
+    real: torch.Tensor  # (n, L) bool
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """The packed forward's structure (see the module docstring); `memo` holds what every layer derives alike from it
+    (a window's tails and biases, the recurrent forks' index), built by the first layer that needs it."""
+
+    tokens: int  # N
+    buckets: tuple[Blocks, ...]  # the nodes' own tokens, causal, by length
+    image_buckets: tuple[Blocks, ...]  # nodes holding an image's tokens (Gemma's image blocks attend both ways)
+    parts: tuple[Part, ...]  # per level with descendants, from the roots down, its nodes bucketed by subtree size
+    levels: tuple[tuple[Level, ...], ...]  # the nodes of each depth by length bucket, from the roots down (recurrent
+    # layers only: empty for a model without them)
+    assemble: torch.Tensor | None  # (N,) each token's slot in the levels' blocks, flattened and concatenated
+    positions: torch.Tensor  # (N,) each token's position in its rows
+    span: int  # the longest row: a sliding window at least this long masks nothing
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # Gemma's image prompts: each token's image block (N,) (-1 for text), whose tokens attend to each other both ways
+    # on "all" layers or the "sliding" ones ([`vision.block_bias`])
+    token_blocks: torch.Tensor | None = None
+    blocks_on: str = "all"
+
+
+def _blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int, width: int | None = None) -> tuple[np.ndarray, ...]:
+    """Host `(gather, scatter)` `(n, L)` of runs `[starts, starts + lengths)` of the flat sequence."""
+    width = int(lengths.max()) if width is None else width
+    slot = np.arange(width)[None, :]
+    inside = slot < lengths[:, None]
+    gather = starts[:, None] + np.minimum(slot, np.maximum(lengths[:, None] - 1, 0))
+    return gather, np.where(inside, gather, tokens)
+
+
+def _buckets(nodes: np.ndarray, lengths: np.ndarray, ratio: float) -> list[np.ndarray]:
+    """`nodes` split into runs of similar `lengths` (one per node): longest first, each run within `ratio` of its
+    longest, or padded by at most [`SMALL_PADDING`] slots in all."""
+    order = np.argsort(-lengths, kind="stable")
+    nodes, lengths = nodes[order], lengths[order]
+    runs, first, padding = [], 0, 0
+    for i in range(1, len(nodes) + 1):
+        if i < len(nodes):
+            padding += int(lengths[first] - lengths[i])
+            if lengths[i] * ratio > lengths[first] or padding <= SMALL_PADDING:
+                continue
+        runs.append(nodes[first:i])
+        first, padding = i, 0
+    return runs
+
+
+def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio: float = BUCKET_RATIO,
+                parts: list[np.ndarray] | None = None, recurrent: bool = True) -> tuple[TreeLayout, list[torch.Tensor]]:  # fmt: skip
+    """
+    The [`TreeLayout`] of `tree` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
+    `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `recurrent`: whether the
+    recurrent layers' levels are needed (a model with recurrent layers).
+    """
+    n = tree.num_tokens
+    all_nodes = np.arange(len(tree.start))
+    depths = range(int(tree.depth.max()) + 1 if len(all_nodes) else 0)
+    with_images = np.zeros(len(all_nodes), dtype=bool)
+    if image_nodes is not None:
+        with_images[image_nodes] = True
+    arrays: list[np.ndarray] = []
+
+    def blocks_of(nodes, starts=None, lengths=None):
+        starts = tree.start[nodes] if starts is None else starts
+        lengths = tree.length[nodes] if lengths is None else lengths
+        gather, scatter = _blocks(starts, lengths, n)
+        arrays.extend([gather, scatter])
+        return gather.shape, _run(starts, lengths)
+
+    plan: dict = {"buckets": [], "image_buckets": [], "parts": [], "levels": []}
+    for name, mask in (("buckets", ~with_images), ("image_buckets", with_images)):
+        for run in _buckets(all_nodes[mask], tree.length[mask], ratio):
+            plan[name].append(blocks_of(run))
+    below = tree.start + tree.length  # where each node's descendants start
+    queries = tree.subtree_end - below  # how many tokens each node's subtree holds below it
+    for depth in depths:
+        level = all_nodes[(tree.depth == depth) & (queries > 0)]
+        for nodes in _buckets(level, queries[level], ratio) if len(level) else []:  # by their queries' work
+            query_shape = blocks_of(nodes, below[nodes], queries[nodes])
+            key_shape = blocks_of(nodes)
+            arrays.extend([tree.length[nodes], tree.position[nodes] + tree.length[nodes] - 1])
+            plan["parts"].append((query_shape, key_shape, bool((tree.length[nodes] < tree.length[nodes].max()).any())))
+    assemble = np.empty(n if recurrent else 0, dtype=np.int64)
+    slot_offset, up = 0, np.full(len(all_nodes), -1)
+    for depth in depths if recurrent else []:
+        level, shapes = all_nodes[tree.depth == depth], []
+        runs = _buckets(level, tree.length[level], ratio)
+        parents = [np.where(tree.parent[nodes] >= 0, up[np.maximum(tree.parent[nodes], 0)], -1) for nodes in runs]
+        up[np.concatenate(runs)] = np.arange(len(level))  # their order at this depth, for the depth below
+        for nodes, parent in zip(runs, parents, strict=True):
+            planned = blocks_of(nodes)
+            arrays.extend([tree.length[nodes], parent])
+            width = planned[0][1]
+            # each token of these nodes: its slot in the flattened blocks of every depth and bucket, in order
+            inside = np.arange(width)[None, :] < tree.length[nodes][:, None]
+            slots = slot_offset + np.arange(len(nodes))[:, None] * width + np.arange(width)[None, :]
+            assemble[(tree.start[nodes][:, None] + np.arange(width)[None, :])[inside]] = slots[inside]
+            slot_offset += len(nodes) * width
+            shapes.append(planned)
+        plan["levels"].append(shapes)
+    arrays.extend([assemble, tree.token_position])
+    extra = list(parts or [])
+    host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in [*arrays, *extra]]).astype(np.int64))
+    if torch.device(device).type != "cpu":
+        host = host.pin_memory()
+    flat = host.to(device, non_blocking=True).split([a.size for a in [*arrays, *extra]])
+    sent = iter(flat[: len(arrays)])
+
+    def take(shape=None):
+        value = next(sent)
+        return value if shape is None else value.view(shape)
+
+    def blocks(planned):
+        shape, run = planned
+        gather, scatter = take(shape), take(shape)
+        return Blocks(gather, scatter, scatter == n, run)
+
+    buckets = tuple(blocks(shape) for shape in plan["buckets"])
+    image_buckets = tuple(blocks(shape) for shape in plan["image_buckets"])
+    parts_out = []
+    for query_shape, key_shape, padded in plan["parts"]:
+        query_blocks, key_blocks = blocks(query_shape), blocks(key_shape)
+        parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded))
+    levels = []
+    for shapes in plan["levels"]:
+        runs = []
+        for shape in shapes:
+            level_blocks = blocks(shape)
+            length, parent = take(), take()
+            runs.append(Level(level_blocks, length, parent, ~level_blocks.padding))
+        levels.append(tuple(runs))
+    assemble_t, positions = take(), take()
+    span = int((tree.position + tree.length).max()) if len(all_nodes) else 0
+    layout = TreeLayout(n, buckets, image_buckets, tuple(parts_out), tuple(levels), assemble_t if recurrent else None,
+                        positions, span)  # fmt: skip
+    return layout, list(flat[len(arrays) :])

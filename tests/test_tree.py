@@ -1,0 +1,178 @@
+"""
+The prefix tree ([`core.tree`]) and attention over it ([`core.tree_attention`]): each row reads its own tokens at its
+own positions; each token attends to exactly its ancestors and causally within its node (against a dense (N, N) mask
+over the same flat sequence, forward and gradients, windows and sinks included); and the mistakes these guard against
+(a node attending to a sibling, a padding slot written to a real token) fail the comparison.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rloo_efficient.core import tree_layout as layouts
+from rloo_efficient.core.prefix_attention import prefix_attention
+from rloo_efficient.core.tree import END, build_tree
+from rloo_efficient.core.tree_layout import tree_layout
+
+from .trees import random_rows
+
+
+HEADS, KV_HEADS, DIM = 6, 2, 8  # 3 query heads per key/value head: a wrong head mapping is caught
+THRESHOLDS = (0, 6, 10**9)  # every shared run its node; some copied into their branches; nothing shared
+
+
+def flat_tokens(tree, rows, shift=True):
+    """The token values of the flat sequence, read from each node's own row (the test's reading, not the code's)."""
+    tokens = np.empty(tree.num_tokens, dtype=np.int64)
+    for start, length, position, row in zip(tree.start, tree.length, tree.position, tree.row, strict=True):
+        padded = list(rows[row]) + [END]
+        tokens[start : start + length] = padded[position : position + length]
+    return tokens
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**16), min_saved=st.sampled_from(THRESHOLDS), shift=st.booleans(), ends=st.booleans())
+def test_each_row_reads_its_own_tokens_at_their_positions(seed, min_saved, shift, ends):
+    rows = random_rows(seed)
+    ends = ends and shift
+    tree = build_tree(rows, shift=shift, ends=ends, min_saved=min_saved)
+    tokens, positions = flat_tokens(tree, rows), tree.token_position
+    held = np.zeros(tree.num_tokens, dtype=np.int64)
+    for row, inputs in zip(rows, tree.row_inputs, strict=True):
+        count = len(row) - (1 if shift and not ends else 0)  # a predicting row's last token predicts nothing
+        assert len(inputs) == count
+        assert tokens[inputs].tolist() == row[:count] and positions[inputs].tolist() == list(range(count))
+        held[inputs] += 1
+        # Each input's node lies on the row's path: the nodes' starts rise along it, each inside the one before
+        nodes = np.searchsorted(tree.start, inputs, side="right") - 1
+        path = list(dict.fromkeys(nodes.tolist()))
+        assert all(tree.parent[b] == a for a, b in zip(path[:-1], path[1:]))
+    assert held.tolist() == tree.token_weight.tolist()  # a node's weight: the rows through it
+    # The radix tree's tokens: what a trie of the rows holds (each shared run once)
+    trie: set[tuple] = set()
+    for row in rows:
+        trie.update(tuple(row[:i]) for i in range(1, len(row) + 1))
+    assert tree.real_tokens == len(trie)
+    if min_saved == 0 and shift:  # every shared run once: the flat sequence is the trie's inputs
+        assert tree.num_tokens <= len(trie) + (len(rows) if ends else 0)
+
+
+def test_a_node_is_kept_only_where_it_saves_enough():
+    """A run shared by `b` branches saves `(b - 1) * length` tokens: kept at the threshold, copied below it."""
+    system = list(range(3, 13))  # 10 tokens, shared by 3 rows: saves 20
+    rows = [system + [20 + i, 30 + i] for i in range(3)]
+    kept = build_tree(rows, min_saved=20)
+    copied = build_tree(rows, min_saved=21)
+    # The run less its last token once, then each row: a copy of that token and its own first (its last predicts none)
+    assert kept.depth.max() == 1 and kept.num_tokens == 9 + 3 * 2
+    assert copied.depth.max() == 0 and copied.num_tokens == 3 * 11
+
+
+def test_rows_with_other_keys_share_nothing():
+    rows = [[5, 6, 7, 8]] * 4
+    tree = build_tree(rows, keys=[0, 0, 1, 1], min_saved=0)
+    assert (tree.parent == -1).sum() == 2 and tree.num_tokens == 2 * 3
+
+
+# -- attention over the tree against a dense mask -----------------------------------------------------------------------
+def dense_mask(tree, window=None):
+    """`(N, N)`: token i sees token j when j's node is an ancestor of i's, or they share a node and j <= i; under a
+    sliding `window`, only where i's position is within `w` of j's. Read from the tree's parent links."""
+    node_of = np.repeat(np.arange(len(tree.start)), tree.length)
+    above = np.zeros((len(tree.start), len(tree.start)), dtype=bool)  # above[a, b]: b is an ancestor of a
+    for node in range(len(tree.start)):
+        up = tree.parent[node]
+        while up >= 0:
+            above[node, up] = True
+            up = tree.parent[up]
+    index = np.arange(tree.num_tokens)
+    same = (node_of[:, None] == node_of[None, :]) & (index[None, :] <= index[:, None])
+    allowed = torch.from_numpy(above[node_of[:, None], node_of[None, :]] | same)
+    if window is not None:
+        position = torch.from_numpy(tree.token_position)
+        allowed &= position[:, None] - position[None, :] < window
+    return allowed
+
+
+def dense_attention(q, k, v, allowed, scale, sinks=None):
+    scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+    probs = torch.softmax(scores, -1)[..., : allowed.shape[-1]]
+    return (probs @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)).transpose(1, 2)
+
+
+def check_against_dense(tree, seed, window=None, sinks=False, magnitude=1.0, layout=None):
+    layout = layout or tree_layout(tree, torch.device("cpu"))[0]
+    n = tree.num_tokens
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, n, h, DIM, generator=g, dtype=torch.float64).transpose(1, 2).mul(magnitude)
+               .requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+    s_aux = torch.randn(HEADS, generator=g, dtype=torch.float64).requires_grad_() if sinks else None
+    weights = torch.randn(1, n, HEADS, DIM, generator=g, dtype=torch.float64)
+    ours, _ = prefix_attention(None, q, k, v, None, scaling=0.3, rloo_prefix_layout=layout, sliding_window=window,
+                               s_aux=s_aux)  # fmt: skip
+    (ours * weights).sum().backward()
+    grads = [x.grad for x in (q, k, v, s_aux) if x is not None]
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, s_aux) if x is not None]
+    reference = dense_attention(*leaves[:3], dense_mask(tree, window), 0.3, *leaves[3:])
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-12)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12 * magnitude**2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), min_saved=st.sampled_from(THRESHOLDS), ratio=st.sampled_from([1.5, 2.0, 1e9]))
+def test_tree_attention_equals_dense_mask_attention(seed, min_saved, ratio):
+    """Random trees of depth 1 to 4, one-token nodes, rows ending inside a node, completions of very different
+    lengths; nodes bucketed by length (one bucket, or several)."""
+    tree = build_tree(random_rows(seed), min_saved=min_saved)
+    check_against_dense(tree, seed, layout=tree_layout(tree, torch.device("cpu"), ratio=ratio)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), window=st.integers(1, 20), sinks=st.booleans())
+def test_tree_attention_with_a_sliding_window_and_sinks_equals_dense_attention(seed, window, sinks):
+    """Windows from 1 token to longer than any row (runs of up to 9 tokens, 4 deep): nodes longer than the window (the
+    banded path), windows that reach across several ancestors, ancestors wholly out of a token's window; with or
+    without a sink logit per head (its gradient too)."""
+    check_against_dense(build_tree(random_rows(seed), min_saved=0), seed, window=window, sinks=sinks)
+
+
+def test_padding_slots_stay_finite_with_large_scores():
+    """Nodes of different lengths leave padding slots in every part; with scores beyond exp's range their
+    probabilities must still be computed against a finite log-sum-exp (no inf * 0 = NaN in the gradients)."""
+    rows = [[5] * 9 + [6, 7], [5] * 9 + [8], [5] * 9 + [9, 10, 11, 12, 13], [3, 4]]
+    check_against_dense(build_tree(rows, min_saved=0), 5, magnitude=30.0)
+
+
+# -- mistakes the comparison catches ----------------------------------------------------------------------------------
+def test_a_node_attending_to_a_sibling_fails():
+    rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13]]
+    tree = build_tree(rows, min_saved=0)
+    check_against_dense(tree, 0)
+    first_leaf = int(np.flatnonzero(tree.depth == 1)[0])
+    subtree_end = tree.subtree_end.copy()
+    subtree_end[first_leaf] = tree.num_tokens  # its "subtree" now runs over its siblings
+    wrong = tree_layout(type(tree)(**{**vars(tree), "subtree_end": subtree_end}), torch.device("cpu"))[0]
+    with pytest.raises(AssertionError):
+        check_against_dense(tree, 0, layout=wrong)
+
+
+def test_a_padding_slot_written_to_a_real_token_fails(monkeypatch):
+    rows = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [5, 6, 7, 13, 14, 15, 16]]  # leaves of 4, 3 and 5: one bucket
+    tree = build_tree(rows, min_saved=0)
+    check_against_dense(tree, 0)
+    original = layouts._blocks
+
+    def leaky(starts, lengths, tokens, width=None):
+        gather, scatter = original(starts, lengths, tokens, width)
+        return gather, gather  # padding slots write to the node's last token instead of the dump row
+
+    monkeypatch.setattr(layouts, "_blocks", leaky)
+    with pytest.raises(AssertionError):
+        check_against_dense(tree, 0)
