@@ -25,8 +25,11 @@ import numpy as np
 
 
 # A node shared by `b` branches saves `(b - 1) * length` tokens, and costs each layer one more attention part (a
-# gather of its descendants' queries, a kernel call and a merge) where it adds a level. Below this many saved tokens
-# the node is copied into its branches: measured on CPU, experiments/bench_tree.py --threshold
+# gather of its descendants' queries, a kernel call and a merge: about twenty operators) where it adds a level. Below
+# this many saved tokens the node is copied into its branches. On CPU a level costs nothing measurable down to 28 saved
+# tokens (experiments/bench_tree.py --threshold: kept / copied 0.9-1.15, the run-to-run spread, up to 896 saved tokens,
+# 0.28 at 1,792; results/tree_threshold.md); the bound is for the GPU, where twenty launches per layer outweigh the
+# linear layers' work on a few dozen tokens (not measured there yet). A template's opening tokens are not worth a level.
 MIN_SAVED_TOKENS = 64
 END = -1  # the end marker after a row (token ids are >= 0)
 

@@ -81,7 +81,8 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None, dtype) -> tuple[Blocks, torch.Tensor | None]:
+def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None,
+             dtype) -> tuple[Blocks, torch.Tensor | None]:  # fmt: skip
     """A level's keys (`Blocks`) and bias: each node's tokens, masked where it is shorter than the longest; under a
     `window` shorter than the rows, each node's last `T = min(w - 1, Kmax)` tokens, masked per query where they are out
     of its window (or before the node). Built once per batch for every layer alike."""
@@ -102,8 +103,8 @@ def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None, dty
     slot = part.key_length[:, None] - tail + torch.arange(tail, device=device)  # (A, T) slots of the key blocks
     valid = slot >= 0
     slot = slot.clamp(min=0)
-    keys = Blocks(part.keys.gather.gather(1, slot), torch.where(valid, part.keys.scatter.gather(1, slot), layout.tokens),
-                  ~valid, part.keys.run if tail == width else None)  # fmt: skip
+    scatter = torch.where(valid, part.keys.scatter.gather(1, slot), layout.tokens)
+    keys = Blocks(part.keys.gather.gather(1, slot), scatter, ~valid, part.keys.run if tail == width else None)
     key_position = part.key_end_position[:, None] - (tail - 1) + torch.arange(tail, device=device)  # (A, T)
     query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(part.queries.shape)
     allowed = valid[:, None, :] & (query_position[:, :, None] - key_position[:, None, :] < window)
@@ -198,7 +199,8 @@ class TreeAttention(torch.autograd.Function):
             grad_sinks = sink_gradient(grad.transpose(0, 1).unsqueeze(0), out.transpose(0, 1).unsqueeze(0),
                                        lse.transpose(0, 1).unsqueeze(0), sinks)  # fmt: skip
         def scored(blocks: Blocks):  # the queries' side of a call: no output gradient at the padding slots
-            return _gather(q, blocks), _gather(grad, blocks, zero_padding=True), _gather(out, blocks), _gather(lse, blocks)
+            grad_blocks = _gather(grad, blocks, zero_padding=True)
+            return _gather(q, blocks), grad_blocks, _gather(out, blocks), _gather(lse, blocks)
 
         def add(target, blocks: Blocks, value):
             _add(target, blocks, _rows(value).to(target.dtype))

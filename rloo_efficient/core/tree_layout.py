@@ -27,9 +27,11 @@ from .tree import Tree
 
 
 # Nodes in one call are at least 1 / BUCKET_RATIO as long as its longest (measured on CPU: experiments/bench_tree.py
-# --buckets), or shorter where the call's padding stays within SMALL_PADDING slots in all: each call costs a gather, a
-# kernel and a scatter (about twenty operators, each a launch on a GPU), and a few short nodes are not worth them (a
-# call of ragged completions of at most 512 tokens, not one per power of two of their lengths)
+# --buckets, results/tree_buckets.md: on the reasoning shape 1.5 and 2 take the same time, 4 takes 1.24x and one padded
+# call 1.41x; 2 makes fewer calls), or shorter where the call's padding stays within SMALL_PADDING slots in all: each
+# call costs a gather, a kernel and a scatter (about twenty operators, each a launch on a GPU), and a few short nodes
+# are not worth them (one call for ragged completions of at most 512 tokens, not one per power of two of their
+# lengths: tests/test_op_count.py)
 BUCKET_RATIO = 2.0
 SMALL_PADDING = 256
 
