@@ -12,8 +12,9 @@ A token at depth `d` merges `d` parts into its own:
 The merge accumulates in float32 for half precision, as the kernels do. The backward calls each part's kernel backward
 with the merged output and log-sum-exp: each part's gradients are then exactly its share of the gradients of attention
 over all the keys a token reads, and a node's keys receive the sum of its descendants' gradients. Every part reads and
-writes the flat `(N, h, D)` sequence through one gather and one scatter of its blocks (their padding slots read zeros
-and write to a dump row): no `(N, N)` mask exists.
+writes the flat `(N, h, D)` sequence through one gather and one scatter of its blocks, or a view where they are one
+run of it (a padding slot reads a real token of its block, writes to a dump row and gets no output gradient, so it
+adds nothing to any key's): no `(N, N)` mask exists.
 
 Under a sliding window `w` a node's own tokens go through [`window_attention.band_forward`]; a level's part reads only
 each node's last `w - 1` tokens, masked by the distance of each query's position to theirs. Attention sinks (GPT-OSS)

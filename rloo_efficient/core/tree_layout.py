@@ -8,7 +8,8 @@ A token attends to its ancestors' tokens and causally within its own node. The a
 batched kernel call over padded blocks gathered from the flat sequence (the flat sequence itself has no padding):
 
 - the nodes' own tokens, causal: nodes bucketed by length (within a factor [`BUCKET_RATIO`] of their bucket's longest,
-  so that padding costs at most that factor squared of a block's work);
+  so that padding costs at most that factor squared of a block's work, or a few short nodes with at most
+  [`SMALL_PADDING`] padding slots in all);
 - per tree level `l`: each node at depth `l` with descendants, its tokens read (all of them) by every token of its
   subtree below it (contiguous in the depth-first flat order); the nodes bucketed alike by their subtrees' sizes.
 
