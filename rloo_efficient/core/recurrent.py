@@ -264,6 +264,11 @@ def recurrent_layers(model: nn.Module):
             yield module, fork
 
 
+def has_recurrent_layers(model: nn.Module) -> bool:
+    """Whether `model` has a layer this module forks (a packed layout then needs the tree's levels)."""
+    return any(True for _ in recurrent_layers(model))
+
+
 def install(model: nn.Module) -> int:
     """Routes each recurrent layer of `model` to its fork when the packed layout reaches it (idempotent). Returns how
     many there are."""

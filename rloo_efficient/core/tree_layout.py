@@ -161,14 +161,14 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     for depth in depths:
         level = all_nodes[(tree.depth == depth) & (queries > 0)]
         for nodes in _buckets(level, queries[level], ratio) if len(level) else []:  # by their queries' work
-            query_shape = blocks_of(nodes, below[nodes], queries[nodes])
-            key_shape = blocks_of(nodes)
+            query_plan = blocks_of(nodes, below[nodes], queries[nodes])
+            key_plan = blocks_of(nodes)
             arrays.extend([tree.length[nodes], tree.position[nodes] + tree.length[nodes] - 1])
-            plan["parts"].append((query_shape, key_shape, bool((tree.length[nodes] < tree.length[nodes].max()).any())))
+            plan["parts"].append((query_plan, key_plan, bool((tree.length[nodes] < tree.length[nodes].max()).any())))
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
     slot_offset, up = 0, np.full(len(all_nodes), -1)
     for depth in depths if recurrent else []:
-        level, shapes = all_nodes[tree.depth == depth], []
+        level, plans = all_nodes[tree.depth == depth], []
         runs = _buckets(level, tree.length[level], ratio)
         parents = [np.where(tree.parent[nodes] >= 0, up[np.maximum(tree.parent[nodes], 0)], -1) for nodes in runs]
         up[np.concatenate(runs)] = np.arange(len(level))  # their order at this depth, for the depth below
@@ -181,8 +181,8 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             slots = slot_offset + np.arange(len(nodes))[:, None] * width + np.arange(width)[None, :]
             assemble[(tree.start[nodes][:, None] + np.arange(width)[None, :])[inside]] = slots[inside]
             slot_offset += len(nodes) * width
-            shapes.append(planned)
-        plan["levels"].append(shapes)
+            plans.append(planned)
+        plan["levels"].append(plans)
     arrays.extend([assemble, tree.token_position])
     extra = list(parts or [])
     host = torch.from_numpy(np.concatenate([a.reshape(-1) for a in [*arrays, *extra]]).astype(np.int64))
@@ -200,17 +200,17 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         gather, scatter = take(shape), take(shape)
         return Blocks(gather, scatter, scatter == n, run)
 
-    buckets = tuple(blocks(shape) for shape in plan["buckets"])
-    image_buckets = tuple(blocks(shape) for shape in plan["image_buckets"])
+    buckets = tuple(blocks(planned) for planned in plan["buckets"])
+    image_buckets = tuple(blocks(planned) for planned in plan["image_buckets"])
     parts_out = []
-    for query_shape, key_shape, padded in plan["parts"]:
-        query_blocks, key_blocks = blocks(query_shape), blocks(key_shape)
+    for query_plan, key_plan, padded in plan["parts"]:
+        query_blocks, key_blocks = blocks(query_plan), blocks(key_plan)
         parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded))
     levels = []
-    for shapes in plan["levels"]:
+    for plans in plan["levels"]:
         runs = []
-        for shape in shapes:
-            level_blocks = blocks(shape)
+        for planned in plans:
+            level_blocks = blocks(planned)
             length, parent = take(), take()
             runs.append(Level(level_blocks, length, parent, ~level_blocks.padding))
         levels.append(tuple(runs))

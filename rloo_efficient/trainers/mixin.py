@@ -24,7 +24,7 @@ from ..core.families import forward_unsupported_reason, is_multimodal
 from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from ..core.packing import ROWS_KEY, group_shuffle_order, pack_rows, prompt_images, prompt_key, row_groups
 from ..core.prefix_cache import prefix_cache_unsupported_reason
-from ..core.recurrent import recurrent_layers
+from ..core.recurrent import has_recurrent_layers
 from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
 from ..core.shared_generation import text_only
 from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, image_blocks, image_token_ids, layout_reason
@@ -465,7 +465,7 @@ class GroupSharingMixin(RewardSharingMixin):
         extra = {"output_router_logits": False} if hasattr(text_config, "output_router_logits") else {}
         all_logps, all_entropies, all_aux = [], [], []
         with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
-        recurrent = any(True for _ in recurrent_layers(unwrapped))
+        recurrent = has_recurrent_layers(unwrapped)
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             packed = pack_rows(input_ids[start:end], logits_to_keep, rows[start:end], token_weights=compute_aux_loss,

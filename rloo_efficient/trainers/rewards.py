@@ -16,7 +16,7 @@ from trl.data_utils import apply_chat_template, is_conversational
 
 from ..core.packing import group_ids_for
 from ..core.prefix_attention import install
-from ..core.recurrent import recurrent_layers
+from ..core.recurrent import has_recurrent_layers
 from ..core.reward_packing import pack_reward_rows, packed_scores, padded_scores, reward_model_reason
 from .hydra import HydraReward
 
@@ -79,7 +79,7 @@ class RewardSharingMixin:
         with torch.inference_mode(), context as root:
             inner = root.get_base_model() if hydra else self.accelerator.unwrap_model(root)
             score = reward_func.score if hydra else None
-            recurrent = any(True for _ in recurrent_layers(inner))
+            recurrent = has_recurrent_layers(inner)
             batch = (pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.accelerator.device,
                                       recurrent=recurrent) if self._settings.share_reward_prefix
                      else "share_reward_prefix=False")  # fmt: skip
