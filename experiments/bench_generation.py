@@ -8,6 +8,11 @@ profiler), and checks that both give the same completions from the same seed. No
 so both do the same decoding work.
 
     python experiments/bench_generation.py --prompt_lengths 512 2048 --completion_length 64 --ks 2 4 8
+    python experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 --completion_length 128 \
+        --ks 8 --repeats 1 --release     # on a GPU: also each method right after the allocator's cache is emptied
+
+`--release` adds each method run right after `release_cached_memory` (what `empty_cache_policy` does at a phase
+boundary), so that allocations the call makes cannot reuse cached blocks.
 """
 
 import argparse
@@ -20,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from rloo_efficient.profiling.memory import is_accelerator
+from rloo_efficient.profiling.memory import is_accelerator, release_cached_memory
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
@@ -54,13 +59,15 @@ def peak_tensor_bytes(fn, device) -> int:
     return max(itertools.accumulate((n for _, n in events), initial=0))
 
 
-def measure(method, model, input_ids, attention_mask, config, repeats):
+def measure(method, model, input_ids, attention_mask, config, repeats, release=False):
     device = input_ids.device
     torch.manual_seed(0)
     sequences = generate(method, model, input_ids, attention_mask, config)  # burn-in, and the completions compared
     peak_bytes = peak_tensor_bytes(lambda: generate(method, model, input_ids, attention_mask, config), device)
     times = []
     for _ in range(repeats):
+        if release:
+            release_cached_memory(device)
         start = time.perf_counter()
         generate(method, model, input_ids, attention_mask, config)
         if is_accelerator(device):
@@ -76,12 +83,14 @@ def main(argv=None):
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="stock is always run")
+    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.workload.PRESETS")
+    parser.add_argument("--release", action="store_true", help="also time each method after emptying the cache")
     args = parser.parse_args(argv)
     args.methods = ["stock", *(m for m in args.methods if m != "stock")]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = build_model_dir(WorkloadConfig())  # the default tiny model
-    model = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    path = build_model_dir(WorkloadConfig(preset=args.preset))  # the default tiny model, or a preset's shape
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
     vocab = model.config.vocab_size
     config = GenerationConfig(max_new_tokens=args.completion_length, min_new_tokens=args.completion_length,
                               do_sample=True, pad_token_id=0, eos_token_id=None)  # fmt: skip
@@ -98,6 +107,9 @@ def main(argv=None):
         input_ids = prompt.expand(k, -1).contiguous().to(device)
         attention_mask = torch.ones_like(input_ids)
         results = {m: measure(m, model, input_ids, attention_mask, config, args.repeats) for m in args.methods}
+        if args.release:
+            results.update({f"{m}, cache emptied": measure(m, model, input_ids, attention_mask, config, args.repeats,
+                                                           release=True) for m in args.methods})  # fmt: skip
         seq_s, mem_s, t_s = results["stock"]
         for method, (seq, mem, t) in results.items():
             same = "yes" if torch.equal(seq, seq_s) else "NO"

@@ -193,6 +193,11 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str]) ->
         failures += problem is not None
         lines.append(f"{label}: {'same completions and metrics as stock' if problem is None else 'FAILED: ' + problem}"
                      f" (largest relative difference {worst:.1e})")  # fmt: skip
+        if problem is not None:  # every step's metrics, to tell a difference that grows from one that appears
+            for step, (a, b) in enumerate(zip(stock["metrics"], ours["metrics"], strict=True)):
+                pairs = ", ".join(f"{key} {a[key]:.6g} / {b[key]:.6g}" for key in METRICS
+                                  if isinstance(a[key], float) and isinstance(b[key], float))  # fmt: skip
+                lines.append(f"{label}:   step {step + 1} (stock / ours): {pairs}")
     for message in fallbacks:
         failures += 1
         lines.append(f"{label}: FAILED: {message}")

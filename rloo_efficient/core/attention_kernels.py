@@ -237,7 +237,10 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
     if kernel == "cuda_efficient":
         padded_length, seed, offset = state.extra
         heads, kv_heads = query.shape[1], key.shape[1]
-        full_lse = torch.nn.functional.pad(lse, (0, padded_length - lse.shape[-1]))  # contiguous, as it checks
+        # Contiguous (B, H, padded) as its check wants (head and batch strides multiples of 8): `pad` by nothing would
+        # return a copy with the token-major strides of the packed forward's log-sum-exp
+        full_lse = lse.new_zeros(*lse.shape[:-1], padded_length)
+        full_lse[..., : lse.shape[-1]] = lse
         out = _token_major_dense(out)
         full_bias = None if bias is None else _aligned_bias(bias, query, key)
         grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(

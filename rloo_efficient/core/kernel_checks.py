@@ -48,9 +48,10 @@ TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 5e-3, torch.float32: 1e-4, tor
 # kernel computes it in float32 from the same inputs as the reference: 1e-4 off measured for half precision inputs.
 LSE_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 1e-5, torch.float64: 1e-10}
 # The problems a check runs, (query length, key length) per use: long enough to pass one kernel block (64 to 256 keys)
-# and reach the split-key paths; decoding has one query per row (flash then swaps grouped heads into it)
-PROBLEMS = {"causal": ((24, 24), (200, 200)), "prefix": ((12, 24), (40, 300)), "decode": ((1, 24), (1, 300)),
-            "causal window": ((24, 24), (200, 200))}  # fmt: skip
+# and reach the split-key paths, one query length a multiple of 32 (the efficient kernel pads its log-sum-exp to one);
+# decoding has one query per row (flash then swaps grouped heads into it)
+PROBLEMS = {"causal": ((24, 24), (256, 256)), "prefix": ((12, 24), (64, 300)), "decode": ((1, 24), (1, 300)),
+            "causal window": ((24, 24), (256, 256))}  # fmt: skip
 CHECK_WINDOW = 7  # the window of the "causal window" problems: shorter than both, not a divisor of either
 
 # Exceptions that are not a kernel's problem: the math path would run out of memory sooner, or on a broken device
