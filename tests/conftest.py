@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import os
 import warnings
@@ -50,6 +51,10 @@ def training_args(output_dir, config_class=rloo_efficient.RLOOConfig, **override
         model_init_kwargs={"dtype": "auto"},  # load the saved float64 weights as float64 (TRL defaults to float32)
         disable_tqdm=True,
     )
+    if "share_prompt_kv_cache" in {field.name for field in dataclasses.fields(config_class)}:
+        # Ours: the prompt's cache kept once whenever it can be (the default chooses by a cost model, and on these
+        # tiny models would fan it out: the tests of the kept-once path would run the fanned-out one)
+        settings["share_prompt_kv_cache"] = True
     settings.update(overrides)
     return config_class(**settings)
 

@@ -298,6 +298,48 @@ def test_trainer_switches(workload, stock_run, tmp_path, prefill, once):
     assert ours._prompt_cache_once == (prefill and once)
 
 
+@pytest.mark.parametrize("keeps", [True, False])
+def test_trainer_default_chooses_per_call_by_the_cost_model(workload, stock_run, tmp_path, monkeypatch, keeps):
+    """`share_prompt_kv_cache=None` (the default): each generate call keeps the prompt's cache once where the cost
+    model says it reads enough fewer bytes (here forced either way through the break-even), else fans it out; both
+    give stock's completions."""
+    import rloo_efficient.core.prefix_cache as prefix_cache
+    import rloo_efficient.core.shared_generation as shared_generation
+
+    cfg, path, dataset = workload
+    monkeypatch.setitem(prefix_cache.BREAK_EVEN_BYTES, "cpu", 0 if keeps else float("inf"))
+    built = []
+    monkeypatch.setattr(shared_generation, "PrefixCache", lambda *a, **kw: built.append(1) or PrefixCache(*a, **kw))
+    ours = run(RLOOTrainer, path, training_args(tmp_path, share_prompt_kv_cache=None), dataset)
+    assert ours._prompt_cache_once is None and ours.shared_prefill_tokens > 0
+    assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
+    assert bool(built) == keeps
+
+
+def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_than_the_split_costs():
+    from transformers import DynamicCache
+
+    from rloo_efficient.core.prefix_cache import BREAK_EVEN_BYTES, keep_prompt_once
+
+    def prefilled(distinct, length, layers=2, dtype=torch.float32):
+        cache = DynamicCache()
+        for layer in range(layers):
+            cache.update(torch.zeros(distinct, 2, length, 16, dtype=dtype), torch.zeros(distinct, 2, length, 16,
+                                                                                          dtype=dtype), layer)  # fmt: skip
+        return cache
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    per_token = 2 * 2 * 16 * 4  # a layer's key and value bytes per prompt token (2 heads of 16, float32)
+    even = BREAK_EVEN_BYTES["cpu"] / per_token / 7  # prompt tokens at which one prompt's 7 copies reach it
+    assert not keep_prompt_once(prefilled(1, int(even) - 1), 8, cpu)
+    assert keep_prompt_once(prefilled(1, int(even) + 1), 8, cpu)
+    assert not keep_prompt_once(prefilled(1, int(even) + 1, dtype=torch.float16), 8, cpu)  # half the bytes
+    assert not keep_prompt_once(prefilled(2, int(even) + 1), 8, cpu)  # two prompts of 4 rows: 3 copies each
+    assert not keep_prompt_once(prefilled(8, 10**4), 8, cpu)  # every row its own prompt: nothing to skip
+    assert not keep_prompt_once(prefilled(1, int(even) + 1), 8, cuda)  # launches cost more there
+    assert keep_prompt_once(prefilled(1, int(BREAK_EVEN_BYTES["cuda"] / per_token / 15) + 1, layers=1), 16, cuda)
+
+
 def test_continuous_batching_is_left_to_stock_trl(workload, tmp_path, monkeypatch):
     cfg, path, dataset = workload
     args = training_args(tmp_path, use_transformers_continuous_batching=True)

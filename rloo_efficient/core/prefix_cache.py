@@ -191,3 +191,34 @@ def cache_limit(model: nn.Module) -> int | None:
     if config.model_type == "phi3":
         return getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings
     return None
+
+
+# -- kept once or fanned out: the cost model -------------------------------------------------------------------------
+# Per device type, the bytes of prompt keys and values a layer's decoding step must skip reading (the fanned-out
+# copies) before keeping the prompt once pays for its split attention (a second kernel call and the merge, about ten
+# operators). Measured with experiments/bench_decode_cost.py and bench_generation.py (results/decode_cost.md,
+# results/gpu.md):
+# - cpu (this machine, float32): kept once was slower up to 0.92 MB skipped per layer and step and faster from 3.67 MB,
+#   at two head shapes: 2 MB between;
+# - cuda (an H200, bf16, Qwen3-0.6B's shape, k=8): decoding is bound by the host's launches; kept once was 1.27x the
+#   fanned-out time with 88 MB skipped per layer and step (~190 us more per layer and step, against ~20 us of reads at
+#   4.3 TB/s), so even needs ~900 MB (one point and the nominal bandwidth: not measured across shapes yet).
+# Other accelerators take CUDA's figure.
+BREAK_EVEN_BYTES = {"cpu": 2e6, "cuda": 900e6}
+
+
+def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -> bool:
+    """
+    Whether decoding should keep the prompts of `prefilled` (one cache row per distinct prompt, `U`) once rather than
+    fan them out to the `rows` that share them: where the fanned-out copies a layer's decoding step would read, `(rows
+    - U) / U` times each layer's prompt keys and values (their real sizes: windows, latents and dtypes as cached),
+    average at least [`BREAK_EVEN_BYTES`] for the device. From shapes alone, on the host: the same prompts and model
+    give the same choice on every process and every run.
+    """
+    sizes = [layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+             for layer in prefilled.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]  # fmt: skip
+    if not sizes:
+        return False
+    distinct = next(layer.keys.shape[0] for layer in prefilled.layers if getattr(layer, "keys", None) is not None)
+    skipped = sum(sizes) / len(sizes) * (rows - distinct) / distinct
+    return skipped >= BREAK_EVEN_BYTES.get(device.type, BREAK_EVEN_BYTES["cuda"])

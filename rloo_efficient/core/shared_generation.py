@@ -28,7 +28,7 @@ from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 from .families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
-from .prefix_cache import PrefixCache, cache_limit, kv_sources
+from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
@@ -170,7 +170,7 @@ def generate_with_shared_prefill(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_ids: list[list[int]] | None = None,
-    prompt_cache_once: bool = False,
+    prompt_cache_once: bool | None = False,
     synced: bool = False,
     generate=None,
     images: list | None = None,
@@ -182,7 +182,8 @@ def generate_with_shared_prefill(
     them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
     [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
     once per distinct row during decoding (sliding windows included), unless `generate` would drop its cache midway
-    ([`cache_limit`]); otherwise they are fanned out to every row. Returns `(output of generate, prompt tokens the
+    ([`cache_limit`]); otherwise they are fanned out to every row. `prompt_cache_once=None` chooses per call by
+    [`keep_prompt_once`]'s cost model. Returns `(output of generate, prompt tokens the
     shared prefill forwarded)`. A batch with nothing to share (all rows distinct, or one-token prompts) goes straight
     to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
     DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
@@ -219,6 +220,8 @@ def generate_with_shared_prefill(
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     limit = cache_limit(model)
+    if prompt_cache_once is None:  # kept once where that reads fewer bytes than it costs in operators, per call
+        prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
     if prompt_cache_once and (limit is None or longest <= limit):
         install(model)
         cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,

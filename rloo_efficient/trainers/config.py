@@ -29,12 +29,16 @@ SHARING_DOC = r"""
             values, a `cache_implementation` other than dynamic) use stock generation, with one warning naming the
             reason; prompts with images go to stock's `generate` for that call. vLLM and continuous batching are
             untouched (they share prefixes already).
-        share_prompt_kv_cache (`bool`, *optional*, defaults to `True`):
+        share_prompt_kv_cache (`bool` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
             tokens and merged exactly (log-sum-exp, as in Hydragen), two fused-kernel calls per layer and step for all
             rows, sliding windows and sinks included. For the families in `MODEL_TYPES`; other models fan the cache
-            out, with one warning naming the reason.
+            out, with one warning naming the reason. `None` chooses per `generate` call by a measured cost model
+            (`core.prefix_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
+            decoding step read more than the split costs (on a GPU, where decoding is bound by launches, only for
+            large batches of long prompts), so decoding is never slower than fanned out. `True` keeps them once
+            always (the least memory: for a prompt-heavy batch that would not fit otherwise), `False` never.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -83,9 +87,10 @@ class SharingArguments:
         default=True,
         metadata={"help": "Prefill each distinct prompt once in generate and fan its KV cache out to its k rows."},
     )
-    share_prompt_kv_cache: bool = field(
-        default=True,
-        metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill)."},
+    share_prompt_kv_cache: bool | None = field(
+        default=None,
+        metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill): "
+                          "True always, False never, None (default) where a cost model says it is faster."},
     )
     share_reward_prefix: bool = field(
         default=True,

@@ -110,13 +110,15 @@ class GroupSharingMixin(RewardSharingMixin):
             and _supported(generation_unsupported_reason(unwrapped, self.generation_config),
                            "the shared generation prefill is off, using stock TRL's generate")
         )  # fmt: skip
-        self._prompt_cache_once = (
+        keep_once = self._settings.share_prompt_kv_cache  # True, False, or None: chosen per call by its cost
+        can_keep_once = (
             self._share_prefill
-            and self._settings.share_prompt_kv_cache
+            and keep_once is not False
             and _supported(prefix_cache_unsupported_reason(unwrapped),
                            "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
                            "still shared)")
         )  # fmt: skip
+        self._prompt_cache_once = (None if keep_once is None else True) if can_keep_once else False
         # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
         # its rows stay in stock's order)
         several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
@@ -127,7 +129,7 @@ class GroupSharingMixin(RewardSharingMixin):
             if reason is not None:
                 warnings.warn(f"rloo_efficient: micro-batches follow TRL's row shuffle, which splits groups "
                               f"(shuffle_groups=True keeps them together anyway): {reason}.", stacklevel=2)  # fmt: skip
-        if self._share_prefix or self._prompt_cache_once:
+        if self._share_prefix or self._prompt_cache_once is not False:
             # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for inner in (unwrapped, self.ref_model):
