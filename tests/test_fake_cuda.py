@@ -305,6 +305,27 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         _attention_backward(chosen, packed, layout, dtype)
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
+    """Generation's prefill over the prompts' prefix tree (a 70-token system prompt, three tasks): the decoder's packed
+    forward on the fused kernels, each layer's keys and values laid out as the padded batch's cache, on the device."""
+    from rloo_efficient.core.shared_generation import plan_tree_prefill, tree_prefill
+
+    system = [5] * 70
+    prompts = [system + [6] * 20, system + [7] * 13, system + [8]]
+    width = max(len(prompt) for prompt in prompts)
+    plan = plan_tree_prefill(prompts, [0, 1, 2], width)
+    assert plan is not None and plan.tree.num_tokens == 70 + 19 + 12
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, torch.bfloat16)
+        cache = tree_prefill(model, plan)
+        for layer in cache.layers:
+            assert (layer.keys.shape, layer.keys.dtype, layer.keys.device) == ((3, 2, width - 1, 64), torch.bfloat16,
+                                                                                 CUDA)  # fmt: skip
+            assert layer.keys.stride(-1) == 1 and layer.values.shape == layer.keys.shape
+        assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
+
+
 def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, window=None, sinks=None, sliding=False):
     """The tree attention's forward and backward, called directly (autograd cannot record fake CUDA tensors)."""
     chosen.clear()

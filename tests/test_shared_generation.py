@@ -110,11 +110,17 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def prompts_for(layout: str) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     a, b, c = (torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (20, 13, 1))
+    system = torch.randint(2, VOCAB, (SYSTEM,), generator=g).tolist()
     return {
+        # A system prompt before each task (the third task is one token: its prefix is the system prompt alone)
+        "system_prompt": [system + a] * 2 + [system + b] * 2 + [system + c] * 2,
         "equal_lengths": [a] * 3 + [a[::-1]] * 3,  # no padding: the mask is dropped, attention is causal
         "mixed_lengths": [a] * 2 + [b] * 2 + [c] * 2,  # left padding; a one-token prompt's prefix is all padding
         "interleaved": [a, b, a, b, a],  # a prompt's rows need not be adjacent nor equally many
     }[layout]
+
+
+SYSTEM = 70  # a system prompt's tokens: shared by every prompt, more than tree.MIN_SAVED_TOKENS saved
 
 
 def generation_config(**overrides):
@@ -168,6 +174,83 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     tolerance = 1e-4 if arch in FLOAT32 else 1e-6
     for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
         torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+
+
+# Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
+NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
+                   "qwen3_5", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("arch, once", CASES)
+def test_a_shared_system_prompt_is_prefilled_once_per_call(arch, once):
+    """The distinct prompts (a 70-token system prompt, then tasks of 20, 13 and 1 tokens) prefilled as their prefix
+    tree: the system prompt once for the call, each task's remainder after it, no padding; then decoding as plain
+    generate, with the prompt's cache fanned out or kept once. Same samples and logits as plain generate."""
+    from rloo_efficient.core.shared_generation import tree_prefill_reason
+
+    model = build(arch)
+    prompts = prompts_for("system_prompt")
+    ids, mask = left_pad(prompts)
+    config = generation_config(max_new_tokens=12 if arch in SLIDING else 6)
+    extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once, **extra)
+    distinct, width = 3, ids.shape[1]
+    if arch in NO_TREE_PREFILL:  # each distinct prompt once, padded
+        assert tree_prefill_reason(model) is not None and prefill_tokens == distinct * (width - 1)
+    else:  # the system prompt once, each task but its last token (generate's first input) after it
+        assert tree_prefill_reason(model) is None and prefill_tokens == SYSTEM + (20 - 1) + (13 - 1) + 0
+    assert torch.equal(ours.sequences, stock.sequences)
+    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+
+
+TOOL_TURN_FAMILIES = ("llama", "qwen3", "mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "gemma4",
+                      "qwen2_vl", "granite")
+
+
+@pytest.mark.parametrize("arch", TOOL_TURN_FAMILIES)
+def test_a_tool_turn_shares_what_its_rows_still_share(arch):
+    """A later turn of a tool loop: every row its own history (the prompt, its completion, the tool's answer, the
+    template's generation prompt), rows that stopped earlier shorter, no two alike. The rows still share the system
+    prompt: prefilled once as their tree, each row's own history after it (windows of 8 shorter than every history).
+    Same samples and logits as plain generate."""
+    model = build(arch)
+    g = torch.Generator().manual_seed(5)
+    own = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 30, 0, 17, 4, 22)]  # a row may add nothing
+    prompts = prompts_for("system_prompt")
+    histories = [prompt + extra for prompt, extra in zip(prompts, own, strict=True)]
+    histories[2] = histories[2] + [3]  # then no two rows are alike: a third turn's row
+    ids, mask = left_pad(histories)
+    config = generation_config(max_new_tokens=12 if arch in SLIDING else 6)
+    extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, None, **extra)
+    # The tree: the system prompt once, then each row's task and own tokens but its last (generate's first input); a
+    # task of 20 tokens or fewer saves less than a node must (tree.MIN_SAVED_TOKENS) and is copied into its rows
+    assert prefill_tokens == SYSTEM + sum(len(history) - 1 - SYSTEM for history in histories)
+    assert torch.equal(ours.sequences, stock.sequences)
+    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+
+
+def test_the_tree_prefill_forwards_each_shared_token_once():
+    """What the embedding is given: the prefix tree's tokens once, then generate's steps (the last prompt column, then
+    one token a row), against stock's every prompt at full width."""
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("system_prompt"))
+    rows, width = ids.shape
+    config = generation_config(eos_token_id=None)
+    counts, hook = count_tokens(model)
+    torch.manual_seed(0)
+    generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)
+    hook.remove()
+    assert sum(counts) == SYSTEM + 19 + 12 + rows * config.max_new_tokens
+    assert rows * width + rows * (config.max_new_tokens - 1) > 4 * sum(counts)  # stock's
 
 
 @pytest.mark.parametrize("once", [False, True])

@@ -46,6 +46,7 @@ LAYOUT_KWARG = "rloo_prefix_layout"
 NO_MASK = torch.empty(1, 1, 0, 0)
 
 _decoding: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_decoding", default=None)
+_capturing: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_capturing", default=None)
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,9 @@ def _base_attention(module, query, key, value, attention_mask, **kwargs):
 def prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as `ATTENTION_NAME` (transformers' attention interface signature)."""
     layout = kwargs.pop(LAYOUT_KWARG, None)
+    captured = _capturing.get() if layout is not None else None
+    if captured is not None:  # as the module hands them over: what its cache would store
+        captured[module.layer_idx] = (key, value)
     cache = _decoding.get() if layout is None else None
     if layout is None and cache is None:
         return _base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -288,3 +292,15 @@ def decoding_with(cache):
         yield
     finally:
         _decoding.reset(token)
+
+
+@contextlib.contextmanager
+def capturing_keys():
+    """Within the block, packed forwards record each attention layer's keys and values as its module hands them over
+    (what the layer's cache would store): the block yields a dict, `layer_idx -> (key, value)`, each `(1, Hkv, N, D)`."""
+    captured: dict = {}
+    token = _capturing.set(captured)
+    try:
+        yield captured
+    finally:
+        _capturing.reset(token)
