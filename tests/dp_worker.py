@@ -20,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
+from rloo_efficient.core.shared_generation import plan_tree_prefill, unique_rows  # noqa: E402
 from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward  # noqa: E402
 from tests.conftest import METRICS, tiny_workload, training_args  # noqa: E402
 
@@ -48,12 +49,18 @@ def main():
     trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=training, train_dataset=dataset,
                             processing_class=build_tokenizer())  # fmt: skip
 
-    # Each call of generation on this rank: how many distinct prompts, how wide the padded prompt batch
+    # Each call of generation on this rank: how many distinct prompts, rows, how wide the padded prompt batch, and the
+    # prompt tokens a shared prefill forwards: the prompts' prefix tree where it saves tokens, else each distinct
+    # prompt padded, where prompts repeat
     generations = []
     generate = trainer._generate_single_turn
 
     def recorded(prompt_ids, images, multimodal_fields):
-        generations.append((len({tuple(ids) for ids in prompt_ids}), len(prompt_ids), max(map(len, prompt_ids))))
+        first, inverse = unique_rows(prompt_ids)
+        width = max(map(len, prompt_ids))
+        plan = plan_tree_prefill(prompt_ids, first, width)
+        prefill = plan.tree.num_tokens if plan else len(first) * (width - 1) if len(first) < len(inverse) else 0
+        generations.append((len(first), len(prompt_ids), width, prefill))
         return generate(prompt_ids, images, multimodal_fields)
 
     trainer._generate_single_turn = recorded

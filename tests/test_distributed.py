@@ -44,8 +44,8 @@ def test_two_processes_match_stock_and_forward_each_prompt_once(workload, model_
         assert ours[rank]["completions"] == stock[rank]["completions"]
         # Same metrics as stock on every rank (float64; TRL's head rounds log-probs to float32)
         assert_metrics_close(stock[rank]["metrics"], ours[rank]["metrics"], rtol=1e-6, atol=1e-7)
-        # Each process prefilled each of its distinct prompts once: U (W - 1) tokens per generation call
-        expected = sum(distinct * (width - 1) for distinct, rows, width in ours[rank]["generations"] if distinct < rows)
+        # Each process prefilled its own prompts once per call: their prefix tree, or each distinct one padded
+        expected = sum(prefill for distinct, rows, width, prefill in ours[rank]["generations"])
         assert ours[rank]["shared_prefill_tokens"] == expected > 0
         assert ours[rank]["packed_forward_tokens"] > 0
     # The two processes saw different prompts' rows (or different rows of the same prompts): real data parallel

@@ -52,9 +52,10 @@ def test_config_is_a_stock_config_subclass():
         ({"empty_cache_policy": "sometimes"}, "empty_cache_policy"),
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
-            "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "share_reward_prefix",
-            "hydra_reward_adapter", "profile_memory")),
-        ({"shuffle_groups": "false"}, "shuffle_groups must be True, False or None, got 'false'"),
+            "share_prompt_prefix", "share_generation_prefill", "share_reward_prefix", "hydra_reward_adapter",
+            "profile_memory")),
+        *(({name: "false"}, f"{name} must be True, False or None, got 'false'") for name in (
+            "share_prompt_kv_cache", "shuffle_groups")),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
     ],
 )
