@@ -309,7 +309,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
 def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
     """Generation's prefill over the prompts' prefix tree (a 70-token system prompt, three tasks): the decoder's packed
     forward on the fused kernels, each layer's keys and values laid out as the padded batch's cache, on the device."""
-    from rloo_efficient.core.shared_generation import plan_tree_prefill, tree_prefill
+    from rloo_efficient.core.tree_prefill import plan_tree_prefill, tree_prefill
 
     system = [5] * 70
     prompts = [system + [6] * 20, system + [7] * 13, system + [8]]

@@ -186,7 +186,7 @@ def test_a_shared_system_prompt_is_prefilled_once_per_call(arch, once):
     """The distinct prompts (a 70-token system prompt, then tasks of 20, 13 and 1 tokens) prefilled as their prefix
     tree: the system prompt once for the call, each task's remainder after it, no padding; then decoding as plain
     generate, with the prompt's cache fanned out or kept once. Same samples and logits as plain generate."""
-    from rloo_efficient.core.shared_generation import tree_prefill_reason
+    from rloo_efficient.core.tree_prefill import tree_prefill_reason
 
     model = build(arch)
     prompts = prompts_for("system_prompt")
@@ -236,6 +236,35 @@ def test_a_tool_turn_shares_what_its_rows_still_share(arch):
     tolerance = 1e-4 if arch in FLOAT32 else 1e-6
     for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
         torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+
+
+def test_the_tree_prefill_runs_under_the_models_mixed_precision_wrapper():
+    """accelerate's bf16 (TRL's default) wraps the model's `forward` in autocast, and `generate`'s prefill runs inside
+    it: so does the tree prefill (a call of the model's decoder alone would skip it and cache float32 values). Its keys
+    and values equal the padded prefill's at every real position, to bf16's rounding."""
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from rloo_efficient.core.shared_generation import prefill_prompts
+    from rloo_efficient.core.tree_prefill import plan_tree_prefill, tree_prefill
+
+    model = build("llama", dtype=torch.float32)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    model.forward = MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)  # as accelerate does
+    prompts = prompts_for("system_prompt")
+    ids, mask = left_pad(prompts)
+    first, width = [0, 2, 4], ids.shape[1]
+    cache = tree_prefill(model, plan_tree_prefill(prompts, first, width))
+    reference = prefill_prompts(model, ids, mask, first, padded=True)
+    for ours, stock in zip(cache.layers, reference.layers, strict=True):
+        # Values in bf16 (keys leave the rotary embedding in float32, in stock's cache as in ours)
+        assert (ours.keys.dtype, ours.values.dtype) == (stock.keys.dtype, stock.values.dtype)
+        assert stock.values.dtype == torch.bfloat16
+        for row, prompt in enumerate(prompts[i] for i in first):
+            real = slice(width - len(prompt), width - 1)  # the prompt's columns but its last
+            for got, want in ((ours.keys, stock.keys), (ours.values, stock.values)):
+                torch.testing.assert_close(got[row, :, real].float(), want[row, :, real].float(), rtol=2e-2, atol=2e-2)
 
 
 def test_the_tree_prefill_forwards_each_shared_token_once():

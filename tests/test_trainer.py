@@ -38,8 +38,8 @@ def test_config_is_a_stock_config_subclass():
     assert issubclass(RLOOConfig, trl.RLOOConfig) and issubclass(RLOOTrainer, trl.RLOOTrainer)
     ours = set(RLOOConfig.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
     assert ours == {
-        "share_prompt_prefix", "share_generation_prefill", "share_prompt_kv_cache", "share_reward_prefix",
-        "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy", "profile_memory",
+        "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_prompt_kv_cache",
+        "share_reward_prefix", "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy", "profile_memory",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 
@@ -52,8 +52,8 @@ def test_config_is_a_stock_config_subclass():
         ({"empty_cache_policy": "sometimes"}, "empty_cache_policy"),
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
-            "share_prompt_prefix", "share_generation_prefill", "share_reward_prefix", "hydra_reward_adapter",
-            "profile_memory")),
+            "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_reward_prefix",
+            "hydra_reward_adapter", "profile_memory")),
         *(({name: "false"}, f"{name} must be True, False or None, got 'false'") for name in (
             "share_prompt_kv_cache", "shuffle_groups")),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),

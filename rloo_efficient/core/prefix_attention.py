@@ -206,9 +206,9 @@ def _base_attention(module, query, key, value, attention_mask, **kwargs):
 def prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as `ATTENTION_NAME` (transformers' attention interface signature)."""
     layout = kwargs.pop(LAYOUT_KWARG, None)
-    captured = _capturing.get() if layout is not None else None
-    if captured is not None:  # as the module hands them over: what its cache would store
-        captured[module.layer_idx] = (key, value)
+    capture = _capturing.get() if layout is not None else None
+    if capture is not None:  # as the module hands them over: what its cache would store
+        capture(module.layer_idx, key, value)
     cache = _decoding.get() if layout is None else None
     if layout is None and cache is None:
         return _base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -295,12 +295,11 @@ def decoding_with(cache):
 
 
 @contextlib.contextmanager
-def capturing_keys():
-    """Within the block, packed forwards record each attention layer's keys and values as its module hands them over
-    (what the layer's cache would store): the block yields a dict, `layer_idx -> (key, value)`, each `(1, Hkv, N, D)`."""
-    captured: dict = {}
-    token = _capturing.set(captured)
+def capturing_keys(capture):
+    """Within the block, each attention call of a packed forward hands `capture(layer_idx, key, value)` its layer's
+    keys and values as the module hands them over (what the layer's cache would store), each `(1, Hkv, N, D)`."""
+    token = _capturing.set(capture)
     try:
-        yield captured
+        yield
     finally:
         _capturing.reset(token)

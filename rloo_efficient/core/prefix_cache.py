@@ -198,13 +198,15 @@ def cache_limit(model: nn.Module) -> int | None:
 # copies) before keeping the prompt once pays for its split attention (a second kernel call and the merge, about ten
 # operators). Measured with experiments/bench_decode_cost.py and bench_generation.py (results/decode_cost.md,
 # results/gpu.md):
-# - cpu (this machine, float32): kept once was slower up to 0.92 MB skipped per layer and step and faster from 3.67 MB,
-#   at two head shapes: 2 MB between;
+# - cpu (this machine, float32): one layer's step kept once was 2.6x the fanned-out time at 0.23 MB skipped and faster
+#   from 3.67 MB; whole runs put the break-even lower: at 1.8 MB (the reasoning shape, bench_tree.py) kept once was
+#   1.02x stock's generation and fanned out 1.12x, and generate alone 0.88x and 0.94x (bench_generation.py, P=512):
+#   1 MB;
 # - cuda (an H200, bf16, Qwen3-0.6B's shape, k=8): decoding is bound by the host's launches; kept once was 1.27x the
 #   fanned-out time with 88 MB skipped per layer and step (~190 us more per layer and step, against ~20 us of reads at
 #   4.3 TB/s), so even needs ~900 MB (one point and the nominal bandwidth: not measured across shapes yet).
 # Other accelerators take CUDA's figure.
-BREAK_EVEN_BYTES = {"cpu": 2e6, "cuda": 900e6}
+BREAK_EVEN_BYTES = {"cpu": 1e6, "cuda": 900e6}
 
 
 def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -> bool:

@@ -18,9 +18,7 @@ import contextlib
 import copy
 import inspect
 import warnings
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
@@ -29,10 +27,9 @@ from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
 from .families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
 from .packing import prompt_key
-from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, decoding_with, install
-from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources, prefix_cache_unsupported_reason
-from .tree import MIN_SAVED_TOKENS, Tree, build_tree, ranges
-from .tree_layout import tree_layout
+from .prefix_attention import decoding_with, install
+from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
+from .tree_prefill import plan_tree_prefill, tree_prefill, tree_prefill_reason
 from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
@@ -162,86 +159,6 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     return cache
 
 
-# Cache layers the tree prefill fills from the keys and values its attention calls see: per-row keys and values (a
-# sliding layer keeps its window itself), and layers that hold nothing (Gemma 4's layers reading another's)
-_TREE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer)
-
-
-def tree_prefill_reason(model: nn.Module) -> str | None:
-    """Why the distinct prompts cannot be prefilled as their prefix tree for `model` (they are then prefilled as a
-    padded batch, each once), or None."""
-    config = model.config.get_text_config(decoder=True)
-    kinds = {type(layer) for layer in DynamicCache(config=config).layers}
-    if not kinds <= set(_TREE_LAYERS):
-        return "its cache keeps recurrent states, which the tree's packed forward does not return"
-    if any(hasattr(module, "expand_kv") for module in model.modules()):
-        return "multi-head latent attention caches latents, not the keys and values attention reads"
-    return prefix_cache_unsupported_reason(model)
-
-
-@dataclass(frozen=True)
-class TreePlan:
-    """The distinct prompts' prefix tree for a prefill, on the host (see [`plan_tree_prefill`])."""
-
-    tree: Tree
-    tokens: np.ndarray  # (N,) each packed token
-    slots: np.ndarray  # (U * (width - 1),) each (prompt, column) of the padded cache: its packed token, N at padding
-    prompts: int  # U
-    columns: int  # width - 1
-
-
-def plan_tree_prefill(prompt_ids: list[list[int]], first: list[int], width: int,
-                      min_saved: int = MIN_SAVED_TOKENS) -> TreePlan | None:  # fmt: skip
-    """
-    The prefix tree of the distinct prompts `first` of a `(B, width)` left-padded batch, over what a prefill forwards
-    (each prompt's first `width - 1` columns: all its tokens but the last), or None where it would forward fewer than
-    `min_saved` tokens less than the padded batch (on the host, from the token lists).
-    """
-    sequences = [prompt_ids[row][:-1] for row in first]
-    columns = width - 1
-    tree = build_tree(sequences, shift=False, min_saved=min_saved)
-    if len(first) * columns - tree.num_tokens < min_saved:
-        return None
-    lengths = np.array([len(sequence) for sequence in sequences], dtype=np.int64)
-    flat = np.concatenate([np.asarray(sequence, dtype=np.int64) for sequence in sequences] or [np.zeros(0, np.int64)])
-    starts = np.cumsum(lengths) - lengths
-    tokens = flat[starts[tree.token_row] + tree.token_position]
-    slots = np.full(len(first) * columns, tree.num_tokens, dtype=np.int64)
-    slots[ranges(np.arange(len(first)) * columns + columns - lengths, lengths)] = np.concatenate(
-        tree.row_inputs or [np.zeros(0, np.int64)])  # fmt: skip
-    return TreePlan(tree, tokens, slots, len(first), columns)
-
-
-@torch.no_grad()
-def tree_prefill(model: nn.Module, plan: TreePlan) -> DynamicCache:
-    """
-    The cache [`prefill_prompts`] returns for the distinct prompts of `plan`, from one packed forward over their prefix
-    tree: each run of tokens the prompts share (a system prompt; a task its rows' tool turns repeat) forwarded once
-    per call, each prompt's remainder after it on top of its keys, no padding ([`tree`], [`tree_attention`]). Each
-    layer's keys and values, as its attention calls see them, are laid out as the padded batch's cache (left padding
-    zero: masked wherever it is read).
-    """
-    tree = plan.tree
-    device = next(model.parameters()).device
-    layout, (tokens, positions, slots) = tree_layout(tree, device, parts=[plan.tokens, tree.token_position,
-                                                                          plan.slots], recurrent=False)  # fmt: skip
-    install(model)
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with capturing_keys() as captured:
-        inner.get_decoder()(input_ids=tokens.view(1, -1), attention_mask=NO_MASK, position_ids=positions.view(1, -1),
-                            use_cache=False, **{LAYOUT_KWARG: layout})  # fmt: skip
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    for index, layer in enumerate(cache.layers):
-        if isinstance(layer, DummyLayer):
-            continue
-        # (1, Hkv, N, D) -> (U, Hkv, columns, D), token-major as a model's own prefill lays out its keys
-        keys, values = (torch.cat([x[0].transpose(0, 1), x.new_zeros(1, x.shape[1], x.shape[3])]).index_select(
-            0, slots).view(plan.prompts, plan.columns, x.shape[1], x.shape[3]).transpose(1, 2)
-            for x in captured[index])  # fmt: skip
-        cache.update(keys, values, index)
-    return cache
-
-
 def fan_out(cache: DynamicCache, inverse: list[int], device) -> DynamicCache:
     """Gives each of the `B` rows its prompt's keys, values and recurrent states: `cache` rows -> `cache[inverse]`, in
     place (`reorder_cache`: transformers' recurrent cache layers select no rows through `batch_select_indices`)."""
@@ -255,6 +172,7 @@ def generate_with_shared_prefill(
     attention_mask: torch.Tensor,
     prompt_ids: list[list[int]] | None = None,
     prompt_cache_once: bool | None = False,
+    tree: bool = True,
     synced: bool = False,
     generate=None,
     images: list | None = None,
@@ -262,14 +180,16 @@ def generate_with_shared_prefill(
 ):
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
-    prefilled once. `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds
+    prefilled once, and with `tree` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
+    the distinct prompts prefilled as their prefix tree ([`tree_prefill`]: a system prompt once per call, no padding).
+    `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds
     them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
     [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
     once per distinct row during decoding (sliding windows included), unless `generate` would drop its cache midway
     ([`cache_limit`]); otherwise they are fanned out to every row. `prompt_cache_once=None` chooses per call by
     [`keep_prompt_once`]'s cost model. Returns `(output of generate, prompt tokens the
-    shared prefill forwarded)`. A batch with nothing to share (all rows distinct, or one-token prompts) goes straight
-    to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
+    shared prefill forwarded)`. A batch with nothing to share (rows all distinct and the tree saving nothing, or
+    one-token prompts) goes straight to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
     DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
     fall out of step: the prefill runs on all ranks when all of them can run it (one all-reduce per call), even where
     nothing is shared. `generate`: the model's own `generate` (default `model.generate`), for a caller that has put
@@ -286,7 +206,7 @@ def generate_with_shared_prefill(
     # The prompts' prefix tree (a system prompt once per call, no padding), text only; not where every forward gathers
     # sharded parameters: a rank's decoder-only forward and another's padded one would gather different modules
     plan = None
-    if images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
+    if tree and images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
         plan = plan_tree_prefill(prompt_ids, first, width)
     if synced:
         import torch.distributed as dist
@@ -305,8 +225,8 @@ def generate_with_shared_prefill(
     if plan is not None:
         prefilled, tokens = tree_prefill(model, plan), plan.tree.num_tokens
     else:
-        prefilled, tokens = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images), len(
-            first) * (width - 1)  # fmt: skip
+        prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
+        tokens = len(first) * (width - 1)
     config = kwargs.get("generation_config") or model.generation_config
     if config.cache_implementation == "dynamic":  # the default's cache, named: generate refuses it beside a cache
         kwargs["generation_config"] = config = copy.copy(config)
@@ -315,7 +235,9 @@ def generate_with_shared_prefill(
     limit = cache_limit(model)
     if prompt_cache_once is None:  # kept once where that reads fewer bytes than it costs in operators, per call
         prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
-    if prompt_cache_once and (limit is None or longest <= limit):
+    if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'
+        cache, attention = prefilled, contextlib.nullcontext()
+    elif prompt_cache_once and (limit is None or longest <= limit):
         install(model)
         cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,
                             kv_sources(model.config.get_text_config(decoder=True)))

@@ -29,6 +29,12 @@ SHARING_DOC = r"""
             values, a `cache_implementation` other than dynamic) use stock generation, with one warning naming the
             reason; prompts with images go to stock's `generate` for that call. vLLM and continuous batching are
             untouched (they share prefixes already).
+        share_prefill_tree (`bool`, *optional*, defaults to `True`):
+            With `share_generation_prefill`, prefill each `generate` call's distinct prompts as their prefix tree,
+            through the packed forward: a system prompt opening every prompt once per call, a tool turn's rows' shared
+            system prompt and task once, no padding; the keys and values laid out as the padded batch's cache. For
+            text prompts and models whose cache holds keys and values (not recurrent states, not multi-head latent
+            attention's latents), not under ZeRO-3 or FSDP; elsewhere each distinct prompt is prefilled once, padded.
         share_prompt_kv_cache (`bool` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
@@ -37,7 +43,8 @@ SHARING_DOC = r"""
             out, with one warning naming the reason. `None` chooses per `generate` call by a measured cost model
             (`core.prefix_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
             decoding step read more than the split costs (on a GPU, where decoding is bound by launches, only for
-            large batches of long prompts), so decoding is never slower than fanned out. `True` keeps them once
+            large batches of long prompts; that break-even comes from one H200 measurement). It weighs time only:
+            fanned out, the prompt's decoding cache takes k times the memory (as stock's does). `True` keeps it once
             always (the least memory: for a prompt-heavy batch that would not fit otherwise), `False` never.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
@@ -87,6 +94,11 @@ class SharingArguments:
         default=True,
         metadata={"help": "Prefill each distinct prompt once in generate and fan its KV cache out to its k rows."},
     )
+    share_prefill_tree: bool = field(
+        default=True,
+        metadata={"help": "Prefill each generate call's prompts as their prefix tree (with share_generation_prefill): "
+                          "a system prompt once per call, no padding."},
+    )
     share_prompt_kv_cache: bool | None = field(
         default=None,
         metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill): "
@@ -118,7 +130,7 @@ class SharingArguments:
 OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
 # Every switch off: what a trainer built without our `__init__` reads (see `GroupSharingMixin._constructed`)
 STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_prefill=False,
-                                  share_prompt_kv_cache=False, share_reward_prefix=False, hydra_reward_adapter=False,
+                                  share_prefill_tree=False, share_prompt_kv_cache=False, share_reward_prefix=False, hydra_reward_adapter=False,
                                   shuffle_groups=False, empty_cache_policy="none", profile_memory=False)  # fmt: skip
 
 

@@ -118,7 +118,7 @@ class GroupSharingMixin(RewardSharingMixin):
                            "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
                            "still shared)")
         )  # fmt: skip
-        self._prompt_cache_once = (None if keep_once is None else True) if can_keep_once else False
+        self._prompt_cache_once = keep_once if can_keep_once else False  # True, or None: chosen per call
         # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
         # its rows stay in stock's order)
         several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
@@ -320,6 +320,7 @@ class GroupSharingMixin(RewardSharingMixin):
         def generate(input_ids, attention_mask, **kwargs):
             output, tokens = generate_with_shared_prefill(
                 model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
+                tree=self._settings.share_prefill_tree,
                 synced=self._forwards_are_collective(model), generate=stock_generate, images=images, **kwargs,
             )  # fmt: skip
             self.shared_prefill_tokens += tokens
