@@ -428,7 +428,7 @@ def test_trainer_default_chooses_per_call_by_the_cost_model(workload, stock_run,
     assert bool(built) == keeps
 
 
-def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_than_the_split_costs():
+def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_than_the_split_costs(monkeypatch):
     from transformers import DynamicCache
 
     from rloo_efficient.core.prefix_cache import BREAK_EVEN_BYTES, keep_prompt_once
@@ -440,7 +440,13 @@ def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_tha
                                                                                           dtype=dtype), layer)  # fmt: skip
         return cache
 
+    import types
+
+    from rloo_efficient.core import prefix_cache
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    device_memory = types.SimpleNamespace(total_memory=141e9)  # an H200's
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: device_memory)
     per_token = 2 * 2 * 16 * 4  # a layer's key and value bytes per prompt token (2 heads of 16, float32)
     even = BREAK_EVEN_BYTES["cpu"] / per_token / 7  # prompt tokens at which one prompt's 7 copies reach it
     assert not keep_prompt_once(prefilled(1, int(even) - 1), 8, cpu)
@@ -450,6 +456,11 @@ def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_tha
     assert not keep_prompt_once(prefilled(8, 10**4), 8, cpu)  # every row its own prompt: nothing to skip
     assert not keep_prompt_once(prefilled(1, int(even) + 1), 8, cuda)  # launches cost more there
     assert keep_prompt_once(prefilled(1, int(BREAK_EVEN_BYTES["cuda"] / per_token / 15) + 1, layers=1), 16, cuda)
+    # On a device of 80 MB, copies of more than 8 MB in all (2 layers): kept once however few bytes a step skips
+    device_memory.total_memory = 80e6
+    assert prefix_cache.MEMORY_SHARE * 80e6 == 8e6
+    assert not keep_prompt_once(prefilled(1, int(8e6 / per_token / 7 / 2) - 1), 8, cuda)
+    assert keep_prompt_once(prefilled(1, int(8e6 / per_token / 7 / 2) + 1), 8, cuda)
 
 
 def test_continuous_batching_is_left_to_stock_trl(workload, tmp_path, monkeypatch):

@@ -207,6 +207,9 @@ def cache_limit(model: nn.Module) -> int | None:
 #   4.3 TB/s), so even needs ~900 MB (one point and the nominal bandwidth: not measured across shapes yet).
 # Other accelerators take CUDA's figure.
 BREAK_EVEN_BYTES = {"cpu": 1e6, "cuda": 900e6}
+# On an accelerator, fanned-out copies of the prompts (all layers) above this share of its memory: kept once whatever
+# the time, as the previous default did (a batch of long prompts must not need k times their cache to decode)
+MEMORY_SHARE = 0.1
 
 
 def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -> bool:
@@ -214,13 +217,16 @@ def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -
     Whether decoding should keep the prompts of `prefilled` (one cache row per distinct prompt, `U`) once rather than
     fan them out to the `rows` that share them: where the fanned-out copies a layer's decoding step would read, `(rows
     - U) / U` times each layer's prompt keys and values (their real sizes: windows, latents and dtypes as cached),
-    average at least [`BREAK_EVEN_BYTES`] for the device. From shapes alone, on the host: the same prompts and model
-    give the same choice on every process and every run.
+    average at least [`BREAK_EVEN_BYTES`] for the device, or where on an accelerator all the copies would take more
+    than [`MEMORY_SHARE`] of its memory. From shapes alone, on the host: the same prompts, model and device give the
+    same choice on every process and every run.
     """
     sizes = [layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
              for layer in prefilled.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]  # fmt: skip
     if not sizes:
         return False
     distinct = next(layer.keys.shape[0] for layer in prefilled.layers if getattr(layer, "keys", None) is not None)
-    skipped = sum(sizes) / len(sizes) * (rows - distinct) / distinct
-    return skipped >= BREAK_EVEN_BYTES.get(device.type, BREAK_EVEN_BYTES["cuda"])
+    copies = sum(sizes) * (rows - distinct) / distinct
+    if device.type == "cuda" and copies > MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory:
+        return True
+    return copies / len(sizes) >= BREAK_EVEN_BYTES.get(device.type, BREAK_EVEN_BYTES["cuda"])

@@ -43,9 +43,10 @@ SHARING_DOC = r"""
             out, with one warning naming the reason. `None` chooses per `generate` call by a measured cost model
             (`core.prefix_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
             decoding step read more than the split costs (on a GPU, where decoding is bound by launches, only for
-            large batches of long prompts; that break-even comes from one H200 measurement). It weighs time only:
-            fanned out, the prompt's decoding cache takes k times the memory (as stock's does). `True` keeps it once
-            always (the least memory: for a prompt-heavy batch that would not fit otherwise), `False` never.
+            large batches of long prompts; that break-even comes from one H200 measurement). Fanned out, the
+            prompt's decoding cache takes k times the memory (as stock's does): where those copies would take more
+            than 10% of the accelerator's memory, it is kept once whatever the time. `True` keeps it once always (the
+            least memory), `False` never.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
