@@ -151,9 +151,28 @@ CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("qwen
 SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4")
 
 
-@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved"])
+# Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
+NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
+                   "qwen3_5", "qwen3_5_moe")
+
+
+def assert_same_generation(stock, ours, arch: str, steps: int) -> None:
+    assert torch.equal(ours.sequences, stock.sequences)
+    assert len(ours.logits) == len(stock.logits) == steps
+    # generate hands out float32 logits whatever the model's dtype: float32's tolerance; float32 models: theirs
+    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
+    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
+        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved", "system_prompt"])
 @pytest.mark.parametrize("arch, once", CASES)
 def test_same_logits_and_samples_as_generate(arch, once, layout):
+    """Plain generate's samples and logits from each distinct prompt prefilled once, with its cache fanned out or kept
+    once. With a system prompt (70 tokens, then tasks of 20, 13 and 1), the distinct prompts are prefilled as their
+    prefix tree: the system prompt once for the call, each task's remainder after it, no padding."""
+    from rloo_efficient.core.tree_prefill import tree_prefill_reason
+
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
     # With a window, 12 new tokens: late ones see none of the prompt, and only the last 8 of their own
@@ -168,43 +187,11 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
         warnings.simplefilter("error")  # nothing falls back (to fanning out, or to the math path)
         stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once, before_ours, **extra)
     assert prefill_tokens > 0
-    assert torch.equal(ours.sequences, stock.sequences)
-    assert len(ours.logits) == len(stock.logits) == config.max_new_tokens
-    # generate hands out float32 logits whatever the model's dtype: float32's tolerance; float32 models: theirs
-    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
-    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
-
-
-# Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
-NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
-                   "qwen3_5", "qwen3_5_moe")
-
-
-@pytest.mark.parametrize("arch, once", CASES)
-def test_a_shared_system_prompt_is_prefilled_once_per_call(arch, once):
-    """The distinct prompts (a 70-token system prompt, then tasks of 20, 13 and 1 tokens) prefilled as their prefix
-    tree: the system prompt once for the call, each task's remainder after it, no padding; then decoding as plain
-    generate, with the prompt's cache fanned out or kept once. Same samples and logits as plain generate."""
-    from rloo_efficient.core.tree_prefill import tree_prefill_reason
-
-    model = build(arch)
-    prompts = prompts_for("system_prompt")
-    ids, mask = left_pad(prompts)
-    config = generation_config(max_new_tokens=12 if arch in SLIDING else 6)
-    extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once, **extra)
-    distinct, width = 3, ids.shape[1]
-    if arch in NO_TREE_PREFILL:  # each distinct prompt once, padded
-        assert tree_prefill_reason(model) is not None and prefill_tokens == distinct * (width - 1)
-    else:  # the system prompt once, each task but its last token (generate's first input) after it
+    if layout == "system_prompt" and arch in NO_TREE_PREFILL:  # each distinct prompt once, padded
+        assert tree_prefill_reason(model) is not None and prefill_tokens == 3 * (ids.shape[1] - 1)
+    elif layout == "system_prompt":  # the system prompt once, each task but its last token (generate's first input)
         assert tree_prefill_reason(model) is None and prefill_tokens == SYSTEM + (20 - 1) + (13 - 1) + 0
-    assert torch.equal(ours.sequences, stock.sequences)
-    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
-    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)
 
 
 TOOL_TURN_FAMILIES = ("llama", "qwen3", "mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "gemma4",
@@ -232,10 +219,7 @@ def test_a_tool_turn_shares_what_its_rows_still_share(arch):
     # The tree: the system prompt once, then each row's task and own tokens but its last (generate's first input); a
     # task of 20 tokens or fewer saves less than a node must (tree.MIN_SAVED_TOKENS) and is copied into its rows
     assert prefill_tokens == SYSTEM + sum(len(history) - 1 - SYSTEM for history in histories)
-    assert torch.equal(ours.sequences, stock.sequences)
-    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
-    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)
 
 
 def test_the_tree_prefill_runs_under_the_models_mixed_precision_wrapper():
