@@ -6,6 +6,7 @@ another's peak), 3 steps; the table gives the median of the steady steps (2 and 
 synchronizes the device at phase boundaries), peak allocated and peak reserved.
 
     python experiments/bench_gpu.py                       # the workloads, on the GPU
+    python experiments/bench_gpu.py --workloads 1.7b      # the 1.7B workloads alone (0.6b: the others)
     python experiments/bench_gpu.py --workloads smoke     # a seconds-long check of this script, on any device
     python experiments/bench_gpu.py --ablations           # also ours with each generation feature off
 
@@ -31,6 +32,8 @@ WORKLOADS = {
     ],
     "smoke": [("tiny P=256 C=16 k=4", None, 256, 16, 4)],
 }
+# Each group alone, for a device session too short for all four (one run takes ~80 s on an H200 at 0.6B)
+WORKLOADS["0.6b"], WORKLOADS["1.7b"] = WORKLOADS["gpu"][:2], WORKLOADS["gpu"][2:]
 ABLATIONS = {"ours, share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
              "ours, share_generation_prefill=False": ["--share_generation_prefill", "false"]}  # fmt: skip
 GIB = "gib"
