@@ -16,7 +16,6 @@ columns after it, so leaving out the last column changes nothing before it.
 
 import contextlib
 import copy
-import inspect
 import warnings
 
 import torch
@@ -29,7 +28,7 @@ from .families import dropout_reason, family_reason, jitter_reason, recurrent_re
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
-from .tree_prefill import plan_tree_prefill, tree_prefill, tree_prefill_reason
+from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
@@ -137,8 +136,7 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     prefix_mask = attention_mask[first, :-1]
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     kwargs = dict(images or {})
-    if "logits_to_keep" in inspect.signature(model.get_base_model().forward if hasattr(model, "get_base_model")
-                                             else model.forward).parameters:  # fmt: skip
+    if takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
     if images:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -182,15 +180,16 @@ def generate_with_shared_prefill(
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
     prefilled once, and with `tree` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
     the distinct prompts prefilled as their prefix tree ([`tree_prefill`]: a system prompt once per call, no padding).
-    `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds
-    them; read back from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see
-    [`prefix_cache`]; the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay
-    once per distinct row during decoding (sliding windows included), unless `generate` would drop its cache midway
-    ([`cache_limit`]); otherwise they are fanned out to every row. `prompt_cache_once=None` chooses per call by
-    [`keep_prompt_once`]'s cost model. Returns `(output of generate, prompt tokens the
-    shared prefill forwarded)`. A batch with nothing to share (rows all distinct and the tree saving nothing, or
-    one-token prompts) goes straight to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from all ranks:
-    DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their forwards would
+    `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds them; read back
+    from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see [`prefix_cache`];
+    the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay once per distinct
+    row during decoding (sliding windows included), unless `generate` would drop its cache midway ([`cache_limit`]);
+    otherwise they are fanned out to every row (rows all distinct keep their own). `prompt_cache_once=None` chooses
+    per call by [`keep_prompt_once`]'s cost model. Returns `(output of generate, prompt tokens the shared prefill
+    forwarded)`. A batch with nothing to share (rows all distinct and the tree saving nothing, or one-token prompts)
+    goes straight to `generate`, and 0 is returned. With `synced` (sharded parameters that every forward gathers from
+    all ranks: DeepSpeed ZeRO-3 without gathering for generation, FSDP), every rank takes the same path, or their
+    forwards would
     fall out of step: the prefill runs on all ranks when all of them can run it (one all-reduce per call), even where
     nothing is shared. `generate`: the model's own `generate` (default `model.generate`), for a caller that has put
     this function in its place. `images`: each row's images (TRL's lists, None for a row without), whose inputs are
@@ -233,7 +232,7 @@ def generate_with_shared_prefill(
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     limit = cache_limit(model)
-    if prompt_cache_once is None:  # kept once where that reads fewer bytes than it costs in operators, per call
+    if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes
         prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
     if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'
         cache, attention = prefilled, contextlib.nullcontext()

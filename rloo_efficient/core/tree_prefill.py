@@ -80,7 +80,8 @@ def plan_tree_prefill(prompt_ids: list[list[int]], first: list[int], width: int,
     return TreePlan(tree, tokens, slots, len(first), columns)
 
 
-def _takes_logits_to_keep(model: nn.Module) -> bool:
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether `model`'s forward (a PEFT model's base's) takes `logits_to_keep`."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
@@ -109,7 +110,7 @@ def tree_prefill(model: nn.Module, plan: TreePlan) -> DynamicCache:
         filled.append(index)
 
     # A tensor of positions, not a count: Gemma 4 reads an integer `logits_to_keep` as the tokens to keep altogether
-    head = {"logits_to_keep": torch.zeros(1, dtype=torch.long, device=device)} if _takes_logits_to_keep(model) else {}
+    head = {"logits_to_keep": torch.zeros(1, dtype=torch.long, device=device)} if takes_logits_to_keep(model) else {}
     with capturing_keys(lay_out):
         model(input_ids=tokens.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
               use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
