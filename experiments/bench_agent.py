@@ -8,7 +8,10 @@ each tool turn, as rows that answer do. Tiny llama (hidden 128, 2 layers), float
 Per turn it reports the prompt tokens each side forwards before decoding (what the embedding is given, minus the
 decoding steps), against two limits: the tree (the turn's histories as a radix tree, each shared run once) and the
 continued cache (each row's tokens added since its previous turn: its last sampled token and the tool's answer; the
-tree on the first turn). Then the tensor peak above the loaded model and the time, and whether the samples agree.
+tree on the first turn). Ours continues each row's cache from its previous turn (`turns=`, what the trainers pass in a
+tool loop; `--no_continue`: each later turn prefilled as its tree instead). Then the keys and values held across the
+tool call, the tensor peak above the loaded model and what was held before the call, the time, and whether the samples
+agree.
 
     python experiments/bench_agent.py --output results/agent.md
 """
@@ -24,6 +27,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from bench_generation import peak_tensor_bytes
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill
 from rloo_efficient.core.tree import build_tree
+from rloo_efficient.core.turn_cache import TurnCaches
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 MIB = 1024**2
@@ -46,6 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tool_turns", type=int, default=3)
     parser.add_argument("--answer", type=int, nargs=2, default=[100, 300])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--no_continue", action="store_true", help="later turns prefilled as their tree")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -62,19 +67,26 @@ def main(argv=None) -> int:
     embedded = []
     model.get_input_embeddings().register_forward_pre_hook(lambda module, inputs: embedded.append(inputs[0].numel()))
 
+    carried = {"held": None}  # ours' caches held from the previous turn (each of a turn's calls starts from them)
+
     def run(method, ids, mask, prompts):
         torch.manual_seed(1)
         if method == "stock":
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        return generate_with_shared_prefill(model, ids, mask, prompt_ids=prompts, prompt_cache_once=None,
-                                            generation_config=config)[0]  # fmt: skip
+        turns = None if args.no_continue else TurnCaches(budget=1 << 50)
+        if turns is not None:
+            turns.held = carried["held"]
+        output = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompts, prompt_cache_once=None,
+                                              generation_config=config, turns=turns)[0]  # fmt: skip
+        run.held = turns.held if turns is not None else None
+        return output
 
     lines = [f"# python experiments/bench_agent.py {' '.join(argv if argv is not None else sys.argv[1:])}",
              f"# torch {torch.__version__}, tiny llama (hidden 128, 2 layers, {args.dtype}), CPU; prefill: prompt tokens "
              "forwarded before decoding; peak: tensors above the loaded model; time: one call",
              "| turn | rows | prefill stock | prefill ours | tree | continued cache | ours / tree | "
-             "ours / continued | peak stock (MiB) | peak ours (MiB) | time stock (s) | time ours (s) | ratio | "
-             "same samples |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]  # fmt: skip
+             "ours / continued | held (MiB) | peak stock (MiB) | peak ours (MiB) | time stock (s) | time ours (s) | "
+             "ratio | same samples |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]  # fmt: skip
     print("\n".join(lines), flush=True)
     totals = dict(stock=0, ours=0, tree=0, continued=0)
     for turn in range(args.tool_turns + 1):
@@ -93,25 +105,30 @@ def main(argv=None) -> int:
             peak = peak_tensor_bytes(lambda: run(method, ids, mask, histories), torch.device("cpu"))
             results[method] = (output, prefill, peak, elapsed)
         (out_s, pre_s, peak_s, t_s), (out_o, pre_o, peak_o, t_o) = results["stock"], results["ours"]
+        held = carried["held"].nbytes if carried["held"] is not None else 0  # live before ours' call: part of its peak
+        peak_o += held
+        carried["held"] = run.held
         for key, value in (("stock", pre_s), ("ours", pre_o), ("tree", tree), ("continued", continued)):
             totals[key] += value
         label = "first" if turn == 0 else f"tool {turn}"
         line = (f"| {label} | {len(histories)} | {pre_s:,} | {pre_o:,} | {tree:,} | {continued:,} | {pre_o / tree:.2f}x | "
-                f"{pre_o / continued:.2f}x | {peak_s / MIB:.1f} | {peak_o / MIB:.1f} | {t_s:.2f} | {t_o:.2f} | "
+                f"{pre_o / continued:.2f}x | {held / MIB:.1f} | {peak_s / MIB:.1f} | {peak_o / MIB:.1f} | {t_s:.2f} | {t_o:.2f} | "
                 f"{t_o / t_s:.2f}x | {'yes' if torch.equal(out_s, out_o) else 'NO'} |")  # fmt: skip
         lines.append(line)
         print(line, flush=True)
         if turn == args.tool_turns:
             break
-        # Every row's completion (stock's) and, for the rows that go on, a tool's answer; a quarter stop
-        completions = out_s[:, ids.shape[1]:].tolist()
+        # Every row's completion (ours', as in a run of ours: in float32 a sample may part from stock's at a rounding,
+        # and both sides get the same histories either way) and, for the rows that go on, a tool's answer; a quarter
+        # stop
+        completions = out_o[:, ids.shape[1]:].tolist()
         keep = [row for row in range(len(histories)) if row % 4 != turn % 4]
         answers = {row: tokens(int(generator.integers(args.answer[0], args.answer[1] + 1))) for row in keep}
         histories = [histories[row] + completions[row] + answers[row] for row in keep]
         added = [1 + len(answers[row]) for row in keep]  # the last sampled token, then the answer
     lines.append(f"| whole run | | {totals['stock']:,} | {totals['ours']:,} | {totals['tree']:,} | "
                  f"{totals['continued']:,} | {totals['ours'] / totals['tree']:.2f}x | "
-                 f"{totals['ours'] / totals['continued']:.2f}x | | | | | | |")  # fmt: skip
+                 f"{totals['ours'] / totals['continued']:.2f}x | | | | | | | |")  # fmt: skip
     print(lines[-1])
     if args.output:
         with open(args.output, "w") as handle:

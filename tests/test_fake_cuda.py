@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
@@ -326,6 +327,33 @@ def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
+    """A tool turn's rows continuing their held caches (one row the prompt kept once per group, others their own): the
+    held keys copied into the padded batch's cache, the new tokens' packed forward over them on the fused kernels."""
+    from rloo_efficient.core.turn_cache import HeldCache, continue_prefill, plan_continuation
+
+    held_tokens = [np.array([5] * 70 + [6] * 20 + [9] * 6), np.array([5] * 70 + [7] * 13 + [3] * 4)]
+    prompts = [[*held_tokens[0], *[4] * 31], [*held_tokens[1], *[2] * 9]]  # tool answers of 31 and 9 tokens
+    width = max(len(prompt) for prompt in prompts)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, torch.bfloat16)
+        held_width = 96
+        own = [tuple(on_cuda(2, held_width, 2, 64, dtype=torch.bfloat16) for _ in range(2)) for _ in range(2)]
+        zeros = np.zeros(2, dtype=np.int64)
+        held = HeldCache(held_tokens, own, [None, None], zeros, zeros, zeros,
+                         held_width - np.array([len(t) for t in held_tokens]))  # fmt: skip
+        plan = plan_continuation(held, prompts)
+        assert plan.reused.tolist() == [96, 87]
+        cache, forwarded = continue_prefill(model, held, plan, prompts, width)
+        assert forwarded == 30 + 8
+        for layer in cache.layers:
+            assert (layer.keys.shape, layer.keys.dtype, layer.keys.device) == ((2, 2, width - 1, 64), torch.bfloat16,
+                                                                                 CUDA)  # fmt: skip
+        assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
+        assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
+
+
 def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, window=None, sinks=None, sliding=False):
     """The tree attention's forward and backward, called directly (autograd cannot record fake CUDA tensors)."""
     chosen.clear()
@@ -340,7 +368,7 @@ def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, windo
     for got, like in zip(grads[:3], (q, k, v), strict=True):
         assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
     assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
-    assert grads[4:] == (None,) * 4
+    assert grads[4:] == (None,) * 5
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 

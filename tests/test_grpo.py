@@ -386,15 +386,26 @@ def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("system", [0, 100])
-def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system):
+@pytest.mark.parametrize("system, budget", [(0, None), (100, None), (100, 0)])
+def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system, budget):
     """The first turn generates from the dataset's prompts (shared); a row that calls a tool continues from its own
-    history (prompt, completion, the tool's answer). With a system prompt before every task (100 tokens), the later
-    turn's rows, no two alike, still share it: that turn is prefilled as its prefix tree. The training forward packs
-    each prompt once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
+    history (prompt, completion, the tool's answer). By default each such row continues its first turn's KV cache:
+    only the tokens added since are prefilled. With no budget for that (`tool_cache_budget_gib=0`) and a system prompt
+    before every task (100 tokens), the later turn's rows, no two alike, still share it: that turn is prefilled as its
+    prefix tree. The training forward packs each prompt once, the tool's tokens part of its completion (masked out of
+    the loss, as stock masks them)."""
+    import rloo_efficient.core.shared_generation as shared_generation
     import rloo_efficient.trainers.mixin as mixin
 
     scripted_tool_calls(monkeypatch)
+    continued = []  # per continued call: (rows, rows reusing their held tokens)
+    continue_prefill = shared_generation.continue_prefill
+
+    def recording(model, held, plan, prompt_ids, width):
+        continued.append((len(prompt_ids), int((plan.reused > 0).sum())))
+        return continue_prefill(model, held, plan, prompt_ids, width)
+
+    monkeypatch.setattr(shared_generation, "continue_prefill", recording)
     shared_calls = []  # per generate call of ours: (rows alike, rows, prompt tokens its shared prefill forwarded)
     shared = mixin.generate_with_shared_prefill
 
@@ -422,7 +433,8 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     runs = {}
     for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
                                               ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
-        args = grpo_args(tmp_path / name, config_class=config_class, **settings)
+        ours_only = dict(tool_cache_budget_gib=budget) if name == "ours" else {}
+        args = grpo_args(tmp_path / name, config_class=config_class, **settings, **ours_only)
         runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
                               tools=[count_vowels])  # fmt: skip
     stock, ours = runs["stock"], runs["ours"]
@@ -434,6 +446,11 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     # The tool turns' calls of several rows, every row its own history: with the system prompt, each shares it
     later = [tokens for alike, rows, tokens in shared_calls if not alike and rows > 1]
     assert later and (not system or all(tokens > 0 for tokens in later))
+    if budget == 0:
+        assert not continued
+    else:  # every later turn's row continued its own cache (each turn's rows extend the previous turn's)
+        assert [rows for rows, _ in continued] == later_turns[True]
+        assert all(reusing == rows for rows, reusing in continued)
     # A system prompt is a node shared by prompts of other lengths in the packed forwards: positions shift by a
     # constant, which float32 rotary tables round at ~1e-7 relative (README, Limits)
     assert_same_run(stock, ours, **(dict(rtol=3e-6, atol=1e-9) if system else {}))

@@ -39,7 +39,8 @@ def test_config_is_a_stock_config_subclass():
     ours = set(RLOOConfig.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
     assert ours == {
         "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_prompt_kv_cache",
-        "share_reward_prefix", "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy", "profile_memory",
+        "tool_cache_budget_gib", "share_reward_prefix", "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy",
+        "profile_memory",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 
@@ -57,6 +58,8 @@ def test_config_is_a_stock_config_subclass():
         *(({name: "false"}, f"{name} must be True, False or None, got 'false'") for name in (
             "share_prompt_kv_cache", "shuffle_groups")),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
+        ({"tool_cache_budget_gib": -1}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
+        ({"tool_cache_budget_gib": "4"}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
     ],
 )
 def test_bad_settings_fail_in_the_config(tmp_path, overrides, message):

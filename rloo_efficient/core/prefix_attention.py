@@ -47,6 +47,7 @@ NO_MASK = torch.empty(1, 1, 0, 0)
 
 _decoding: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_decoding", default=None)
 _capturing: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_capturing", default=None)
+_continuing: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_continuing", default=None)
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,10 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         sliding = window is not None  # a sliding layer (Gemma 4's image blocks attend both ways only there)
         if window is not None and window >= layout.span:  # every key any query may read is within the window
             window = None
-        out = TreeAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale, sliding)
+        history = None
+        if layout.history:  # a continued prefill: the rows' held keys and values, in the query's dtype
+            history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
+        out = TreeAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale, sliding, history)
     else:
         out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
@@ -303,3 +307,14 @@ def capturing_keys(capture):
         yield
     finally:
         _capturing.reset(token)
+
+
+@contextlib.contextmanager
+def continuing_with(held):
+    """Within the block, a continued prefill's attention reads each layer's held keys and values from `held(layer_idx)`
+    (`(B, Hkv, T, D)` each: the new batch's cache, held tokens in place; see [`turn_cache`])."""
+    token = _continuing.set(held)
+    try:
+        yield
+    finally:
+        _continuing.reset(token)

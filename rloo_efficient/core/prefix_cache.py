@@ -113,6 +113,7 @@ class PrefixCache(DynamicCache):
     def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int,
                  sources: list[int] | None = None):  # fmt: skip
         super().__init__()
+        self.inverse = inverse
         attention = [layer for layer in prefilled.layers if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)]
         keys = attention[0].keys
         self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, keys.dtype)

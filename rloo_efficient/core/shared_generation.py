@@ -29,6 +29,7 @@ from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
+from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation
 from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
@@ -174,6 +175,7 @@ def generate_with_shared_prefill(
     synced: bool = False,
     generate=None,
     images: list | None = None,
+    turns: TurnCaches | None = None,
     **kwargs,
 ):
     """
@@ -194,13 +196,31 @@ def generate_with_shared_prefill(
     nothing is shared. `generate`: the model's own `generate` (default `model.generate`), for a caller that has put
     this function in its place. `images`: each row's images (TRL's lists, None for a row without), whose inputs are
     in `kwargs` as the processor returned them: rows group by their images too, and each distinct prompt's images go
-    through the vision tower once, in the prefill ([`image_inputs`]).
+    through the vision tower once, in the prefill ([`image_inputs`]). `turns`: a tool loop's caches carried between
+    its calls ([`turn_cache.TurnCaches`]): rows that extend a row of the previous call continue its keys and values
+    (only their new tokens are forwarded), and this call's are held for the next, where the model's cache allows it
+    ([`turn_cache.continue_reason`]), for text prompts, not under `synced`.
     """
     generate = generate or model.generate
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
     width = input_ids.size(1)
+    config = kwargs.get("generation_config") or model.generation_config
+    if config.cache_implementation == "dynamic":  # the default's cache, named: generate refuses it beside a cache
+        kwargs["generation_config"] = config = copy.copy(config)
+        config.cache_implementation = None
+    longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    held = turns.take() if turns is not None else None  # the previous call's: released once copied from
+    if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
+        turns = held = None
+    if held is not None and (continuation := plan_continuation(held, prompt_ids)) is not None:
+        cache, tokens = continue_prefill(model, held, continuation, prompt_ids, width)
+        del held
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+        _hold(turns, cache, prompt_ids, output, width, config)
+        return output, tokens
+    del held
     first, inverse = unique_rows(prompt_ids, images)
     # The prompts' prefix tree (a system prompt once per call, no padding), text only; not where every forward gathers
     # sharded parameters: a rank's decoder-only forward and another's padded one would gather different modules
@@ -216,7 +236,12 @@ def generate_with_shared_prefill(
     else:
         share = width >= 2 and (len(first) < len(inverse) or plan is not None)  # rows alike, or opening alike
     if not share:
-        return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
+        if turns is None:
+            return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))  # generate fills it: then it is held
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+        _hold(turns, cache, prompt_ids, output, width, config)
+        return output, 0
     padded = any(len(ids) < width for ids in prompt_ids)
     prefill_images = None
     if images is not None:
@@ -226,11 +251,6 @@ def generate_with_shared_prefill(
     else:
         prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
         tokens = len(first) * (width - 1)
-    config = kwargs.get("generation_config") or model.generation_config
-    if config.cache_implementation == "dynamic":  # the default's cache, named: generate refuses it beside a cache
-        kwargs["generation_config"] = config = copy.copy(config)
-        config.cache_implementation = None
-    longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     limit = cache_limit(model)
     if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes
         prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
@@ -251,7 +271,18 @@ def generate_with_shared_prefill(
     _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:
         output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+    _hold(turns, cache, prompt_ids, output, width, config)
     return output, tokens
+
+
+def _hold(turns, cache, prompt_ids, output, width: int, config: GenerationConfig) -> None:
+    """Keeps the keys and values `cache` holds after `generate` for the next call of a tool loop (`turns`, or None)."""
+    if turns is None:
+        return
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    turns.keep(hold(cache, prompt_ids, sequences, width, eos))
 
 
 def _rope_deltas(model: nn.Module, inverse: list[int] | None, rows: int, device) -> None:

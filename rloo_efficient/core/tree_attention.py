@@ -143,8 +143,10 @@ class TreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
-                sliding: bool = False):  # fmt: skip
+                sliding: bool = False, history: tuple | None = None):  # fmt: skip
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+        if layout.history and any(ctx.needs_input_grad[:4]):
+            raise ValueError("A continued prefill's attention over held keys has no backward: run it without grad.")
         q, k, v = _flat(query), _flat(key), _flat(value)
         work = _work_dtype(query.dtype)
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -175,6 +177,19 @@ class TreeAttention(torch.autograd.Function):
             merged = torch.lerp(_read(out, queries), _rows(out_p).to(work), weight)  # new tensors: then written
             _write(lse, queries, torch.logaddexp(current, lse_p))
             _write(out, queries, merged)
+        for part in layout.history:  # each row's held keys (B, Hkv, T, D), read where `allowed`
+            memo_key = ("history", id(part), query.dtype)
+            if memo_key not in layout.memo:
+                layout.memo[memo_key] = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                    ~part.allowed, torch.finfo(query.dtype).min)[:, None, None, :]  # fmt: skip
+            held_key, held_value = (x.index_select(0, part.rows) for x in history)
+            out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
+                                                layout.memo[memo_key], False, scale)  # fmt: skip
+            lse_h, current = _lse_rows(lse_h, lse_dtype), _read(lse, part.queries)
+            weight = torch.sigmoid(lse_h - current).unsqueeze(-1).to(work)
+            merged = torch.lerp(_read(out, part.queries), _rows(out_h).to(work), weight)
+            _write(lse, part.queries, torch.logaddexp(current, lse_h))
+            _write(out, part.queries, merged)
         out, lse = out[:tokens], lse[:tokens]
         if sinks is not None:
             apply_sinks(out.transpose(0, 1).unsqueeze(0), lse.transpose(0, 1).unsqueeze(0), sinks)
@@ -228,4 +243,4 @@ class TreeAttention(torch.autograd.Function):
             add(grad_v, keys, dv)
         token_major = lambda x, like: x[:tokens].to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
         return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
-                None, None, None)  # fmt: skip
+                None, None, None, None)  # fmt: skip

@@ -74,6 +74,16 @@ class Part:
 
 
 @dataclass(frozen=True)
+class HistoryPart:
+    """A length bucket of nodes whose rows continue a cache held from an earlier call ([`turn_cache`]): their tokens
+    (queries, `(n, L)`) read their row's held keys, in row `rows` (n,) of the layer's cache, where `allowed` (n, T)."""
+
+    queries: Blocks
+    rows: torch.Tensor
+    allowed: torch.Tensor
+
+
+@dataclass(frozen=True)
 class Level:
     """Nodes of one depth in one length bucket, for the recurrent layers: their tokens `(n, L)`, lengths, and each
     one's parent's index among the nodes of the depth above (its buckets' nodes in order; -1 at the roots)."""
@@ -103,6 +113,8 @@ class TreeLayout:
     # on "all" layers or the "sliding" ones ([`vision.block_bias`])
     token_blocks: torch.Tensor | None = None
     blocks_on: str = "all"
+    # A continued prefill's nodes reading their rows' held keys (no gradient), merged after the parts
+    history: tuple[HistoryPart, ...] = ()
 
 
 def _blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int, width: int | None = None) -> tuple[np.ndarray, ...]:

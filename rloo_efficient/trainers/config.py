@@ -47,6 +47,18 @@ SHARING_DOC = r"""
             prompt's decoding cache takes k times the memory (as stock's does): where those copies would take more
             than 10% of the accelerator's memory, it is kept once whatever the time. `True` keeps it once always (the
             least memory), `False` never.
+        tool_cache_budget_gib (`float` or `None`, *optional*, defaults to `None`):
+            With `share_generation_prefill` and tools (GRPO's `tools=` or `environment_factory`), hold each row's KV
+            cache across a tool call, up to this many GiB, and continue it in the row's next turn: TRL builds that
+            turn's input by appending the tool's answer to the row's tokens, so only the tokens added since (the
+            tool's answer and the template around it) are prefilled, instead of the row's whole history. A row's
+            held tokens stop at its end-of-sequence token; the held caches are released once the next turn has
+            copied what its rows continue, and all of them when the tool loop ends. Where they would take more than
+            the budget, they are not held, and the next turn prefills as its prefix tree (`share_prefill_tree`).
+            `None`: a quarter of the accelerator's memory (of the host's on CPU); `0`: never held. For models whose
+            cache holds keys and values without a sliding window (not recurrent states, not multi-head latent
+            attention's latents), text prompts, not under ZeRO-3 or FSDP. Held keys and values were computed one
+            decoding step at a time: they equal a fresh prefill's to floating-point rounding.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -105,6 +117,11 @@ class SharingArguments:
         metadata={"help": "Keep each prompt's KV cache once per group while decoding (with share_generation_prefill): "
                           "True always, False never, None (default) where a cost model says it is faster."},
     )
+    tool_cache_budget_gib: float | None = field(
+        default=None,
+        metadata={"help": "Hold each row's KV cache across a tool call, up to this many GiB, and continue it in its "
+                          "next turn (None: a quarter of the device's memory; 0: never)."},
+    )
     share_reward_prefix: bool = field(
         default=True,
         metadata={"help": "Score reward models over the prefix tree of their rows (each shared run once, no padding)."},
@@ -131,7 +148,8 @@ class SharingArguments:
 OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
 # Every switch off: what a trainer built without our `__init__` reads (see `GroupSharingMixin._constructed`)
 STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_prefill=False,
-                                  share_prefill_tree=False, share_prompt_kv_cache=False, share_reward_prefix=False, hydra_reward_adapter=False,
+                                  share_prefill_tree=False, share_prompt_kv_cache=False, tool_cache_budget_gib=0,
+                                  share_reward_prefix=False, hydra_reward_adapter=False,
                                   shuffle_groups=False, empty_cache_policy="none", profile_memory=False)  # fmt: skip
 
 
@@ -170,6 +188,10 @@ class _SharingConfigMixin:
                 # "false" would be truthy and turn the feature on
                 allowed = "True, False or None" if optional else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__}).")
+        budget = self.tool_cache_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0):
+            raise ValueError(f"tool_cache_budget_gib must be None or a number of GiB >= 0 (0: never hold), got "
+                             f"{budget!r}.")  # fmt: skip
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."

@@ -27,6 +27,7 @@ from ..core.prefix_cache import prefix_cache_unsupported_reason
 from ..core.recurrent import has_recurrent_layers
 from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
 from ..core.shared_generation import text_only
+from ..core.turn_cache import TurnCaches, continue_reason, default_budget
 from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, image_blocks, image_token_ids, layout_reason
 from ..core.vision import packed_positions, rope_index_positions, select_images, token_blocks, vision_reason
 from .config import STOCK_SETTINGS, sharing_settings
@@ -60,7 +61,9 @@ class GroupSharingMixin(RewardSharingMixin):
     - `_generate_single_turn`: while it runs, the model's `generate` prefills each distinct prompt once
       ([`core.shared_generation`]), its images encoded once ([`core.vision`]); vLLM and continuous batching go to TRL
       untouched.
-    - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes.
+    - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes; while
+      it runs (GRPO's tool loop), each turn's KV caches are held for the rows' next turn ([`core.turn_cache`],
+      `tool_cache_budget_gib`), and released when it returns.
     - `_generate_and_score_completions`: the structure is added to the batch it returns; keeping groups together
       (`shuffle_groups`, by default where that only reorders a sum: [`_group_shuffle_reason`]), the
       batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
@@ -75,7 +78,8 @@ class GroupSharingMixin(RewardSharingMixin):
     # What a trainer built without our `__init__` reads ([`_constructed`]): every switch off, so each wrapper passes
     # through to TRL's method
     _settings = STOCK_SETTINGS
-    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = False
+    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = _hold_turns = False
+    _turns = None  # a tool loop's held caches, while TRL's `_generate` runs
     _active_rows: torch.Tensor | None = None
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
@@ -119,6 +123,15 @@ class GroupSharingMixin(RewardSharingMixin):
                            "still shared)")
         )  # fmt: skip
         self._prompt_cache_once = keep_once if can_keep_once else False  # True, or None: chosen per call
+        # A tool loop's rows continue their caches from turn to turn, within the budget
+        budget = self._settings.tool_cache_budget_gib
+        self._hold_turns = (
+            self._share_prefill
+            and bool(getattr(self, "tools", None))
+            and budget != 0
+            and _supported(continue_reason(unwrapped),
+                           "each later tool turn prefills its rows' histories (as their prefix tree where it can)")
+        )  # fmt: skip
         # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
         # its rows stay in stock's order)
         several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
@@ -320,8 +333,8 @@ class GroupSharingMixin(RewardSharingMixin):
         def generate(input_ids, attention_mask, **kwargs):
             output, tokens = generate_with_shared_prefill(
                 model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
-                tree=self._settings.share_prefill_tree,
-                synced=self._forwards_are_collective(model), generate=stock_generate, images=images, **kwargs,
+                tree=self._settings.share_prefill_tree, synced=self._forwards_are_collective(model),
+                generate=stock_generate, images=images, turns=self._turns, **kwargs,
             )  # fmt: skip
             self.shared_prefill_tokens += tokens
             return output
@@ -352,8 +365,25 @@ class GroupSharingMixin(RewardSharingMixin):
         ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
         return [len(ids) if ids and ids[-1] in ends else 0 for ids in completion_ids_list]
 
+    def _tool_turns(self) -> TurnCaches | None:
+        """The holder of a tool loop's caches for one `_generate` ([`turn_cache.TurnCaches`]), or None."""
+        if not self._hold_turns:
+            return None
+        budget = self._settings.tool_cache_budget_gib
+        if budget is None:
+            return TurnCaches(default_budget(self.accelerator.device))
+        return TurnCaches(int(budget * 1024**3))
+
     def _generate(self, prompts: list):
-        result = super()._generate(prompts)
+        self._turns = self._tool_turns()
+        try:
+            result = super()._generate(prompts)  # TRL's tool loop runs in it: each turn's caches held for the next
+        finally:
+            if self._turns is not None and self._turns.over_budget:
+                self._warn_once("rloo_efficient: a tool turn's KV caches were not held across the tool call: they "
+                                "would take more than tool_cache_budget_gib; the next turn prefilled its rows' "
+                                "histories instead")  # fmt: skip
+            self._turns = None  # every held cache released
         if not self._constructed:
             return result
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists

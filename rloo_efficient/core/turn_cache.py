@@ -1,0 +1,272 @@
+"""
+Each row's cache carried from one `generate` call to the next: the turns of a tool loop.
+
+TRL's tool loop builds a row's next input by concatenating token ids (its prompt, its completion, the tool's answer and
+the template around it) and calls `generate` again, which prefills the whole history. Every token of the history but
+the new ones was already forwarded in the row's previous call, at the same position (a row's positions are its own,
+whatever its padding), and its keys and values depend on nothing after it. So the cache that call left ([`HeldCache`])
+serves the next: each row's new input is matched, on the host, to the held row whose forwarded tokens it extends
+([`plan_continuation`]); the held keys and values are copied into the new batch's padded cache, and only each row's
+new tokens are forwarded ([`continue_prefill`]): packed, with no padding, each attending causally to its own new
+tokens (tree attention over a forest of one node per row) and to its row's held ones (one more part per length bucket,
+merged by log-sum-exp). `generate` then continues from that cache as from a prefill.
+
+Held keys and values were computed in the previous call's decoding steps (one token at a time), a fresh prefill's in
+one pass: they agree to the floating-point rounding of those different matmul shapes (exactly in float64's samples).
+
+What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
+held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no sliding window:
+its cache keeps the batch's last positions, which a row that finished early no longer holds; no recurrent state: it
+went on past the row's end; no latents).
+"""
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, DynamicLayer
+
+from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, continuing_with, install
+from .prefix_cache import PrefixCache, PrefixLayer, cache_limit
+from .tree import Tree, ranges
+from .tree_layout import BUCKET_RATIO, HistoryPart, _blocks, _buckets, tree_layout
+from .tree_prefill import takes_logits_to_keep, tree_prefill_reason
+
+
+# A quarter of the device's memory: the caches held across a tool call are at most the previous call's final cache,
+# which that call held at its end; the next call's own prefill and decoding come on top of them
+DEFAULT_BUDGET_SHARE = 0.25
+
+
+def continue_reason(model: nn.Module) -> str | None:
+    """Why a row's cache cannot be continued into its next `generate` call for `model`, or None. Found once."""
+    if "_rloo_continue_reason" not in vars(model):
+        reason = tree_prefill_reason(model)
+        kinds = {type(layer) for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers}
+        if reason is None and not kinds <= {DynamicLayer, DummyLayer}:
+            reason = ("a sliding-window layer's cache keeps the batch's last positions, which a row that finished "
+                      "early no longer holds")  # fmt: skip
+        model._rloo_continue_reason = reason
+    return model._rloo_continue_reason
+
+
+def default_budget(device: torch.device) -> int:
+    """[`DEFAULT_BUDGET_SHARE`] of the device's memory (the host's for the CPU), in bytes."""
+    if device.type == "cuda":
+        return int(DEFAULT_BUDGET_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    import os
+
+    return int(DEFAULT_BUDGET_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@dataclass
+class HeldCache:
+    """
+    The keys and values a `generate` call left, per row: row `r`'s held token `p` is in `prefix[layer]` (the prompt
+    stored once per group, [`PrefixCache`]) at `(prefix_row[r], prefix_start[r] + p)` for `p < prefix_count[r]`, and in
+    `own[layer]` (`(R, Hkv, T, D)`, the row's own) at `(r, own_start[r] + p - prefix_count[r])` after.
+    """
+
+    tokens: list[np.ndarray]  # per row, the tokens whose keys and values are held, in order
+    own: list  # per cache layer, (keys, values), or None for a layer storing nothing
+    prefix: list  # per cache layer, (keys, values) of the prompts kept once, or None
+    prefix_row: np.ndarray
+    prefix_start: np.ndarray
+    prefix_count: np.ndarray
+    own_start: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for pair in [*self.own, *self.prefix] if pair is not None for t in pair]
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def held_tokens(prompt_ids: list[list[int]], sequences: torch.Tensor, width: int, eos: list[int]) -> list[np.ndarray]:
+    """Each row's tokens whose keys and values a `generate` call's cache holds: its prompt and the tokens it sampled
+    and forwarded (all but the last), up to its first end-of-sequence token (what follows is `generate`'s padding)."""
+    generated = sequences[:, width:-1].cpu().numpy() if sequences.shape[1] > width else np.zeros((len(prompt_ids), 0))
+    rows = []
+    for prompt, tokens in zip(prompt_ids, generated, strict=True):
+        ends = np.flatnonzero(np.isin(tokens, eos)) if eos else []
+        rows.append(np.concatenate([np.asarray(prompt, dtype=np.int64),
+                                    tokens[: ends[0] + 1 if len(ends) else len(tokens)].astype(np.int64)]))  # fmt: skip
+    return rows
+
+
+def hold(cache: DynamicCache, prompt_ids: list[list[int]], sequences: torch.Tensor, width: int,
+         eos: list[int]) -> HeldCache:  # fmt: skip
+    """The [`HeldCache`] of a `generate` call that decoded the left-padded `(B, width)` prompts `prompt_ids` into
+    `sequences` from `cache` (a [`PrefixCache`], or a cache of the rows' own keys and values)."""
+    rows = len(prompt_ids)
+    lengths = np.array([len(prompt) for prompt in prompt_ids], dtype=np.int64)
+    own, prefix = [], []
+    for layer in cache.layers:
+        stored = isinstance(layer, DynamicLayer) and layer.keys is not None and layer.keys.numel() > 0
+        own.append((layer.keys, layer.values) if stored else None)
+        prefix.append((layer.prefix_keys, layer.prefix_values) if stored and isinstance(layer, PrefixLayer) else None)
+    if isinstance(cache, PrefixCache):  # the prompt's tokens but its last once per group; the rest in the rows' own
+        inverse = np.asarray(cache.inverse, dtype=np.int64)
+        columns = next(layer.prefix_columns for layer in cache.layers if isinstance(layer, PrefixLayer))
+        prefix_row, prefix_count = inverse, lengths - 1
+        prefix_start, own_start = columns - prefix_count, np.zeros(rows, dtype=np.int64)
+    else:
+        prefix_row = prefix_start = prefix_count = np.zeros(rows, dtype=np.int64)
+        own_start = width - lengths
+    tokens = held_tokens(prompt_ids, sequences, width, eos)
+    return HeldCache(tokens, own, prefix, prefix_row, prefix_start, prefix_count, own_start)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Which held row each of a call's rows continues (`source`, -1 for none), and how many of its tokens (`reused`)."""
+
+    source: np.ndarray  # (B,)
+    reused: np.ndarray  # (B,)
+
+
+def plan_continuation(held: HeldCache, prompt_ids: list[list[int]]) -> Continuation | None:
+    """
+    Each row of `prompt_ids` matched to the held row whose tokens open it (all of them: a row whose history changed
+    inside its held tokens continues nothing), reusing them but its last token (`generate`'s first input). TRL calls
+    the next turn with a subsequence of the rows in their order: the held rows are walked once, in order; a row found
+    nowhere from there on continues nothing. None where no row reuses a token. On the host.
+    """
+    source = np.full(len(prompt_ids), -1, dtype=np.int64)
+    reused = np.zeros(len(prompt_ids), dtype=np.int64)
+    start = 0
+    for row, ids in enumerate(prompt_ids):
+        ids = np.asarray(ids, dtype=np.int64)
+        for candidate in range(start, len(held.tokens)):
+            tokens = held.tokens[candidate]
+            if len(tokens) <= len(ids) and np.array_equal(ids[: len(tokens)], tokens):
+                source[row], reused[row], start = candidate, min(len(tokens), len(ids) - 1), candidate + 1
+                break
+    return Continuation(source, reused) if reused.any() else None
+
+
+def _gather_held(pair, rows: np.ndarray, columns: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(n, Hkv, D)` keys and values at `(rows, columns)` of a held `(R, Hkv, T, D)` pair."""
+    rows_t, columns_t = (torch.from_numpy(a).to(device) for a in (rows, columns))
+    return tuple(x.transpose(1, 2)[rows_t, columns_t] for x in pair)
+
+
+@torch.no_grad()
+def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prompt_ids: list[list[int]],
+                     width: int) -> tuple[DynamicCache, int]:  # fmt: skip
+    """
+    The cache a prefill of the left-padded `(B, width)` prompts `prompt_ids` would leave (their first `width - 1`
+    columns), from the held keys and values `plan` reuses and one packed forward over the rest of each row (its new
+    tokens but its last). Returns it and the tokens forwarded.
+    """
+    device = next(model.parameters()).device
+    lengths = np.array([len(ids) for ids in prompt_ids], dtype=np.int64)
+    rows, columns = len(prompt_ids), width - 1
+    reused = plan.reused
+    fresh = lengths - 1 - reused  # each row's tokens to forward (its last is generate's)
+    # Where each row's held tokens go in the new cache, flat (B * columns): token p of row b at column width - n_b + p
+    has = np.flatnonzero(reused > 0)
+    token_row = np.repeat(has, reused[has])
+    position = ranges(np.zeros(len(has)), reused[has])
+    destination = torch.from_numpy(token_row * columns + width - lengths[token_row] + position).to(device)
+    held_row = plan.source[token_row]
+    in_prefix = position < held.prefix_count[held_row]
+    # The new tokens: a forest of one node per row, at the positions after its held tokens
+    nodes = np.flatnonzero(fresh > 0)
+    starts = np.cumsum(fresh[nodes]) - fresh[nodes]
+    count = int(fresh.sum())
+    tree = Tree(rows, count, starts, fresh[nodes], np.zeros(len(nodes), dtype=np.int64),
+                np.full(len(nodes), -1, dtype=np.int64), np.arange(len(nodes)), starts + fresh[nodes], reused[nodes],
+                nodes, np.ones(len(nodes), dtype=np.int64), [], count)  # fmt: skip
+    flat = np.concatenate([np.asarray(prompt_ids[row][reused[row] : lengths[row] - 1], dtype=np.int64)
+                           for row in nodes]) if len(nodes) else np.zeros(0, dtype=np.int64)  # fmt: skip
+    slots = nodes.repeat(fresh[nodes]) * columns + width - lengths[nodes].repeat(fresh[nodes]) + ranges(
+        reused[nodes], fresh[nodes])  # fmt: skip
+    # Each length bucket's rows read their held keys: the new cache's columns of those tokens, the rest masked
+    continuing = np.flatnonzero(reused[nodes] > 0)  # indices into `nodes`
+    runs = _buckets(continuing, fresh[nodes][continuing], BUCKET_RATIO) if len(continuing) else []
+    column = np.arange(columns)
+    host = []
+    for run in runs:  # indices into `nodes`
+        gather, scatter = _blocks(starts[run], fresh[nodes][run], count)
+        first = width - lengths[nodes][run]
+        allowed = (column[None, :] >= first[:, None]) & (column[None, :] < (first + reused[nodes][run])[:, None])
+        host.append((gather, scatter, nodes[run], allowed))
+    layout, sent = tree_layout(tree, device, parts=[flat, slots, *(a for part in host for a in part)], recurrent=False)
+    tokens_t, slots_t, *parts = sent
+    history = []
+    for (gather, scatter, _, allowed), (gather_t, scatter_t, rows_t, allowed_t) in zip(
+            host, [parts[i : i + 4] for i in range(0, len(parts), 4)], strict=True):  # fmt: skip
+        blocks = type(layout.buckets[0])(gather_t.view(gather.shape), scatter_t.view(scatter.shape),
+                                         scatter_t.view(scatter.shape) == count)  # fmt: skip
+        history.append(HistoryPart(blocks, rows_t, allowed_t.view(allowed.shape).bool()))
+    layout = replace(layout, history=tuple(history))
+
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    # Where each held token is: in the prompts kept once, or in its row's own keys and values
+    sources = ((in_prefix, held.prefix_row[held_row], held.prefix_start[held_row] + position),
+               (~in_prefix, held_row, held.own_start[held_row] + position - held.prefix_count[held_row]))  # fmt: skip
+    sources = [(torch.from_numpy(np.flatnonzero(select)).to(device), rows_of[select], columns_of[select])
+               for select, rows_of, columns_of in sources]  # fmt: skip
+    storage = {}  # per layer, token-major (B * columns, Hkv, D) keys and values
+    for index, pair in enumerate(held.own):
+        if pair is None or isinstance(cache.layers[index], DummyLayer):
+            continue
+        keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in pair)
+        for part, (where, rows_of, columns_of) in zip((held.prefix[index], pair), sources, strict=True):
+            if part is not None and len(where):
+                gathered = _gather_held(part, rows_of, columns_of, device)
+                keys.index_copy_(0, destination[where], gathered[0])
+                values.index_copy_(0, destination[where], gathered[1])
+        storage[index] = (keys, values)
+
+    def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
+        return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[index])
+
+    def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if index in storage:
+            for target, x in zip(storage[index], (key, value), strict=True):
+                target.index_copy_(0, slots_t, x[0].transpose(0, 1).to(target.dtype))
+
+    if count:
+        install(model)
+        head = {"logits_to_keep": torch.zeros(1, dtype=torch.long, device=device)} if takes_logits_to_keep(model) else {}
+        with capturing_keys(lay_out), continuing_with(padded):
+            model(input_ids=tokens_t.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
+                  use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
+    for index in storage:
+        cache.update(*padded(index), index)
+    return cache, count
+
+
+def continuable(model: nn.Module, width: int, longest: int) -> bool:
+    """Whether a call of `(B, width)` prompts generating up to `longest` tokens can start from continued caches."""
+    limit = cache_limit(model)
+    return width >= 2 and continue_reason(model) is None and (limit is None or longest <= limit)
+
+
+class TurnCaches:
+    """
+    What a tool loop carries between its `generate` calls: the last call's [`HeldCache`], while it fits `budget`
+    bytes. Dropped (and every row's keys and values released) when the loop ends ([`release`]), and a call's held
+    rows are released once the next call has copied what it continues.
+    """
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.held: HeldCache | None = None
+        self.over_budget = 0  # calls whose caches were not held: they would not fit
+
+    def keep(self, held: HeldCache) -> None:
+        if held.nbytes <= self.budget:
+            self.held = held
+        else:
+            self.over_budget += 1
+
+    def take(self) -> HeldCache | None:
+        held, self.held = self.held, None
+        return held
+
+    def release(self) -> None:
+        self.held = None
