@@ -340,9 +340,10 @@ def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         model = fake_model(arch, torch.bfloat16)
         held_width = 96
         own = [tuple(on_cuda(2, held_width, 2, 64, dtype=torch.bfloat16) for _ in range(2)) for _ in range(2)]
-        zeros = np.zeros(2, dtype=np.int64)
-        held = HeldCache(held_tokens, own, [None, None], zeros, zeros, zeros,
-                         held_width - np.array([len(t) for t in held_tokens]))  # fmt: skip
+        # Row 0's first 89 tokens in a prompt kept once (one group, 89 columns), the rest in its own from column 0
+        prefix = [tuple(on_cuda(1, 89, 2, 64, dtype=torch.bfloat16) for _ in range(2)) for _ in range(2)]
+        held = HeldCache(held_tokens, own, prefix, np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
+                         np.array([89, 0]), np.array([0, held_width - 87]))  # fmt: skip
         plan = plan_continuation(held, prompts)
         assert plan.reused.tolist() == [96, 87]
         cache, forwarded = continue_prefill(model, held, plan, prompts, width)

@@ -226,10 +226,11 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         sliding = window is not None  # a sliding layer (Gemma 4's image blocks attend both ways only there)
         if window is not None and window >= layout.span:  # every key any query may read is within the window
             window = None
-        history = None
+        history = ()
         if layout.history:  # a continued prefill: the rows' held keys and values, in the query's dtype
             history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
-        out = TreeAttention.apply(*_one_head_dim(query, key, value), sinks, layout, window, scale, sliding, history)
+        query, key, value, *history = _one_head_dim(query, key, value, *history)
+        out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, history or None)
     else:
         out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None

@@ -28,9 +28,9 @@ from .families import dropout_reason, family_reason, jitter_reason, recurrent_re
 from .packing import prompt_key
 from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
+from .transformers_compat import CACHE_KWARG
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation
-from .transformers_compat import CACHE_KWARG
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
@@ -217,6 +217,7 @@ def generate_with_shared_prefill(
     if held is not None and (continuation := plan_continuation(held, prompt_ids)) is not None:
         cache, tokens = continue_prefill(model, held, continuation, prompt_ids, width)
         del held
+        _rope_deltas(model, None, len(prompt_ids), input_ids.device)  # not the previous call's rows' (Qwen2-VL)
         output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
         _hold(turns, cache, prompt_ids, output, width, config)
         return output, tokens

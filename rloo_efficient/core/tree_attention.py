@@ -177,12 +177,15 @@ class TreeAttention(torch.autograd.Function):
             merged = torch.lerp(_read(out, queries), _rows(out_p).to(work), weight)  # new tensors: then written
             _write(lse, queries, torch.logaddexp(current, lse_p))
             _write(out, queries, merged)
-        for part in layout.history:  # each row's held keys (B, Hkv, T, D), read where `allowed`
-            memo_key = ("history", id(part), query.dtype)
+        for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
+            lo, hi = part.span
+            memo_key = ("history", index, query.dtype)
             if memo_key not in layout.memo:
+                column = torch.arange(lo, hi, device=query.device)
+                held = (column >= part.first[:, None]) & (column < (part.first + part.count)[:, None])
                 layout.memo[memo_key] = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
-                    ~part.allowed, torch.finfo(query.dtype).min)[:, None, None, :]  # fmt: skip
-            held_key, held_value = (x.index_select(0, part.rows) for x in history)
+                    ~held, torch.finfo(query.dtype).min)[:, None, None, :]  # fmt: skip
+            held_key, held_value = (x.index_select(0, part.rows)[:, :, lo:hi] for x in history)
             out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
                                                 layout.memo[memo_key], False, scale)  # fmt: skip
             lse_h, current = _lse_rows(lse_h, lse_dtype), _read(lse, part.queries)

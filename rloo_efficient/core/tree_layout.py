@@ -76,11 +76,14 @@ class Part:
 @dataclass(frozen=True)
 class HistoryPart:
     """A length bucket of nodes whose rows continue a cache held from an earlier call ([`turn_cache`]): their tokens
-    (queries, `(n, L)`) read their row's held keys, in row `rows` (n,) of the layer's cache, where `allowed` (n, T)."""
+    (queries, `(n, L)`) read their row's held keys, in row `rows` (n,) of the layer's cache: its columns `[first,
+    first + count)` (each (n,)), all within the columns `span` = `(lo, hi)` the part reads."""
 
     queries: Blocks
     rows: torch.Tensor
-    allowed: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+    span: tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,14 @@ def _buckets(nodes: np.ndarray, lengths: np.ndarray, ratio: float) -> list[np.nd
         runs.append(nodes[first:i])
         first, padding = i, 0
     return runs
+
+
+def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
+                    ratio: float = BUCKET_RATIO) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
+    """Runs `[starts, starts + lengths)` of a flat sequence of `tokens`, bucketed by length as the nodes are: per
+    bucket, `(its runs' indices, gather, scatter)` on the host (see [`Blocks`])."""
+    runs = _buckets(np.arange(len(starts)), lengths, ratio) if len(starts) else []
+    return [(run, *_blocks(starts[run], lengths[run], tokens)) for run in runs]
 
 
 def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio: float = BUCKET_RATIO,

@@ -20,6 +20,7 @@ its cache keeps the batch's last positions, which a row that finished early no l
 went on past the row's end; no latents).
 """
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,7 +32,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer
 from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, continuing_with, install
 from .prefix_cache import PrefixCache, PrefixLayer, cache_limit
 from .tree import Tree, ranges
-from .tree_layout import BUCKET_RATIO, HistoryPart, _blocks, _buckets, tree_layout
+from .tree_layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
 from .tree_prefill import takes_logits_to_keep, tree_prefill_reason
 
 
@@ -45,7 +46,9 @@ def continue_reason(model: nn.Module) -> str | None:
     if "_rloo_continue_reason" not in vars(model):
         reason = tree_prefill_reason(model)
         kinds = {type(layer) for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers}
-        if reason is None and not kinds <= {DynamicLayer, DummyLayer}:
+        if reason is None and DummyLayer in kinds:
+            reason = "a layer reads another layer's keys and values (Gemma 4's shared layers)"
+        elif reason is None and not kinds <= {DynamicLayer}:
             reason = ("a sliding-window layer's cache keeps the batch's last positions, which a row that finished "
                       "early no longer holds")  # fmt: skip
         model._rloo_continue_reason = reason
@@ -53,11 +56,11 @@ def continue_reason(model: nn.Module) -> str | None:
 
 
 def default_budget(device: torch.device) -> int:
-    """[`DEFAULT_BUDGET_SHARE`] of the device's memory (the host's for the CPU), in bytes."""
-    if device.type == "cuda":
-        return int(DEFAULT_BUDGET_SHARE * torch.cuda.get_device_properties(device).total_memory)
-    import os
-
+    """[`DEFAULT_BUDGET_SHARE`] of the device's memory (the host's for the CPU, or a device that does not say), in
+    bytes."""
+    properties = getattr(getattr(torch, device.type, None), "get_device_properties", None)
+    if device.type != "cpu" and properties is not None:
+        return int(DEFAULT_BUDGET_SHARE * properties(device).total_memory)
     return int(DEFAULT_BUDGET_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
@@ -76,6 +79,11 @@ class HeldCache:
     prefix_start: np.ndarray
     prefix_count: np.ndarray
     own_start: np.ndarray
+
+    def drop(self) -> None:
+        """Releases the held keys and values (the token lists stay)."""
+        self.own = [None] * len(self.own)
+        self.prefix = [None] * len(self.prefix)
 
     @property
     def nbytes(self) -> int:
@@ -140,16 +148,11 @@ def plan_continuation(held: HeldCache, prompt_ids: list[list[int]]) -> Continuat
         ids = np.asarray(ids, dtype=np.int64)
         for candidate in range(start, len(held.tokens)):
             tokens = held.tokens[candidate]
-            if len(tokens) <= len(ids) and np.array_equal(ids[: len(tokens)], tokens):
+            if len(tokens) and len(tokens) <= len(ids) and ids[len(tokens) - 1] == tokens[-1] and np.array_equal(
+                    ids[: len(tokens)], tokens):  # fmt: skip
                 source[row], reused[row], start = candidate, min(len(tokens), len(ids) - 1), candidate + 1
                 break
     return Continuation(source, reused) if reused.any() else None
-
-
-def _gather_held(pair, rows: np.ndarray, columns: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(n, Hkv, D)` keys and values at `(rows, columns)` of a held `(R, Hkv, T, D)` pair."""
-    rows_t, columns_t = (torch.from_numpy(a).to(device) for a in (rows, columns))
-    return tuple(x.transpose(1, 2)[rows_t, columns_t] for x in pair)
 
 
 @torch.no_grad()
@@ -158,76 +161,80 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     """
     The cache a prefill of the left-padded `(B, width)` prompts `prompt_ids` would leave (their first `width - 1`
     columns), from the held keys and values `plan` reuses and one packed forward over the rest of each row (its new
-    tokens but its last). Returns it and the tokens forwarded.
+    tokens but its last). `held` is emptied once copied from (before the forward). Returns the cache and the tokens
+    forwarded.
     """
     device = next(model.parameters()).device
     lengths = np.array([len(ids) for ids in prompt_ids], dtype=np.int64)
-    rows, columns = len(prompt_ids), width - 1
-    reused = plan.reused
+    rows, columns, reused = len(prompt_ids), width - 1, plan.reused
     fresh = lengths - 1 - reused  # each row's tokens to forward (its last is generate's)
-    # Where each row's held tokens go in the new cache, flat (B * columns): token p of row b at column width - n_b + p
+    # Each held token: where it goes in the new cache, flat (B * columns; token p of row b at column width - n_b + p),
+    # and where it is held: in the prompts kept once, or in its row's own keys and values
     has = np.flatnonzero(reused > 0)
     token_row = np.repeat(has, reused[has])
     position = ranges(np.zeros(len(has)), reused[has])
-    destination = torch.from_numpy(token_row * columns + width - lengths[token_row] + position).to(device)
     held_row = plan.source[token_row]
     in_prefix = position < held.prefix_count[held_row]
+    destination = token_row * columns + width - lengths[token_row] + position
+    sources = [(destination[select], rows_of[select], columns_of[select]) for select, rows_of, columns_of in (
+        (in_prefix, held.prefix_row[held_row], held.prefix_start[held_row] + position),
+        (~in_prefix, held_row, held.own_start[held_row] + position - held.prefix_count[held_row]))]  # fmt: skip
     # The new tokens: a forest of one node per row, at the positions after its held tokens
     nodes = np.flatnonzero(fresh > 0)
-    starts = np.cumsum(fresh[nodes]) - fresh[nodes]
-    count = int(fresh.sum())
-    tree = Tree(rows, count, starts, fresh[nodes], np.zeros(len(nodes), dtype=np.int64),
-                np.full(len(nodes), -1, dtype=np.int64), np.arange(len(nodes)), starts + fresh[nodes], reused[nodes],
-                nodes, np.ones(len(nodes), dtype=np.int64), [], count)  # fmt: skip
-    flat = np.concatenate([np.asarray(prompt_ids[row][reused[row] : lengths[row] - 1], dtype=np.int64)
-                           for row in nodes]) if len(nodes) else np.zeros(0, dtype=np.int64)  # fmt: skip
-    slots = nodes.repeat(fresh[nodes]) * columns + width - lengths[nodes].repeat(fresh[nodes]) + ranges(
-        reused[nodes], fresh[nodes])  # fmt: skip
-    # Each length bucket's rows read their held keys: the new cache's columns of those tokens, the rest masked
-    continuing = np.flatnonzero(reused[nodes] > 0)  # indices into `nodes`
-    runs = _buckets(continuing, fresh[nodes][continuing], BUCKET_RATIO) if len(continuing) else []
-    column = np.arange(columns)
-    host = []
-    for run in runs:  # indices into `nodes`
-        gather, scatter = _blocks(starts[run], fresh[nodes][run], count)
-        first = width - lengths[nodes][run]
-        allowed = (column[None, :] >= first[:, None]) & (column[None, :] < (first + reused[nodes][run])[:, None])
-        host.append((gather, scatter, nodes[run], allowed))
-    layout, sent = tree_layout(tree, device, parts=[flat, slots, *(a for part in host for a in part)], recurrent=False)
-    tokens_t, slots_t, *parts = sent
+    lengths_n, reused_n = fresh[nodes], reused[nodes]
+    starts = np.cumsum(lengths_n) - lengths_n
+    count = int(lengths_n.sum())
+    tree = Tree(rows, count, starts, lengths_n, np.zeros(len(nodes), dtype=np.int64),
+                np.full(len(nodes), -1, dtype=np.int64), np.arange(len(nodes)), starts + lengths_n, reused_n, nodes,
+                np.ones(len(nodes), dtype=np.int64), [], count)  # fmt: skip
+    tokens = np.concatenate([np.asarray(prompt_ids[row][reused[row] : lengths[row] - 1], dtype=np.int64)
+                             for row in nodes]) if len(nodes) else np.zeros(0, dtype=np.int64)  # fmt: skip
+    slots = (nodes * columns + width - lengths[nodes]).repeat(lengths_n) + ranges(reused_n, lengths_n)
+    # Each length bucket of the rows that reuse something reads their held keys: the columns they were copied to
+    continuing = np.flatnonzero(reused_n > 0)  # among the nodes
+    buckets = bucketed_blocks(starts[continuing], lengths_n[continuing], count)
+    first = width - lengths[nodes]  # each node's row's first column in the new cache
+    host = [array for source in sources for array in source] + [tokens, slots]
+    for run, gather, scatter in buckets:
+        picked = continuing[run]
+        host += [gather, scatter, nodes[picked], first[picked], reused_n[picked]]
+    layout, sent = tree_layout(tree, device, parts=host, recurrent=False)  # one copy to the device for all of these
+    places = [tuple(sent[i : i + 3]) if len(sources[i // 3][0]) else None for i in (0, 3)]
+    tokens_t, slots_t, sent = sent[6], sent[7], sent[8:]
     history = []
-    for (gather, scatter, _, allowed), (gather_t, scatter_t, rows_t, allowed_t) in zip(
-            host, [parts[i : i + 4] for i in range(0, len(parts), 4)], strict=True):  # fmt: skip
-        blocks = type(layout.buckets[0])(gather_t.view(gather.shape), scatter_t.view(scatter.shape),
-                                         scatter_t.view(scatter.shape) == count)  # fmt: skip
-        history.append(HistoryPart(blocks, rows_t, allowed_t.view(allowed.shape).bool()))
+    for (run, gather, _), index in zip(buckets, range(0, len(sent), 5), strict=True):
+        gather_t, scatter_t, rows_t, first_t, count_t = sent[index : index + 5]
+        picked = continuing[run]
+        span = (int(first[picked].min()), int((first[picked] + reused_n[picked]).max()))
+        scatter_t = scatter_t.view(gather.shape)
+        blocks = Blocks(gather_t.view(gather.shape), scatter_t, scatter_t == count)
+        history.append(HistoryPart(blocks, rows_t, first_t, count_t, span))
     layout = replace(layout, history=tuple(history))
 
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    # Where each held token is: in the prompts kept once, or in its row's own keys and values
-    sources = ((in_prefix, held.prefix_row[held_row], held.prefix_start[held_row] + position),
-               (~in_prefix, held_row, held.own_start[held_row] + position - held.prefix_count[held_row]))  # fmt: skip
-    sources = [(torch.from_numpy(np.flatnonzero(select)).to(device), rows_of[select], columns_of[select])
-               for select, rows_of, columns_of in sources]  # fmt: skip
     storage = {}  # per layer, token-major (B * columns, Hkv, D) keys and values
-    for index, pair in enumerate(held.own):
-        if pair is None or isinstance(cache.layers[index], DummyLayer):
-            continue
-        keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in pair)
-        for part, (where, rows_of, columns_of) in zip((held.prefix[index], pair), sources, strict=True):
-            if part is not None and len(where):
-                gathered = _gather_held(part, rows_of, columns_of, device)
-                keys.index_copy_(0, destination[where], gathered[0])
-                values.index_copy_(0, destination[where], gathered[1])
+    for index, layer in enumerate(cache.layers):
+        if held.own[index] is None:
+            raise RuntimeError(f"No keys and values were held for cache layer {index}.")
+        keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in held.own[index])
+        for part, place in zip((held.prefix[index], held.own[index]), places, strict=True):
+            if place is not None:
+                where, rows_of, columns_of = place
+                if part is None:
+                    raise RuntimeError(f"A held row's prompt kept once is missing for cache layer {index}.")
+                for target, x in zip((keys, values), part, strict=True):  # (R, T, Hkv, D) views: (n, Hkv, D) picked
+                    target.index_copy_(0, where, x.transpose(1, 2)[rows_of, columns_of])
         storage[index] = (keys, values)
+    held.drop()  # the previous call's keys and values: released here, where the caller releases its holder
+    filled = set()
 
     def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
         return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[index])
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if index in storage:
-            for target, x in zip(storage[index], (key, value), strict=True):
-                target.index_copy_(0, slots_t, x[0].transpose(0, 1).to(target.dtype))
+        for target, x in zip(storage[index], (key, value), strict=True):
+            target.index_copy_(0, slots_t, x[0].transpose(0, 1).to(target.dtype))
+        filled.add(index)
 
     if count:
         install(model)
@@ -235,8 +242,13 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
         with capturing_keys(lay_out), continuing_with(padded):
             model(input_ids=tokens_t.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
                   use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
-    for index in storage:
+        missing = sorted(set(storage) - filled)
+        if missing:
+            raise RuntimeError(f"The continued prefill saw no keys for the cache layers {missing}: their attention did "
+                               "not go through rloo_efficient's attention function.")  # fmt: skip
+    for index in sorted(storage):
         cache.update(*padded(index), index)
+        del storage[index]  # one layer's two copies alive at a time
     return cache, count
 
 
