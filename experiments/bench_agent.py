@@ -17,6 +17,7 @@ agree.
 """
 
 import argparse
+import copy
 import sys
 import time
 
@@ -50,12 +51,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tool_turns", type=int, default=3)
     parser.add_argument("--answer", type=int, nargs=2, default=[100, 300])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    parser.add_argument("--arch", default="llama", help="a tiny family of rloo_efficient.tiny_models")
+    parser.add_argument("--sliding_window", type=int, default=None, help="the family's window, where it has one")
     parser.add_argument("--no_continue", action="store_true", help="later turns prefilled as their tree")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     generator = np.random.default_rng(0)
-    path = build_model_dir(WorkloadConfig(model_dtype=args.dtype))
+    path = build_model_dir(WorkloadConfig(arch=args.arch, model_dtype=args.dtype, sliding_window=args.sliding_window))
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
     vocab = model.config.vocab_size
     tokens = lambda n: generator.integers(3, vocab, n).tolist()  # noqa: E731  (never 0: the padding)
@@ -74,15 +77,16 @@ def main(argv=None) -> int:
         if method == "stock":
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         turns = None if args.no_continue else TurnCaches(budget=1 << 50)
-        if turns is not None:
-            turns.held = carried["held"]
+        if turns is not None and carried["held"] is not None:  # a copy: the call drops what it held once copied
+            turns.held = copy.copy(carried["held"])
         output = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompts, prompt_cache_once=None,
                                               generation_config=config, turns=turns)[0]  # fmt: skip
         run.held = turns.held if turns is not None else None
         return output
 
     lines = [f"# python experiments/bench_agent.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-             f"# torch {torch.__version__}, tiny llama (hidden 128, 2 layers, {args.dtype}), CPU; prefill: prompt tokens "
+             f"# torch {torch.__version__}, tiny {args.arch} (hidden 128, 2 layers, {args.dtype}, window "
+             f"{getattr(model.config, 'sliding_window', None)}), CPU; prefill: prompt tokens "
              "forwarded before decoding; peak: tensors above the loaded model; time: one call",
              "| turn | rows | prefill stock | prefill ours | tree | continued cache | ours / tree | "
              "ours / continued | held (MiB) | peak stock (MiB) | peak ours (MiB) | time stock (s) | time ours (s) | "

@@ -30,7 +30,7 @@ from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .transformers_compat import CACHE_KWARG
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
-from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation
+from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation, turn_cache
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
@@ -125,17 +125,18 @@ def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: l
 
 @torch.no_grad()
 def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: list[int],
-                    padded: bool, images: dict | None = None):  # fmt: skip
+                    padded: bool, images: dict | None = None, cache: DynamicCache | None = None):  # fmt: skip
     """
     Forwards the first `W - 1` columns of the rows `first` of the `(B, W)` prompt batch once, and returns the
     filled [`~transformers.DynamicCache`] (one row per element of `first`). `padded`: whether any prompt is shorter
     than `W` (known on the host from the token lists). `images`: those rows' image inputs ([`image_inputs`]), encoded
     here once; positions are then the ones `generate` computes (`_prepare_position_ids_for_generation`: Qwen's 3-D
-    ones, which also leave each prompt's rope delta on the model).
+    ones, which also leave each prompt's rope delta on the model). `cache`: the empty cache to fill (default: the
+    model's own kind).
     """
     prefix_ids = input_ids[first, :-1]
     prefix_mask = attention_mask[first, :-1]
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     kwargs = dict(images or {})
     if takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
@@ -239,7 +240,7 @@ def generate_with_shared_prefill(
     if not share:
         if turns is None:
             return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
-        cache = DynamicCache(config=model.config.get_text_config(decoder=True))  # generate fills it: then it is held
+        cache = turn_cache(model)  # generate fills it: then it is held
         output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
         _hold(turns, cache, prompt_ids, output, width, config)
         return output, 0
@@ -247,10 +248,11 @@ def generate_with_shared_prefill(
     prefill_images = None
     if images is not None:
         prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width)
+    empty = turn_cache(model) if turns is not None else None  # held: windows kept whole
     if plan is not None:
-        prefilled, tokens = tree_prefill(model, plan), plan.tree.num_tokens
+        prefilled, tokens = tree_prefill(model, plan, empty), plan.tree.num_tokens
     else:
-        prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images)
+        prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images, empty)
         tokens = len(first) * (width - 1)
     limit = cache_limit(model)
     if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes

@@ -145,8 +145,6 @@ class TreeAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
                 sliding: bool = False, history: tuple | None = None):  # fmt: skip
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
-        if layout.history and any(ctx.needs_input_grad[:4]):
-            raise ValueError("A continued prefill's attention over held keys has no backward: run it without grad.")
         q, k, v = _flat(query), _flat(key), _flat(value)
         work = _work_dtype(query.dtype)
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -179,12 +177,18 @@ class TreeAttention(torch.autograd.Function):
             _write(out, queries, merged)
         for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
             lo, hi = part.span
-            memo_key = ("history", index, query.dtype)
+            memo_key = ("history", index, window, query.dtype)
             if memo_key not in layout.memo:
                 column = torch.arange(lo, hi, device=query.device)
-                held = (column >= part.first[:, None]) & (column < (part.first + part.count)[:, None])
+                held = (column >= part.first[:, None]) & (column < (part.first + part.count)[:, None])  # (n, S)
+                held = held[:, None, :]
+                if window is not None:  # each query reads the held keys within its window: positions > p - w
+                    key_position = column - part.first[:, None]  # a row's token p sits at column first + p
+                    query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(
+                        part.queries.shape)  # fmt: skip
+                    held = held & (query_position[:, :, None] - key_position[:, None, :] < window)  # (n, L, S)
                 layout.memo[memo_key] = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
-                    ~held, torch.finfo(query.dtype).min)[:, None, None, :]  # fmt: skip
+                    ~held, torch.finfo(query.dtype).min)[:, None]  # fmt: skip
             held_key, held_value = (x.index_select(0, part.rows)[:, :, lo:hi] for x in history)
             out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
                                                 layout.memo[memo_key], False, scale)  # fmt: skip

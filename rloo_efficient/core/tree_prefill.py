@@ -87,17 +87,18 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def tree_prefill(model: nn.Module, plan: TreePlan) -> DynamicCache:
+def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = None) -> DynamicCache:
     """
     The cache [`shared_generation.prefill_prompts`] returns for the distinct prompts of `plan`, from one packed
     forward over their prefix tree. The model is called at its top, as `generate` calls it (a mixed-precision wrapper
     on its `forward` applies: the keys are computed in the precision stock's are), its head on one position only.
     Each layer's keys and values are laid out as they arrive, so that no more than one layer's packed copy is alive.
+    `cache`: the empty cache to fill (default: the model's own kind).
     """
     device = next(model.parameters()).device
     layout, (tokens, slots) = tree_layout(plan.tree, device, parts=[plan.tokens, plan.slots], recurrent=False)
     install(model)
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     filled = []
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -15,9 +15,10 @@ Held keys and values were computed in the previous call's decoding steps (one to
 one pass: they agree to the floating-point rounding of those different matmul shapes (exactly in float64's samples).
 
 What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
-held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no sliding window:
-its cache keeps the batch's last positions, which a row that finished early no longer holds; no recurrent state: it
-went on past the row's end; no latents).
+held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no recurrent
+state: it went on past the row's end; no latents; no layer reading another's). A sliding-window layer keeps its whole
+history in a tool loop ([`turn_cache`]): the batch's last positions it would keep are padding for a row that finished
+early.
 """
 
 import os
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, continuing_with, install
 from .prefix_cache import PrefixCache, PrefixLayer, cache_limit
@@ -48,11 +49,21 @@ def continue_reason(model: nn.Module) -> str | None:
         kinds = {type(layer) for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers}
         if reason is None and DummyLayer in kinds:
             reason = "a layer reads another layer's keys and values (Gemma 4's shared layers)"
-        elif reason is None and not kinds <= {DynamicLayer}:
-            reason = ("a sliding-window layer's cache keeps the batch's last positions, which a row that finished "
-                      "early no longer holds")  # fmt: skip
         model._rloo_continue_reason = reason
     return model._rloo_continue_reason
+
+
+def turn_cache(model: nn.Module) -> DynamicCache:
+    """
+    An empty cache for a call of a tool loop whose cache is held: a sliding-window layer keeps all its keys (a plain
+    layer), not the batch's last `w - 1` positions, which for a row that finished early are `generate`'s padding, not
+    its window. Its attention still reads the window only: the model's sliding mask (sized from a full layer) and our
+    decoding ([`window_attention.decode_window_biases`]) mask the rest; the keys it keeps cost memory and, while
+    decoding, reads.
+    """
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers]
+    return cache
 
 
 def default_budget(device: torch.device) -> int:
@@ -104,9 +115,12 @@ def held_tokens(prompt_ids: list[list[int]], sequences: torch.Tensor, width: int
 
 
 def hold(cache: DynamicCache, prompt_ids: list[list[int]], sequences: torch.Tensor, width: int,
-         eos: list[int]) -> HeldCache:  # fmt: skip
+         eos: list[int]) -> HeldCache | None:  # fmt: skip
     """The [`HeldCache`] of a `generate` call that decoded the left-padded `(B, width)` prompts `prompt_ids` into
-    `sequences` from `cache` (a [`PrefixCache`], or a cache of the rows' own keys and values)."""
+    `sequences` from `cache` (a [`PrefixCache`], or a cache of the rows' own keys and values), or None where a layer
+    kept only the batch's last positions (a cache not made by [`turn_cache`])."""
+    if any(getattr(layer, "is_sliding", False) or getattr(layer, "window", None) for layer in cache.layers):
+        return None
     rows = len(prompt_ids)
     lengths = np.array([len(prompt) for prompt in prompt_ids], dtype=np.int64)
     own, prefix = [], []
@@ -211,7 +225,7 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
         history.append(HistoryPart(blocks, rows_t, first_t, count_t, span))
     layout = replace(layout, history=tuple(history))
 
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache = turn_cache(model)
     storage = {}  # per layer, token-major (B * columns, Hkv, D) keys and values
     for index, layer in enumerate(cache.layers):
         if held.own[index] is None:
@@ -270,7 +284,9 @@ class TurnCaches:
         self.held: HeldCache | None = None
         self.over_budget = 0  # calls whose caches were not held: they would not fit
 
-    def keep(self, held: HeldCache) -> None:
+    def keep(self, held: HeldCache | None) -> None:
+        if held is None:
+            return
         if held.nbytes <= self.budget:
             self.held = held
         else:
