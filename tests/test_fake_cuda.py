@@ -327,10 +327,11 @@ def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, "gemma3", "gpt_oss"])
 def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
-    """A tool turn's rows continuing their held caches (one row the prompt kept once per group, others their own): the
-    held keys copied into the padded batch's cache, the new tokens' packed forward over them on the fused kernels."""
+    """A tool turn's rows continuing their held caches (one row the prompt kept once per group, the other its own): the
+    held keys copied into the padded batch's cache, the new tokens' packed forward over them on the fused kernels
+    (with a window of 8 on every other layer, and sinks: each query's held keys masked to its window)."""
     from rloo_efficient.core.turn_cache import HeldCache, continue_prefill, plan_continuation
 
     held_tokens = [np.array([5] * 70 + [6] * 20 + [9] * 6), np.array([5] * 70 + [7] * 13 + [3] * 4)]
@@ -351,7 +352,11 @@ def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         for layer in cache.layers:
             assert (layer.keys.shape, layer.keys.dtype, layer.keys.device) == ((2, 2, width - 1, 64), torch.bfloat16,
                                                                                  CUDA)  # fmt: skip
-        assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
+        # Under a window the held part masks per query (not folded: its keys, the last w - 1 columns, copied per
+        # query head, as a windowed level's part)
+        kernels_run = {kernel for kernel, _ in chosen if kernel != "expanded keys"}
+        assert chosen and kernels_run <= {"cuda_flash", "cuda_efficient"}
+        assert any(kernel == "expanded keys" for kernel, _ in chosen) == (arch in WINDOWED)
         assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 

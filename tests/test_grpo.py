@@ -386,11 +386,14 @@ def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("system, budget", [(0, None), (100, None), (100, 0)])
-def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system, budget):
+@pytest.mark.parametrize("system, budget, arch", [(0, None, "llama"), (100, None, "llama"), (100, 0, "llama"),
+                                                  (100, None, "mistral")])  # fmt: skip
+def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system, budget, arch):
     """The first turn generates from the dataset's prompts (shared); a row that calls a tool continues from its own
     history (prompt, completion, the tool's answer). By default each such row continues its first turn's KV cache:
-    only the tokens added since are prefilled. With no budget for that (`tool_cache_budget_gib=0`) and a system prompt
+    only the tokens added since are prefilled (Mistral with a window of 16, shorter than the histories: its window
+    layers keep their whole histories in the tool loop). With no budget for that (`tool_cache_budget_gib=0`) and a
+    system prompt
     before every task (100 tokens), the later turn's rows, no two alike, still share it: that turn is prefilled as its
     prefix tree. The training forward packs each prompt once, the tool's tokens part of its completion (masked out of
     the loss, as stock masks them)."""
@@ -427,7 +430,8 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
         return single_turn(self, *args, **kwargs)
 
     monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
-    cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=system)
+    window = dict(arch="mistral", sliding_window=16) if arch == "mistral" else {}
+    cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=system, **window)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     settings = dict(max_steps=4, max_completion_length=96, beta=0.1)
     runs = {}

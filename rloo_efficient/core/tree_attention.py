@@ -177,6 +177,8 @@ class TreeAttention(torch.autograd.Function):
             _write(out, queries, merged)
         for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
             lo, hi = part.span
+            if window is not None:  # the queries follow every held key: only the last w - 1 columns are in reach
+                lo = max(lo, part.first_end - (window - 1))
             memo_key = ("history", index, window, query.dtype)
             if memo_key not in layout.memo:
                 column = torch.arange(lo, hi, device=query.device)

@@ -77,13 +77,15 @@ class Part:
 class HistoryPart:
     """A length bucket of nodes whose rows continue a cache held from an earlier call ([`turn_cache`]): their tokens
     (queries, `(n, L)`) read their row's held keys, in row `rows` (n,) of the layer's cache: its columns `[first,
-    first + count)` (each (n,)), all within the columns `span` = `(lo, hi)` the part reads."""
+    first + count)` (each (n,)), all within the columns `span` = `(lo, hi)` the part reads; the held keys of every row
+    end at `first_end` or after (a window of `w` reads from `first_end - (w - 1)` on: the queries all follow them)."""
 
     queries: Blocks
     rows: torch.Tensor
     first: torch.Tensor
     count: torch.Tensor
     span: tuple[int, int]
+    first_end: int
 
 
 @dataclass(frozen=True)

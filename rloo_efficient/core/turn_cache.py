@@ -219,10 +219,11 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     for (run, gather, _), index in zip(buckets, range(0, len(sent), 5), strict=True):
         gather_t, scatter_t, rows_t, first_t, count_t = sent[index : index + 5]
         picked = continuing[run]
-        span = (int(first[picked].min()), int((first[picked] + reused_n[picked]).max()))
+        ends = first[picked] + reused_n[picked]
+        span = (int(first[picked].min()), int(ends.max()))
         scatter_t = scatter_t.view(gather.shape)
         blocks = Blocks(gather_t.view(gather.shape), scatter_t, scatter_t == count)
-        history.append(HistoryPart(blocks, rows_t, first_t, count_t, span))
+        history.append(HistoryPart(blocks, rows_t, first_t, count_t, span, int(ends.min())))
     layout = replace(layout, history=tuple(history))
 
     cache = turn_cache(model)
