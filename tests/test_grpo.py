@@ -386,17 +386,17 @@ def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
     return trainer
 
 
+# budget 1e-9 GiB: one byte, less than any turn's cache
 @pytest.mark.parametrize("system, budget, arch", [(0, None, "llama"), (100, None, "llama"), (100, 0, "llama"),
-                                                  (100, None, "mistral")])  # fmt: skip
+                                                  (100, 1e-9, "llama"), (100, None, "mistral")])  # fmt: skip
 def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system, budget, arch):
     """The first turn generates from the dataset's prompts (shared); a row that calls a tool continues from its own
     history (prompt, completion, the tool's answer). By default each such row continues its first turn's KV cache:
     only the tokens added since are prefilled (Mistral with a window of 16, shorter than the histories: its window
-    layers keep their whole histories in the tool loop). With no budget for that (`tool_cache_budget_gib=0`) and a
-    system prompt
-    before every task (100 tokens), the later turn's rows, no two alike, still share it: that turn is prefilled as its
-    prefix tree. The training forward packs each prompt once, the tool's tokens part of its completion (masked out of
-    the loss, as stock masks them)."""
+    layers keep their whole histories in the tool loop). With no budget for that (`tool_cache_budget_gib=0`, or a
+    budget the caches exceed: one warning) and a system prompt before every task (100 tokens), the later turn's rows,
+    no two alike, still share it: that turn is prefilled as its prefix tree. The training forward packs each prompt
+    once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
     import rloo_efficient.core.shared_generation as shared_generation
     import rloo_efficient.trainers.mixin as mixin
 
@@ -439,9 +439,13 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
                                               ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
         ours_only = dict(tool_cache_budget_gib=budget) if name == "ours" else {}
         args = grpo_args(tmp_path / name, config_class=config_class, **settings, **ours_only)
-        runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
-                              tools=[count_vowels])  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
+                                  tools=[count_vowels])  # fmt: skip
     stock, ours = runs["stock"], runs["ours"]
+    over_budget = [w for w in caught if "were not held across the tool call" in str(w.message)]
+    assert len(over_budget) == (budget == 1e-9)  # ours' run: one warning, not one per call
     calls = [e["tools/call_frequency"] for e in stock.state.log_history if "tools/call_frequency" in e]
     assert calls and 0 < max(calls), "no tool was called: the case is not exercised"
     assert later_turns.get(False), "no row continued after its tool's answer: the later turns are not exercised"
@@ -450,7 +454,7 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     # The tool turns' calls of several rows, every row its own history: with the system prompt, each shares it
     later = [tokens for alike, rows, tokens in shared_calls if not alike and rows > 1]
     assert later and (not system or all(tokens > 0 for tokens in later))
-    if budget == 0:
+    if budget in (0, 1e-9):
         assert not continued
     else:  # every later turn's row continued its own cache (each turn's rows extend the previous turn's)
         assert [rows for rows, _ in continued] == later_turns[True]
@@ -545,11 +549,22 @@ def test_environments_group_by_prompt_and_environment(model_cache, tmp_path, mon
     One prompt under three environments, all in every generation batch. Each renders its own tools into the prompt, so
     prompts are tokenized per (prompt, environment): two environments add nothing to the prompt's text, and a key
     without the environment would give both the first one's tokens. The third's observation differs per rollout, so
-    its group's prompts differ: each of its rows is a group of its own (exact, nothing shared there).
+    its group's prompts differ: each of its rows is a group of its own (exact, nothing shared there). A row that calls
+    its environment's tool continues its KV cache into its next turn.
     """
     from datasets import Dataset
 
+    import rloo_efficient.core.shared_generation as shared_generation
+
     scripted_tool_calls(monkeypatch)
+    continued = []  # per continued call: (rows, rows reusing their held tokens)
+    continue_prefill = shared_generation.continue_prefill
+
+    def recording(model, held, plan, prompt_ids, width):
+        continued.append((len(prompt_ids), int((plan.reused > 0).sum())))
+        return continue_prefill(model, held, plan, prompt_ids, width)
+
+    monkeypatch.setattr(shared_generation, "continue_prefill", recording)
     cfg = tiny_workload(model_cache, conversational=True, num_prompts=1)
     path = build_model_dir(cfg)
     prompt = build_dataset(cfg)["prompt"][0]
@@ -559,9 +574,10 @@ def test_environments_group_by_prompt_and_environment(model_cache, tmp_path, mon
     for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
                                               ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
         Counter.made = 0  # instance names as stock saw them
-        # 3 steps of 4 rows per generation: the 3 environments' groups in every generation batch
+        # 3 steps of 4 rows per generation: the 3 environments' groups in every generation batch; completions long
+        # enough for a tool's answer to fit after a row's first turn (TRL continues a row only then)
         args = grpo_args(tmp_path / name, config_class=config_class, max_steps=6, steps_per_generation=3,
-                         max_completion_length=16, beta=0.1)  # fmt: skip
+                         max_completion_length=96, beta=0.1)  # fmt: skip
         runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
                               environment_factory=factories)  # fmt: skip
     stock, ours = runs["stock"], runs["ours"]
@@ -569,6 +585,8 @@ def test_environments_group_by_prompt_and_environment(model_cache, tmp_path, mon
     assert ours.shared_prefill_tokens > 0 and ours.packed_forward_tokens > 0
     logged = [str(p) for p in stock._logs["prompt"]]
     assert sum("instance" in p for p in logged) == len(logged) // 3  # the counter's rows, each prompt its own
+    # A row that called its environment's tool continued its cache into its next turn
+    assert continued and all(reusing == rows for rows, reusing in continued)
 
 
 def test_a_subclass_of_grpo_gets_the_mixin(workload, tmp_path, exact_head):
