@@ -16,7 +16,8 @@ one pass: they agree to the floating-point rounding of those different matmul sh
 
 What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
 held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no recurrent
-state: it went on past the row's end; no latents; no layer reading another's). A sliding-window layer keeps its whole
+state: it went on past the row's end; no latents; Gemma 4's layers reading another's read its). A sliding-window layer
+keeps its whole
 history in a tool loop ([`turn_cache`]): the batch's last positions it would keep are padding for a row that finished
 early.
 """
@@ -31,7 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, continuing_with, install
-from .prefix_cache import PrefixCache, PrefixLayer, cache_limit
+from .prefix_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
 from .tree import Tree, ranges
 from .tree_layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
 from .tree_prefill import takes_logits_to_keep, tree_prefill_reason
@@ -45,10 +46,13 @@ DEFAULT_BUDGET_SHARE = 0.25
 def continue_reason(model: nn.Module) -> str | None:
     """Why a row's cache cannot be continued into its next `generate` call for `model`, or None. Found once."""
     if "_rloo_continue_reason" not in vars(model):
+        config = model.config.get_text_config(decoder=True)
         reason = tree_prefill_reason(model)
-        kinds = {type(layer) for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers}
-        if reason is None and DummyLayer in kinds:
-            reason = "a layer reads another layer's keys and values (Gemma 4's shared layers)"
+        layers = DynamicCache(config=config).layers
+        sources = kv_sources(config)
+        if reason is None and any(isinstance(layer, DummyLayer) and sources[index] == index
+                                  for index, layer in enumerate(layers)):  # fmt: skip
+            reason = "a cache layer stores nothing and reads no other layer's keys"
         model._rloo_continue_reason = reason
     return model._rloo_continue_reason
 
@@ -227,8 +231,11 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     layout = replace(layout, history=tuple(history))
 
     cache = turn_cache(model)
-    storage = {}  # per layer, token-major (B * columns, Hkv, D) keys and values
+    sources = kv_sources(model.config.get_text_config(decoder=True))  # Gemma 4: a layer reading another's keys
+    storage = {}  # per layer storing keys and values, token-major (B * columns, Hkv, D)
     for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DummyLayer):
+            continue
         if held.own[index] is None:
             raise RuntimeError(f"No keys and values were held for cache layer {index}.")
         keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in held.own[index])
@@ -244,9 +251,11 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     filled = set()
 
     def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
-        return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[index])
+        return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[sources[index]])
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if index not in storage:  # a layer reading another's keys (the model hands it its source's)
+            return
         for target, x in zip(storage[index], (key, value), strict=True):
             target.index_copy_(0, slots_t, x[0].transpose(0, 1).to(target.dtype))
         filled.add(index)
@@ -263,7 +272,7 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
                                "not go through rloo_efficient's attention function.")  # fmt: skip
     for index in sorted(storage):
         cache.update(*padded(index), index)
-        del storage[index]  # one layer's two copies alive at a time
+        del storage[index]  # one layer's two copies alive at a time (a source's after every layer reading it)
     return cache, count
 
 

@@ -56,8 +56,8 @@ SHARING_DOC = r"""
             copied what its rows continue, and all of them when the tool loop ends. Where they would take more than
             the budget, they are not held, and the next turn prefills as its prefix tree (`share_prefill_tree`).
             `None`: a quarter of the accelerator's memory (of the host's on CPU); `0`: never held. For models whose
-            cache holds keys and values (not recurrent states, not multi-head latent attention's latents, not Gemma
-            4's shared layers), text prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps
+            cache holds keys and values (not recurrent states, not multi-head latent attention's latents), text
+            prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps
             its whole history while decoding (masked to its window). Held keys and values were computed one decoding
             step at a time: they equal a fresh prefill's to floating-point rounding.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
