@@ -52,14 +52,18 @@ def main(argv=None) -> int:
     parser.add_argument("--answer", type=int, nargs=2, default=[100, 300])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     parser.add_argument("--arch", default="llama", help="a tiny family of rloo_efficient.tiny_models")
+    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.workload.PRESETS (its dtype)")
     parser.add_argument("--sliding_window", type=int, default=None, help="the family's window, where it has one")
     parser.add_argument("--no_continue", action="store_true", help="later turns prefilled as their tree")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     generator = np.random.default_rng(0)
-    path = build_model_dir(WorkloadConfig(arch=args.arch, model_dtype=args.dtype, sliding_window=args.sliding_window))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(preset=args.preset) if args.preset else dict(arch=args.arch, model_dtype=args.dtype,
+                                                               sliding_window=args.sliding_window)  # fmt: skip
+    path = build_model_dir(WorkloadConfig(**shape))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
     vocab = model.config.vocab_size
     tokens = lambda n: generator.integers(3, vocab, n).tolist()  # noqa: E731  (never 0: the padding)
     system = tokens(args.system)
@@ -74,6 +78,7 @@ def main(argv=None) -> int:
 
     def run(method, ids, mask, prompts):
         torch.manual_seed(1)
+        ids, mask = ids.to(device), mask.to(device)
         if method == "stock":
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         turns = None if args.no_continue else TurnCaches(budget=1 << 50)
@@ -85,8 +90,9 @@ def main(argv=None) -> int:
         return output
 
     lines = [f"# python experiments/bench_agent.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-             f"# torch {torch.__version__}, tiny {args.arch} (hidden 128, 2 layers, {args.dtype}, window "
-             f"{getattr(model.config, 'sliding_window', None)}), CPU; prefill: prompt tokens "
+             f"# torch {torch.__version__}, {args.preset or 'tiny ' + args.arch} (hidden {model.config.hidden_size}, "
+             f"{model.config.num_hidden_layers} layers, {model.dtype}, window "
+             f"{getattr(model.config, 'sliding_window', None)}), {device}; prefill: prompt tokens "
              "forwarded before decoding; peak: tensors above the loaded model; time: one call",
              "| turn | rows | prefill stock | prefill ours | tree | continued cache | ours / tree | "
              "ours / continued | held (MiB) | peak stock (MiB) | peak ours (MiB) | time stock (s) | time ours (s) | "
@@ -102,11 +108,14 @@ def main(argv=None) -> int:
         for method in ("stock", "ours"):
             run(method, ids, mask, histories)  # burn-in
             embedded.clear()
+            synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            synchronize()
             start = time.perf_counter()
-            output = run(method, ids, mask, histories)
+            output = run(method, ids, mask, histories).cpu()
+            synchronize()
             elapsed = time.perf_counter() - start
             prefill = sum(embedded) - len(histories) * (args.completion - 1)  # the decoding steps' one token a row
-            peak = peak_tensor_bytes(lambda: run(method, ids, mask, histories), torch.device("cpu"))
+            peak = peak_tensor_bytes(lambda: run(method, ids, mask, histories), device)
             results[method] = (output, prefill, peak, elapsed)
         (out_s, pre_s, peak_s, t_s), (out_o, pre_o, peak_o, t_o) = results["stock"], results["ours"]
         held = carried["held"].nbytes if carried["held"] is not None else 0  # live before ours' call: part of its peak
