@@ -17,7 +17,7 @@ agree.
 """
 
 import argparse
-import copy
+import dataclasses
 import sys
 import time
 
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
             return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         turns = None if args.no_continue else TurnCaches(budget=1 << 50)
         if turns is not None and carried["held"] is not None:  # a copy: the call drops what it held once copied
-            turns.held = copy.copy(carried["held"])
+            held = carried["held"]
+            turns.held = dataclasses.replace(held, own=list(held.own), prefix=list(held.prefix))
         output = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompts, prompt_cache_once=None,
                                               generation_config=config, turns=turns)[0]  # fmt: skip
         run.held = turns.held if turns is not None else None

@@ -4,8 +4,10 @@ every turn, only the tokens added since a row's previous turn forwarded, nothing
 import numpy as np
 import pytest
 import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill
+from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.core.turn_cache import TurnCaches, continue_reason, plan_continuation
 
 from .test_shared_generation import TOKEN_TYPES, VOCAB, assert_same_generation, build, generation_config, left_pad
@@ -111,11 +113,16 @@ def test_matching_rows_to_held_rows():
     assert plan_continuation(held, [[9, 9, 9]]) is None
 
 
-def test_caches_over_the_budget_are_not_held():
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
+def test_caches_over_the_budget_are_not_held(arch):
+    """Over the budget nothing is held; a windowed model's call, whose whole histories would not fit (estimated before
+    it), keeps only its windows, as stock's."""
     turns = TurnCaches(budget=1000)  # bytes: less than one layer's keys
-    for turn, (stock, ours, tokens, added, histories) in enumerate(tool_loop("llama", turns)):
-        assert_same_generation(stock, ours, "llama", len(stock.logits))
+    for turn, (stock, ours, tokens, added, histories) in enumerate(tool_loop(arch, turns)):
+        assert_same_generation(stock, ours, arch, len(stock.logits))
         assert turns.held is None
+        windowed = any(type(layer) is DynamicSlidingWindowLayer for layer in output_cache(ours).layers)
+        assert windowed == (arch == "mistral_sliding")
     assert turns.over_budget == 3
 
 

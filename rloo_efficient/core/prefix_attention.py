@@ -170,6 +170,8 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
         prefix_key, prefix_value = module.expand_kv(prefix_key, prefix_value)  # as the module expands its own
     prefix_key, prefix_value = _compute_dtype(query, prefix_key, prefix_value)[1:]
     prefix_bias, own_bias = layer.prefix_bias, None
+    if window is not None and key.shape[2] > window:  # a layer keeping its whole history (a tool loop's): the window
+        key, value = key[:, :, -window:], value[:, :, -window:]
     if window is not None:
         window_bias, own_bias = decode_window_biases(layer.prefix_columns, prefix_key.shape[2], layer.own_length,
                                                      key.shape[2], window, query.dtype, query.device)  # fmt: skip

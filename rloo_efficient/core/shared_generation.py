@@ -31,6 +31,7 @@ from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .transformers_compat import CACHE_KWARG
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation, turn_cache
+from .turn_cache import windows_over_budget
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
@@ -214,6 +215,9 @@ def generate_with_shared_prefill(
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     held = turns.take() if turns is not None else None  # the previous call's: released once copied from
     if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
+        turns = held = None
+    if turns is not None and windows_over_budget(model, len(prompt_ids), longest, turns.budget):
+        turns.over_budget += 1  # its windows' whole histories would not be held: the model's own windowed cache
         turns = held = None
     if held is not None and (continuation := plan_continuation(held, prompt_ids)) is not None:
         cache, tokens = continue_prefill(model, held, continuation, prompt_ids, width)

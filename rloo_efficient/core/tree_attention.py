@@ -191,7 +191,7 @@ class TreeAttention(torch.autograd.Function):
                     held = held & (query_position[:, :, None] - key_position[:, None, :] < window)  # (n, L, S)
                 layout.memo[memo_key] = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
                     ~held, torch.finfo(query.dtype).min)[:, None]  # fmt: skip
-            held_key, held_value = (x.index_select(0, part.rows)[:, :, lo:hi] for x in history)
+            held_key, held_value = (x[:, :, lo:hi].index_select(0, part.rows) for x in history)
             out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
                                                 layout.memo[memo_key], False, scale)  # fmt: skip
             lse_h, current = _lse_rows(lse_h, lse_dtype), _read(lse, part.queries)

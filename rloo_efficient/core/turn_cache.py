@@ -66,8 +66,34 @@ def turn_cache(model: nn.Module) -> DynamicCache:
     decoding, reads.
     """
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers]
+    cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
+
+
+def windows_over_budget(model: nn.Module, rows: int, longest: int, budget: int) -> bool:
+    """Whether [`turn_cache`]'s layers for `rows` rows of `longest` tokens would take more than `budget` bytes, for a
+    model with sliding windows (whose cache would otherwise keep only the windows: the call then uses it). Estimated
+    from the config, before the call."""
+    if "_rloo_windowed" not in vars(model):
+        layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+        model._rloo_windowed = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
+    return model._rloo_windowed and whole_cache_bytes(model, rows, longest) > budget
+
+
+def whole_cache_bytes(model: nn.Module, rows: int, longest: int) -> int:
+    """An estimate, from the config, of the keys and values `rows` rows of `longest` tokens take in [`turn_cache`]'s
+    layers."""
+    config = model.config.get_text_config(decoder=True)
+    layers = DynamicCache(config=config).layers
+    # Per layer where the config varies by layer (Gemma 4's global layers have other head dims and counts)
+    configs = getattr(config, "per_layer_config", None) or [config] * len(layers)
+    width = 0
+    for layer, layer_config in zip(layers, configs, strict=True):
+        if not isinstance(layer, DummyLayer):
+            heads = getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads
+            width += heads * (getattr(layer_config, "head_dim", None) or
+                              layer_config.hidden_size // layer_config.num_attention_heads)  # fmt: skip
+    return 2 * rows * longest * width * next(model.parameters()).element_size()
 
 
 def default_budget(device: torch.device) -> int:
@@ -231,7 +257,7 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     layout = replace(layout, history=tuple(history))
 
     cache = turn_cache(model)
-    sources = kv_sources(model.config.get_text_config(decoder=True))  # Gemma 4: a layer reading another's keys
+    source_layer = kv_sources(model.config.get_text_config(decoder=True))  # Gemma 4: a layer reading another's keys
     storage = {}  # per layer storing keys and values, token-major (B * columns, Hkv, D)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, DummyLayer):
@@ -247,11 +273,12 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
                 for target, x in zip((keys, values), part, strict=True):  # (R, T, Hkv, D) views: (n, Hkv, D) picked
                     target.index_copy_(0, where, x.transpose(1, 2)[rows_of, columns_of])
         storage[index] = (keys, values)
-    held.drop()  # the previous call's keys and values: released here, where the caller releases its holder
+        held.own[index] = held.prefix[index] = None  # this layer's held keys: released as soon as copied
+    held.drop()  # the rest (layers storing nothing): the caller's holder keeps only the token lists
     filled = set()
 
     def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
-        return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[sources[index]])
+        return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[source_layer[index]])
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if index not in storage:  # a layer reading another's keys (the model hands it its source's)
@@ -272,7 +299,7 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
                                "not go through rloo_efficient's attention function.")  # fmt: skip
     for index in sorted(storage):
         cache.update(*padded(index), index)
-        del storage[index]  # one layer's two copies alive at a time (a source's after every layer reading it)
+        del storage[index]  # one layer's two copies alive at a time
     return cache, count
 
 
