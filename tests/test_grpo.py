@@ -380,6 +380,21 @@ def tool_tokenizer():
     return tokenizer
 
 
+def recorded_continuations(monkeypatch) -> list:
+    """Per call of ours that continued held caches (a tool loop's later turn): `(rows, rows reusing held tokens)`."""
+    import rloo_efficient.core.shared_generation as shared_generation
+
+    continued = []
+    continue_prefill = shared_generation.continue_prefill
+
+    def recording(model, held, plan, prompt_ids, width):
+        continued.append((len(prompt_ids), int((plan.reused > 0).sum())))
+        return continue_prefill(model, held, plan, prompt_ids, width)
+
+    monkeypatch.setattr(shared_generation, "continue_prefill", recording)
+    return continued
+
+
 def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
     trainer = trainer_class(model=path, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
     trainer.train()
@@ -397,18 +412,10 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     budget the caches exceed: one warning) and a system prompt before every task (100 tokens), the later turn's rows,
     no two alike, still share it: that turn is prefilled as its prefix tree. The training forward packs each prompt
     once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
-    import rloo_efficient.core.shared_generation as shared_generation
     import rloo_efficient.trainers.mixin as mixin
 
     scripted_tool_calls(monkeypatch)
-    continued = []  # per continued call: (rows, rows reusing their held tokens)
-    continue_prefill = shared_generation.continue_prefill
-
-    def recording(model, held, plan, prompt_ids, width):
-        continued.append((len(prompt_ids), int((plan.reused > 0).sum())))
-        return continue_prefill(model, held, plan, prompt_ids, width)
-
-    monkeypatch.setattr(shared_generation, "continue_prefill", recording)
+    continued = recorded_continuations(monkeypatch)
     shared_calls = []  # per generate call of ours: (rows alike, rows, prompt tokens its shared prefill forwarded)
     shared = mixin.generate_with_shared_prefill
 
@@ -555,17 +562,8 @@ def test_environments_group_by_prompt_and_environment(model_cache, tmp_path, mon
     """
     from datasets import Dataset
 
-    import rloo_efficient.core.shared_generation as shared_generation
-
     scripted_tool_calls(monkeypatch)
-    continued = []  # per continued call: (rows, rows reusing their held tokens)
-    continue_prefill = shared_generation.continue_prefill
-
-    def recording(model, held, plan, prompt_ids, width):
-        continued.append((len(prompt_ids), int((plan.reused > 0).sum())))
-        return continue_prefill(model, held, plan, prompt_ids, width)
-
-    monkeypatch.setattr(shared_generation, "continue_prefill", recording)
+    continued = recorded_continuations(monkeypatch)
     cfg = tiny_workload(model_cache, conversational=True, num_prompts=1)
     path = build_model_dir(cfg)
     prompt = build_dataset(cfg)["prompt"][0]
