@@ -231,7 +231,8 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         history = ()
         if layout.history:  # a continued prefill: the rows' held keys and values, in the query's dtype
             if torch.is_grad_enabled():
-                raise ValueError("A continued prefill's attention over held keys has no backward: run it under no_grad.")
+                raise ValueError("A continued prefill's attention over held keys has no backward: run it without "
+                                 "grad.")  # fmt: skip
             history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
         query, key, value, *history = _one_head_dim(query, key, value, *history)
         out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, history or None)

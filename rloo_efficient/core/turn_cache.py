@@ -289,7 +289,9 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
 
     if count:
         install(model)
-        head = {"logits_to_keep": torch.zeros(1, dtype=torch.long, device=device)} if takes_logits_to_keep(model) else {}
+        head = {}
+        if takes_logits_to_keep(model):  # positions, not a count (see tree_prefill): the head on one position only
+            head["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=device)
         with capturing_keys(lay_out), continuing_with(padded):
             model(input_ids=tokens_t.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
                   use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
