@@ -78,6 +78,18 @@ def _add(x: torch.Tensor, blocks: Blocks, rows: torch.Tensor) -> None:
         x.index_add_(0, blocks.scatter.view(-1), rows)
 
 
+def _merge(out: torch.Tensor, lse: torch.Tensor, queries: Blocks, out_part: torch.Tensor,
+           lse_part: torch.Tensor) -> None:  # fmt: skip
+    """Merges a part's output and log-sum-exp (a kernel's, `(n, h, L, D)` and `(n, h, L)`) into the flat `out`
+    `(N + 1, h, D)` and `lse` `(N + 1, h)` at its `queries`, by log-sum-exp."""
+    lse_part = _lse_rows(lse_part, lse.dtype)
+    current = _read(lse, queries)
+    weight = torch.sigmoid(lse_part - current).unsqueeze(-1).to(out.dtype)
+    merged = torch.lerp(_read(out, queries), _rows(out_part).to(out.dtype), weight)  # new tensors: then written
+    _write(lse, queries, torch.logaddexp(current, lse_part))
+    _write(out, queries, merged)
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -169,12 +181,7 @@ class TreeAttention(torch.autograd.Function):
             out_p, lse_p, state = attention_forward(_gather(q, queries), _gather(k, keys), _gather(v, keys), bias,
                                                     False, scale)  # fmt: skip
             states.append(state)
-            lse_p = _lse_rows(lse_p, lse_dtype)
-            current = _read(lse, queries)
-            weight = torch.sigmoid(lse_p - current).unsqueeze(-1).to(work)
-            merged = torch.lerp(_read(out, queries), _rows(out_p).to(work), weight)  # new tensors: then written
-            _write(lse, queries, torch.logaddexp(current, lse_p))
-            _write(out, queries, merged)
+            _merge(out, lse, queries, out_p, lse_p)
         for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
             lo, hi = part.span
             if window is not None:  # the queries follow every held key: only the last w - 1 columns are in reach
@@ -194,11 +201,7 @@ class TreeAttention(torch.autograd.Function):
             held_key, held_value = (x[:, :, lo:hi].index_select(0, part.rows) for x in history)
             out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
                                                 layout.memo[memo_key], False, scale)  # fmt: skip
-            lse_h, current = _lse_rows(lse_h, lse_dtype), _read(lse, part.queries)
-            weight = torch.sigmoid(lse_h - current).unsqueeze(-1).to(work)
-            merged = torch.lerp(_read(out, part.queries), _rows(out_h).to(work), weight)
-            _write(lse, part.queries, torch.logaddexp(current, lse_h))
-            _write(out, part.queries, merged)
+            _merge(out, lse, part.queries, out_h, lse_h)
         out, lse = out[:tokens], lse[:tokens]
         if sinks is not None:
             apply_sinks(out.transpose(0, 1).unsqueeze(0), lse.transpose(0, 1).unsqueeze(0), sinks)

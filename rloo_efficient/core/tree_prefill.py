@@ -86,6 +86,33 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
+def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, layers: set[int], what: str) -> None:
+    """
+    One packed forward of `tokens` `(N,)` over `layout` ([`tree_layout.TreeLayout`]), the model called at its top as
+    `generate` calls it (a mixed-precision wrapper on its `forward` applies), its head on one position only, each
+    attention layer handing its keys and values to `capture(layer_idx, key, value)` ([`capturing_keys`]). Raises
+    where a cache layer of `layers` handed none (its attention did not go through ours); `what` names the caller.
+    """
+    install(model)
+    seen = set()
+
+    def record(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        seen.add(index)
+        capture(index, key, value)
+
+    # A tensor of positions, not a count: Gemma 4 reads an integer `logits_to_keep` as the tokens to keep altogether
+    head = {}
+    if takes_logits_to_keep(model):
+        head["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=tokens.device)
+    with capturing_keys(record):
+        model(input_ids=tokens.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
+              use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
+    missing = sorted(layers - seen)
+    if missing:
+        raise RuntimeError(f"The {what} saw no keys for the cache layers {missing}: their attention did not go "
+                           "through rloo_efficient's attention function.")  # fmt: skip
+
+
 @torch.no_grad()
 def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = None) -> DynamicCache:
     """
@@ -97,27 +124,16 @@ def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = 
     """
     device = next(model.parameters()).device
     layout, (tokens, slots) = tree_layout(plan.tree, device, parts=[plan.tokens, plan.slots], recurrent=False)
-    install(model)
     cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
-    filled = []
+    stored = {index for index, layer in enumerate(cache.layers) if not isinstance(layer, DummyLayer)}
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        if isinstance(cache.layers[index], DummyLayer):
+        if index not in stored:
             return
         # (1, Hkv, N, D) -> (U, Hkv, columns, D), token-major as a model's own prefill lays out its keys
         keys, values = (torch.cat([x[0].transpose(0, 1), x.new_zeros(1, x.shape[1], x.shape[3])]).index_select(
             0, slots).view(plan.prompts, plan.columns, x.shape[1], x.shape[3]).transpose(1, 2) for x in (key, value))
         cache.update(keys, values, index)
-        filled.append(index)
 
-    # A tensor of positions, not a count: Gemma 4 reads an integer `logits_to_keep` as the tokens to keep altogether
-    head = {"logits_to_keep": torch.zeros(1, dtype=torch.long, device=device)} if takes_logits_to_keep(model) else {}
-    with capturing_keys(lay_out):
-        model(input_ids=tokens.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
-              use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
-    missing = [index for index, layer in enumerate(cache.layers) if not isinstance(layer, DummyLayer)
-               and index not in filled]  # fmt: skip
-    if missing:
-        raise RuntimeError(f"The tree prefill saw no keys for the cache layers {missing}: their attention did not go "
-                           "through rloo_efficient's attention function.")  # fmt: skip
+    forward_capturing(model, tokens, layout, lay_out, stored, "tree prefill")
     return cache

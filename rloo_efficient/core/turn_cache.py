@@ -17,9 +17,8 @@ one pass: they agree to the floating-point rounding of those different matmul sh
 What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
 held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no recurrent
 state: it went on past the row's end; no latents; Gemma 4's layers reading another's read its). A sliding-window layer
-keeps its whole
-history in a tool loop ([`turn_cache`]): the batch's last positions it would keep are padding for a row that finished
-early.
+keeps its whole history in a tool loop ([`turn_cache`]): the batch's last positions it would keep are padding for a
+row that finished early.
 """
 
 import os
@@ -31,11 +30,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, continuing_with, install
+from .prefix_attention import continuing_with
 from .prefix_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
 from .tree import Tree, ranges
 from .tree_layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
-from .tree_prefill import takes_logits_to_keep, tree_prefill_reason
+from .tree_prefill import forward_capturing, tree_prefill_reason
 
 
 # A quarter of the device's memory: the caches held across a tool call are at most the previous call's final cache,
@@ -74,17 +73,18 @@ def windows_over_budget(model: nn.Module, rows: int, longest: int, budget: int) 
     """Whether [`turn_cache`]'s layers for `rows` rows of `longest` tokens would take more than `budget` bytes, for a
     model with sliding windows (whose cache would otherwise keep only the windows: the call then uses it). Estimated
     from the config, before the call."""
-    if "_rloo_windowed" not in vars(model):
-        layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
-        model._rloo_windowed = any(type(layer) is DynamicSlidingWindowLayer for layer in layers)
-    return model._rloo_windowed and whole_cache_bytes(model, rows, longest) > budget
+    if "_rloo_whole_token_bytes" not in vars(model):
+        model._rloo_whole_token_bytes = _whole_token_bytes(model)
+    return rows * longest * model._rloo_whole_token_bytes > budget
 
 
-def whole_cache_bytes(model: nn.Module, rows: int, longest: int) -> int:
-    """An estimate, from the config, of the keys and values `rows` rows of `longest` tokens take in [`turn_cache`]'s
-    layers."""
+def _whole_token_bytes(model: nn.Module) -> int:
+    """The bytes of one row's token in [`turn_cache`]'s layers (keys and values, every layer storing them), from the
+    config; 0 for a model without sliding windows (nothing beyond stock's cache)."""
     config = model.config.get_text_config(decoder=True)
     layers = DynamicCache(config=config).layers
+    if not any(type(layer) is DynamicSlidingWindowLayer for layer in layers):
+        return 0
     # Per layer where the config varies by layer (Gemma 4's global layers have other head dims and counts)
     configs = getattr(config, "per_layer_config", None) or [config] * len(layers)
     width = 0
@@ -93,7 +93,7 @@ def whole_cache_bytes(model: nn.Module, rows: int, longest: int) -> int:
             heads = getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads
             width += heads * (getattr(layer_config, "head_dim", None) or
                               layer_config.hidden_size // layer_config.num_attention_heads)  # fmt: skip
-    return 2 * rows * longest * width * next(model.parameters()).element_size()
+    return 2 * width * next(model.parameters()).element_size()
 
 
 def default_budget(device: torch.device) -> int:
@@ -275,7 +275,6 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
         storage[index] = (keys, values)
         held.own[index] = held.prefix[index] = None  # this layer's held keys: released as soon as copied
     held.drop()  # the rest (layers storing nothing): the caller's holder keeps only the token lists
-    filled = set()
 
     def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
         return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[source_layer[index]])
@@ -285,20 +284,10 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
             return
         for target, x in zip(storage[index], (key, value), strict=True):
             target.index_copy_(0, slots_t, x[0].transpose(0, 1).to(target.dtype))
-        filled.add(index)
 
     if count:
-        install(model)
-        head = {}
-        if takes_logits_to_keep(model):  # positions, not a count (see tree_prefill): the head on one position only
-            head["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=device)
-        with capturing_keys(lay_out), continuing_with(padded):
-            model(input_ids=tokens_t.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
-                  use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
-        missing = sorted(set(storage) - filled)
-        if missing:
-            raise RuntimeError(f"The continued prefill saw no keys for the cache layers {missing}: their attention did "
-                               "not go through rloo_efficient's attention function.")  # fmt: skip
+        with continuing_with(padded):
+            forward_capturing(model, tokens_t, layout, lay_out, set(storage), "continued prefill")
     for index in sorted(storage):
         cache.update(*padded(index), index)
         del storage[index]  # one layer's two copies alive at a time

@@ -78,7 +78,8 @@ class GroupSharingMixin(RewardSharingMixin):
     # What a trainer built without our `__init__` reads ([`_constructed`]): every switch off, so each wrapper passes
     # through to TRL's method
     _settings = STOCK_SETTINGS
-    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = _hold_turns = False
+    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = False
+    _turn_budget: int | None = None  # bytes a tool loop's held caches may take, or None: not held
     _turns = None  # a tool loop's held caches, while TRL's `_generate` runs
     _active_rows: torch.Tensor | None = None
 
@@ -125,13 +126,14 @@ class GroupSharingMixin(RewardSharingMixin):
         self._prompt_cache_once = keep_once if can_keep_once else False  # True, or None: chosen per call
         # A tool loop's rows continue their caches from turn to turn, within the budget
         budget = self._settings.tool_cache_budget_gib
-        self._hold_turns = (
+        if (
             self._share_prefill
             and bool(getattr(self, "tools", None))
             and budget != 0
             and _supported(continue_reason(unwrapped),
                            "each later tool turn prefills its rows' histories (as their prefix tree where it can)")
-        )  # fmt: skip
+        ):  # fmt: skip
+            self._turn_budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
         # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
         # its rows stay in stock's order)
         several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
@@ -365,17 +367,8 @@ class GroupSharingMixin(RewardSharingMixin):
         ends = {*self.eos_token_ids, self._tokenizer.pad_token_id}
         return [len(ids) if ids and ids[-1] in ends else 0 for ids in completion_ids_list]
 
-    def _tool_turns(self) -> TurnCaches | None:
-        """The holder of a tool loop's caches for one `_generate` ([`turn_cache.TurnCaches`]), or None."""
-        if not self._hold_turns:
-            return None
-        budget = self._settings.tool_cache_budget_gib
-        if budget is None:
-            return TurnCaches(default_budget(self.accelerator.device))
-        return TurnCaches(int(budget * 1024**3))
-
     def _generate(self, prompts: list):
-        self._turns = self._tool_turns()
+        self._turns = TurnCaches(self._turn_budget) if self._turn_budget is not None else None
         try:
             result = super()._generate(prompts)  # TRL's tool loop runs in it: each turn's caches held for the next
         finally:
