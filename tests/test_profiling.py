@@ -113,6 +113,7 @@ def test_evaluation_stays_out_of_the_training_steps(profiled_run):
     [
         ("none", []),
         ("after_generation", ["generation"]),
+        ("auto", ["generation"]),  # the default, on CPU
         # Scoring, then step 1's train and optimizer; step 2 only trains and steps
         ("every_phase", ["generation", "policy_logps", "reference_logps", "reward", "train", "optimizer", "train", "optimizer"]),
     ],
@@ -126,6 +127,12 @@ def test_cache_release_boundaries(workload, tmp_path, monkeypatch, policy, expec
     assert len(released) == len(expected)  # the release itself ran once per boundary
     release_logged = [entry.get("time/cache_release_s") for entry in trainer.state.log_history if "loss" in entry]
     assert (release_logged[0] is not None) == bool(expected)
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", "after_generation"), ("cuda", "none"), ("xpu", "none")])
+def test_auto_cache_release_by_device(device, expected):
+    assert phase_profiler.resolved_policy("auto", torch.device(device)) == expected
+    assert phase_profiler.resolved_policy("every_phase", torch.device(device)) == "every_phase"
 
 
 def test_nested_phases_count_their_own_segments():

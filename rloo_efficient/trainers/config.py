@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 import trl
 
 
-EMPTY_CACHE_POLICIES = ("none", "after_generation", "every_phase")
+EMPTY_CACHE_POLICIES = ("auto", "none", "after_generation", "every_phase")
 
 SHARING_DOC = r"""
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):
@@ -84,13 +84,15 @@ SHARING_DOC = r"""
             clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
             groups together everywhere (the trajectory is then no longer stock TRL's where the rule above does not
             hold).
-        empty_cache_policy (`str`, *optional*, defaults to `"after_generation"`):
+        empty_cache_policy (`str`, *optional*, defaults to `"auto"`):
             When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per
             generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
             the reward, the training forward/backward and the optimizer step). On an accelerator this is
             `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
-            `time/cache_release_s`. Default from our measurement on the default workload (P=2048, C=64, k=8, CPU):
-            `"after_generation"` gave 0.91x the working memory of `"none"` for 6 ms per step (see README).
+            `time/cache_release_s`. `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the working memory of
+            `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the caching allocator
+            must allocate again what was released: on an H200 a `generate` call right after `empty_cache()` took
+            1.13-1.16x the time of one on a warm allocator, stock's included (see README).
         profile_memory (`bool`, *optional*, defaults to `True`):
             Record each phase's peak memory and time (`memory/<phase>/<stat>` and `time/<phase>_s` in the logs) and
             write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary."""
@@ -137,7 +139,7 @@ class SharingArguments:
                           "reorders a sum, True always, False never (stock's row shuffle)."},
     )
     empty_cache_policy: str = field(
-        default="after_generation",
+        default="auto",
         metadata={"help": "When to release cached allocator memory.", "choices": list(EMPTY_CACHE_POLICIES)},
     )
     profile_memory: bool = field(
