@@ -9,6 +9,7 @@ synchronizes the device at phase boundaries), peak allocated and peak reserved.
     python experiments/bench_gpu.py --workloads 1.7b      # the 1.7B workloads alone (0.6b: the others)
     python experiments/bench_gpu.py --workloads smoke     # a seconds-long check of this script, on any device
     python experiments/bench_gpu.py --ablations           # also ours with each generation feature off
+    python experiments/bench_gpu.py --workloads 0.6b-k8 --ablations empty_cache_policy=after_generation
 
 A run that runs out of memory is reported as such.
 """
@@ -34,8 +35,10 @@ WORKLOADS = {
 }
 # Each group alone, for a device session too short for all four (one run takes ~80 s on an H200 at 0.6B)
 WORKLOADS["0.6b"], WORKLOADS["1.7b"] = WORKLOADS["gpu"][:2], WORKLOADS["gpu"][2:]
-ABLATIONS = {"ours, share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
-             "ours, share_generation_prefill=False": ["--share_generation_prefill", "false"]}  # fmt: skip
+WORKLOADS["0.6b-k8"] = WORKLOADS["gpu"][:1]
+ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
+             "share_generation_prefill=False": ["--share_generation_prefill", "false"],
+             "empty_cache_policy=after_generation": ["--empty_cache_policy", "after_generation"]}  # fmt: skip
 GIB = "gib"
 
 
@@ -72,7 +75,8 @@ def steady(result: dict, phase: str | None, stat: str) -> float | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", choices=list(WORKLOADS), default="gpu")
-    parser.add_argument("--ablations", action="store_true", help="also run ours with each generation feature off")
+    parser.add_argument("--ablations", nargs="*", default=None, choices=list(ABLATIONS),
+                        help="also run ours with these settings (all of them when none is named)")
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     args = parser.parse_args(argv)
     import torch
@@ -92,8 +96,8 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     for name, preset, p, c, k in WORKLOADS[args.workloads]:
         methods = {"stock": ("stock", []), "ours": ("ours", [])}
-        if args.ablations:
-            methods.update({label: ("ours", extra) for label, extra in ABLATIONS.items()})
+        if args.ablations is not None:
+            methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
         with tempfile.TemporaryDirectory() as tmp:
             results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args)
                        for label, (method, extra) in methods.items()}  # fmt: skip

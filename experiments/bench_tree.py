@@ -16,6 +16,7 @@ prefix trees' real tokens (each shared run once), the phase's peak memory above 
     python experiments/bench_tree.py --repeats 3 --output results/tree.md
     python experiments/bench_tree.py --threshold          # the measurement behind tree.MIN_SAVED_TOKENS
     python experiments/bench_tree.py --buckets            # and behind tree_layout.BUCKET_RATIO
+    python experiments/bench_tree.py --kernels --preset qwen3-0.6b   # variable-length calls vs buckets (on a GPU)
 """
 
 import argparse
@@ -161,6 +162,87 @@ def buckets(argv) -> int:
     return 0
 
 
+def kernels(argv, preset: str | None) -> int:
+    """Time one packed forward and backward of the reasoning tree (a 512-token prompt, 8 completions of very different
+    lengths) and the system-prompt tree (2,048 tokens, 4 tasks of 200, 8 completions of 128 each) with the attention's
+    parts as variable-length calls (flash's, on CUDA) against padded length buckets, on this machine's device; and
+    how far apart their log-probs are (the same attention, other summation orders)."""
+    import time
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from rloo_efficient.core import prefix_attention
+    from rloo_efficient.core import tree_layout as layouts
+    from rloo_efficient.core.packing import pack_rows, row_groups
+    from rloo_efficient.workload import WorkloadConfig, build_model_dir
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict(preset=preset) if preset else dict(prompt_length=512)
+    model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(**shape)), dtype="auto").to(device)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)
+    rng = np.random.default_rng(0)
+    tokens = lambda n: rng.integers(3, min(model.config.vocab_size, 30000), n).tolist()  # noqa: E731
+    shapes = {}
+    lengths = np.minimum(rng.geometric(1 / 650, 8), 2048).tolist()
+    shapes["reasoning"] = ([tokens(512)] * 8, [tokens(n) for n in lengths])
+    system = tokens(2048)
+    tasks = [system + tokens(200) for _ in range(4)]
+    shapes["system prompt"] = ([tasks[row // 8] for row in range(32)], [tokens(128) for _ in range(32)])
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    print(f"# python experiments/bench_tree.py {' '.join(argv)}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"# {preset or 'tiny llama'} ({model.dtype}), {name}, torch {torch.__version__}; forward+backward seconds, "
+          "median of 5 after one; peak: tensors (GiB)")  # fmt: skip
+    print("| tree | tokens | attention calls | seconds | ratio | peak | max abs log-prob difference |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name, (prompts, completions) in shapes.items():
+        width = max(len(c) for c in completions)
+        ids = torch.tensor([p + c + [0] * (width - len(c)) for p, c in zip(prompts, completions, strict=True)])
+        rows = row_groups(prompts, [len(c) for c in completions], None, completions)
+        packed = pack_rows(ids.to(device), width, rows)
+        results = {}
+        for method in ("buckets", "variable-length"):
+            varlen = method == "variable-length"
+            if varlen and device.type != "cuda":
+                print(f"| {name} | {packed.num_tokens} | variable-length: no such kernel on {device.type} | | | | |")
+                continue
+            original = layouts.VARLEN_DEVICES
+            layouts.VARLEN_DEVICES = original if varlen else ()
+            try:
+                layout = layouts.tree_layout(packed.tree, device)[0]
+            finally:
+                layouts.VARLEN_DEVICES = original
+            inputs = {**packed.model_inputs(), prefix_attention.LAYOUT_KWARG: layout}
+            samples = []
+            for _ in range(6):
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                synchronize()
+                start = time.perf_counter()
+                log_probs = packed.unpack(model(**inputs, fused_lm_head=True).log_probs)
+                log_probs.sum().backward()
+                synchronize()
+                samples.append(time.perf_counter() - start)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            calls = (f"nodes: 1, levels: {len(layout.packed_parts)}" if varlen else
+                     f"nodes: {len(layout.buckets)}, levels: {len(layout.parts)}")  # fmt: skip
+            results[method] = (statistics.median(samples[1:]), log_probs.detach().float())
+            base = results["buckets"]
+            difference = (log_probs.detach().float() - base[1]).abs().max().item()
+            print(f"| {name} | {packed.num_tokens} | {method} ({calls}) | {results[method][0]:.4f} | "
+                  f"{results[method][0] / base[0]:.2f} | {peak:.2f} | {difference:.2e} |", flush=True)  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,7 +251,12 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     parser.add_argument("--threshold", action="store_true", help="Measure the node threshold instead.")
     parser.add_argument("--buckets", action="store_true", help="Measure the length buckets' factor instead.")
+    parser.add_argument("--kernels", action="store_true",
+                        help="Time the tree's attention as variable-length calls against length buckets instead.")
+    parser.add_argument("--preset", default=None, help="--kernels: a model shape of rloo_efficient.workload.PRESETS")
     args = parser.parse_args(argv)
+    if args.kernels:
+        return kernels(argv, args.preset)
     if args.threshold:
         return threshold(argv)
     if args.buckets:

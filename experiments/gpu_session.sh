@@ -3,13 +3,16 @@
 # leaves the others their time; every output goes to $OUT (or results/gpu_session/ without it). On the device machine,
 # from the project root, after installing the carried wheels (README "On a GPU"):
 #
-#     bash experiments/gpu_session.sh            # ~10 minutes on an H200
+#     bash experiments/gpu_session.sh            # ~10 minutes on an H200 (the device call's limit: the most needed first)
 #
-# 1. the doctor (versions, every kernel check, stock vs ours on a small model);
-# 2. the decoding cost on this GPU across prompt lengths and batch sizes (core/prefix_cache.py BREAK_EVEN_BYTES);
-# 3. generate alone: stock, the prompt fanned out, kept once (bf16, Qwen3-0.6B's shape);
-# 4. the trainer on the 1.7B workloads (the 0.6B ones are in results/gpu.md);
-# 5. the agent workload's generation turn by turn (tool turns continuing each row's cache) at Qwen3-0.6B's shape.
+# 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
+# 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
+#    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree_layout.py VARLEN_DEVICES);
+# 3. the trainer at 0.6B, k = 8: stock, ours (empty_cache_policy "auto": none on a GPU) and ours releasing the cache
+#    after each generation (the earlier default, suspected of the ~1.2 s ours' generation phase spent there);
+# 4. the agent workload's generation turn by turn (tool turns continuing each row's cache) at Qwen3-0.6B's shape;
+# 5. the decoding cost on this GPU across prompt lengths (core/prefix_cache.py BREAK_EVEN_BYTES);
+# 6. the trainer on the 1.7B workloads (never measured yet).
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
@@ -22,10 +25,10 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
-run 90 doctor python3 -m rloo_efficient.doctor
+run 120 doctor python3 -m rloo_efficient.doctor
+run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
+run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
+    --ablations empty_cache_policy=after_generation --output "$OUT/bench_gpu_0.6b.md"
+run 120 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"
 run 60 decode_cost_k8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 16384 --k 8
-run 60 decode_cost_g8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 --k 8 --groups 8
-run 100 generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 1024 4096 \
-    --completion_length 128 --ks 8 16 --repeats 1
 run 240 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b --output "$OUT/bench_gpu_1.7b.md"
-run 150 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"

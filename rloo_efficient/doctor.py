@@ -37,9 +37,11 @@ from .profiling.memory import get_memory_stats, is_accelerator, release_cached_m
 # 128-dim values padded to them), those two with fewer heads than the real models (the check's time grows with them)
 HEAD_LAYOUTS = ((32, 8, 64), (16, 8, 128), (8, 4, 256), (8, 2, 512), (8, 8, 192))
 # (use, masked): prompt-causal, and under a sliding window; a prompt read by its completions, whole, padded or under a
-# sliding window; decoding
+# sliding window; decoding; and the packed forward's variable-length calls (its nodes, causal, with or without a
+# window; a tree level read by its subtrees)
 USES = (("causal", None), ("causal window", None), ("prefix", None), ("prefix", "by key"), ("prefix", "by query"),
-        ("decode", None), ("decode", "by key"))  # fmt: skip
+        ("decode", None), ("decode", "by key"), ("varlen causal", None), ("varlen causal window", None),
+        ("varlen", None))  # fmt: skip
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "deepspeed", "rloo_efficient")
 METRICS = ("loss", "reward", "kl", "grad_norm", "entropy")
 # float32 on both sides, TF32 off: the runs differ only in summation order (~1e-6 relative per step)
@@ -76,7 +78,9 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
             for use, masked in USES:
                 config = kernel_checks.configuration(device, dtype, heads, kv_heads, dim, masked, use)
                 kernel = config[0]
-                if use == "causal window" and kernel != "cuda_flash":
+                if use.startswith("varlen") and kernel is None:
+                    result = "no variable-length kernel: the nodes in padded length buckets"
+                elif use == "causal window" and kernel != "cuda_flash":
                     result = "no windowed kernel: chunks with a mask per query (the prefix line masked by query)"
                 elif kernel == "math":
                     result = "no fused kernel for this device and dtype (math path)"

@@ -98,6 +98,20 @@ def run(trainer_class, model_path, args, dataset, reward=vowel_reward, processin
     return trainer
 
 
+def emulate_varlen(patch: pytest.MonkeyPatch) -> list[str]:
+    """The packed forward's variable-length path on CPU (flash's on CUDA): layouts carry its calls, and the math
+    reference, sequence by sequence, runs them. Returns the list of kernels each call ran, as they run."""
+    from rloo_efficient.core import kernel_checks
+    from rloo_efficient.core import tree_layout as layouts
+
+    calls: list[str] = []
+    forward = kernel_checks.varlen_forward
+    patch.setattr(layouts, "VARLEN_DEVICES", ("cpu",))
+    patch.setattr(kernel_checks, "varlen_kernel", lambda query: "math_varlen")
+    patch.setattr(kernel_checks, "varlen_forward", lambda *args: calls.append(args[0]) or forward(*args))
+    return calls
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("models")

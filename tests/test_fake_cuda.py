@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from rloo_efficient.core import attention_kernels as kernels
 from rloo_efficient.core import kernel_checks as checks
 from rloo_efficient.core import prefix_attention
+from rloo_efficient.core import tree_layout as layouts
 from rloo_efficient.core.prefix_cache import PrefixCache
 from rloo_efficient.core.tree_attention import TreeAttention
 from rloo_efficient.core.packing import pack_rows
@@ -36,6 +37,7 @@ from .test_prefix_attention import stock_batch
 aten = torch.ops.aten
 CUDA = torch.device("cuda", 0)
 HOPPER = (9, 0)
+FUSED = {"cuda_flash", "cuda_flash_varlen", "cuda_efficient"}
 
 
 def _getitem(x: torch.Tensor, index):
@@ -95,6 +97,17 @@ class _LayoutContracts:
                 return op(grad_out, query, key, value, bias, out, lse, *args, **kwargs)
 
             return checked
+        if name == "_flash_attention_forward":  # the variable-length entry point (the nodes, windowed or not; levels)
+
+            def checked_varlen_forward(query, key, value, cum_q, cum_k, max_q, max_k, *args, **kwargs):
+                assert query.dim() == key.dim() == value.dim() == 3 and key.shape[1] == value.shape[1]
+                assert query.shape[1] % key.shape[1] == 0 and all(x.stride(-1) == 1 for x in (query, key, value))
+                assert cum_q.dtype == cum_k.dtype == torch.int32 and cum_q.shape == cum_k.shape and cum_q.dim() == 1
+                assert isinstance(max_q, int) and isinstance(max_k, int) and 0 < max_q <= query.shape[0]
+                assert 0 < max_k <= key.shape[0]
+                return op(query, key, value, cum_q, cum_k, max_q, max_k, *args, **kwargs)
+
+            return checked_varlen_forward
         if name == "_flash_attention_backward":  # the windowed (variable-length) entry point
 
             def checked_varlen(grad_out, query, key, value, out, lse, cum_q, cum_k, *args, **kwargs):
@@ -158,7 +171,14 @@ def fake_cuda(monkeypatch, capability=HOPPER):
             chosen.append(("expanded keys", heads))
         return expand(x, heads)
 
+    varlen = checks.varlen_forward
+
+    def recording_varlen(kernel, query, key, *args):
+        chosen.append((kernel, query.shape[1] // key.shape[1]))
+        return varlen(kernel, query, key, *args)
+
     monkeypatch.setattr(kernels, "_kernel_forward", recording)
+    monkeypatch.setattr(checks, "varlen_forward", recording_varlen)
     monkeypatch.setattr(kernels, "_expand_heads", recorded_expand)
     monkeypatch.setattr(kernels, "aten", _LayoutContracts())
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
@@ -290,19 +310,25 @@ def fake_model(arch: str, dtype: torch.dtype):
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
+@pytest.mark.parametrize("varlen", [True, False])  # False: the padded length buckets (flash's variable-length call off)
+def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, varlen):
     # Two groups, prompts of 20 and 14 tokens (nodes of other lengths: the level's part carries a bias), 3 rows each
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    if not varlen:
+        monkeypatch.setattr(layouts, "VARLEN_DEVICES", ())
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, dtype)
         packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
         layout = packed.layout
         assert packed.input_ids.device == CUDA and len(layout.parts) == 1 and layout.parts[0].padded_keys
+        assert (layout.packed_nodes is not None, len(layout.packed_parts)) == ((True, 1) if varlen else (False, 0))
         logits = model(**packed.model_inputs()).logits
         assert (logits.shape, logits.dtype, logits.device) == ((1, packed.num_tokens, 64), dtype, CUDA)
-        # Per layer: each length bucket of nodes (causal) on flash; the level's part (the rows' queries over their
-        # prompt) on the efficient kernel with its grouped heads folded; never the math path
-        assert chosen == ([("cuda_flash", 2)] * len(layout.buckets) + [("cuda_efficient", 1)]) * 2
+        if varlen:  # per layer: the nodes in one causal call, the level's part in one more: flash's, no padding
+            assert chosen == [("cuda_flash_varlen", 2)] * 2 * 2
+        else:  # each length bucket of nodes (causal) on flash; the level's part (the rows' queries over their prompt)
+            # on the efficient kernel (its keys padded: a bias) with its grouped heads folded; never the math path
+            assert chosen == ([("cuda_flash", 2)] * len(layout.buckets) + [("cuda_efficient", 1)]) * 2
         _attention_backward(chosen, packed, layout, dtype)
 
 
@@ -324,7 +350,7 @@ def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
             assert (layer.keys.shape, layer.keys.dtype, layer.keys.device) == ((3, 2, width - 1, 64), torch.bfloat16,
                                                                                  CUDA)  # fmt: skip
             assert layer.keys.stride(-1) == 1 and layer.values.shape == layer.keys.shape
-        assert chosen and {kernel for kernel, _ in chosen} <= {"cuda_flash", "cuda_efficient"}
+        assert chosen and {kernel for kernel, _ in chosen} == {"cuda_flash_varlen"}  # the nodes, the system prompt
 
 
 @pytest.mark.parametrize("arch", [*ARCHITECTURES, "gemma3", "gpt_oss"])
@@ -355,7 +381,7 @@ def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         # Under a window the held part masks per query (not folded: its keys, the last w - 1 columns, copied per
         # query head, as a windowed level's part)
         kernels_run = {kernel for kernel, _ in chosen if kernel != "expanded keys"}
-        assert chosen and kernels_run <= {"cuda_flash", "cuda_efficient"}
+        assert chosen and kernels_run <= FUSED
         assert any(kernel == "expanded keys" for kernel, _ in chosen) == (arch in WINDOWED)
         assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
@@ -409,11 +435,17 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))
-def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch):
+@pytest.mark.parametrize("varlen", [True, False])
+def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch, varlen):
     """A sliding window shorter than the packed prompts (20 and 14 tokens) and rows, and GPT-OSS's sinks: windowed
-    flash for the nodes longer than the window, flash for the others, the efficient kernel for the prompts' tails read
-    by their subtrees; the tree attention's backward too."""
+    flash for the nodes longer than the window (one variable-length call, or per length bucket), the efficient kernel
+    for the prompts' tails read by their subtrees; the tree attention's backward too."""
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [12, 4, 3, 11, 2, 1], 12, seed=0)
+    if not varlen:
+        monkeypatch.setattr(layouts, "VARLEN_DEVICES", ())
+    windows = []
+    forward = checks.varlen_forward
+    monkeypatch.setattr(checks, "varlen_forward", lambda *args: windows.append(args[10]) or forward(*args))
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, torch.bfloat16)
         packed = pack_rows(ids.to(CUDA), 12, rows, min_saved=0)
@@ -424,8 +456,14 @@ def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch):
         # copied per query head); the full layer as without a window
         kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
         buckets = len(packed.layout.buckets)
-        assert kernels_run == [("cuda_flash", 2)] * buckets + [("cuda_efficient", 2)] + [
-            ("cuda_flash", 2)] * buckets + [("cuda_efficient", 1)]  # fmt: skip
+        if varlen:  # the sliding layer's nodes under flash's window (8 - 1 keys before each query), its level's part
+            # masked per query; the full layer's nodes and part in flash's variable-length calls, no window
+            assert kernels_run == [("cuda_flash_varlen", 2), ("cuda_efficient", 2)] + [("cuda_flash_varlen", 2)] * 2
+            assert windows == [8, None, None]
+        else:
+            assert kernels_run == [("cuda_flash", 2)] * buckets + [("cuda_efficient", 2)] + [
+                ("cuda_flash", 2)] * buckets + [("cuda_efficient", 1)]  # fmt: skip
+            assert windows == []
         sinks = getattr(model.model.layers[0].self_attn, "sinks", None)
         _attention_backward(chosen, packed, packed.layout, torch.bfloat16, window=8, sinks=sinks, sliding=True)
 
@@ -474,8 +512,8 @@ def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monke
         out, _ = prefix_attention.prefix_attention(None, q, k, v, prefix_attention.NO_MASK, scaling=0.2,
                                                    **{prefix_attention.LAYOUT_KWARG: packed.layout})  # fmt: skip
         assert out.shape == (1, tokens, 4, 12) and out.dtype == torch.bfloat16
-        # head_dim 24 in half precision: flash for the causal buckets, the efficient kernel for the level's part
-        assert [entry[0] for entry in chosen] == ["cuda_flash"] * len(packed.layout.buckets) + ["cuda_efficient"]
+        # head_dim 24 in half precision: flash's variable-length calls (the nodes; the level's part)
+        assert [entry[0] for entry in chosen] == ["cuda_flash_varlen"] * 2
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 

@@ -18,7 +18,15 @@ from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_rows, prom
 from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
-from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
+from .conftest import (
+    assert_metrics_close,
+    emulate_varlen,
+    per_micro_batch,
+    run,
+    step_metrics,
+    tiny_workload,
+    training_args,
+)
 from .trees import random_rows, split_rows, stock_batch
 
 
@@ -125,6 +133,26 @@ FAMILY_LAYOUTS = {
 def test_every_family_matches_stock_trl(model_cache, tmp_path, exact_head, monkeypatch, arch, layout):
     """Under TRL's default config: for the MoE families, the load-balancing loss on (TRL takes its coefficient from the
     config), packed and weighted ([`core.moe`]), its logged `aux_loss` compared too."""
+    _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout)
+
+
+# One family per attention kind beyond plain attention: windows (Gemma 3), sinks and MoE (GPT-OSS), latent attention
+# with narrower values (DeepSeek-V3), layers reading another layer's keys and a wider global head (Gemma 4), recurrent
+# layers beside attention (Qwen3-Next)
+VARLEN_FAMILIES = ("gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next")
+
+
+@pytest.mark.parametrize("arch", VARLEN_FAMILIES)
+def test_variable_length_calls_match_stock_trl(model_cache, tmp_path, exact_head, monkeypatch, arch):
+    """The packed forwards as they run on CUDA in half precision, where flash's variable-length entry point takes the
+    nodes in one causal call and each tree level in one call (here the math reference, sequence by sequence, runs
+    them): the tree layout of the family test, against stock TRL."""
+    calls = emulate_varlen(monkeypatch)
+    _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, "tree")
+    assert calls and set(calls) == {"math_varlen"}
+
+
+def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
     import rloo_efficient.trainers.mixin as mixin
 
     workload, overrides = FAMILY_LAYOUTS[layout]

@@ -16,6 +16,7 @@ from rloo_efficient.core.prefix_attention import prefix_attention
 from rloo_efficient.core.tree import END, build_tree
 from rloo_efficient.core.tree_layout import tree_layout
 
+from .conftest import emulate_varlen
 from .trees import random_rows
 
 
@@ -143,6 +144,21 @@ def test_tree_attention_with_a_sliding_window_and_sinks_equals_dense_attention(s
     check_against_dense(build_tree(random_rows(seed), min_saved=0), seed, window=window, sinks=sinks)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), min_saved=st.sampled_from(THRESHOLDS),
+       window=st.one_of(st.none(), st.integers(1, 20)), sinks=st.booleans())  # fmt: skip
+def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, min_saved, window, sinks):
+    """The layout's variable-length calls (flash's on CUDA; the math reference here): every node in one causal call
+    (under a window too), each level's part in one call without key padding; the same trees as above."""
+    tree = build_tree(random_rows(seed), min_saved=min_saved)
+    with pytest.MonkeyPatch.context() as patch:
+        calls = emulate_varlen(patch)
+        check_against_dense(tree, seed, window=window, sinks=sinks)
+    if tree.num_tokens:  # the nodes' call, and the levels' where some node has descendants (without a window)
+        levels = int((tree.subtree_end > tree.start + tree.length).any())
+        assert len(calls) >= 1 + (levels if window is None else 0)
+
+
 def test_padding_slots_stay_finite_with_large_scores():
     """Nodes of different lengths leave padding slots in every part; with scores beyond exp's range their
     probabilities must still be computed against a finite log-sum-exp (no inf * 0 = NaN in the gradients)."""
@@ -151,7 +167,10 @@ def test_padding_slots_stay_finite_with_large_scores():
 
 
 # -- mistakes the comparison catches ----------------------------------------------------------------------------------
-def test_a_node_attending_to_a_sibling_fails():
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_node_attending_to_a_sibling_fails(monkeypatch, varlen):
+    if varlen:
+        emulate_varlen(monkeypatch)
     rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13]]
     tree = build_tree(rows, min_saved=0)
     check_against_dense(tree, 0)
@@ -159,20 +178,33 @@ def test_a_node_attending_to_a_sibling_fails():
     subtree_end = tree.subtree_end.copy()
     subtree_end[first_leaf] = tree.num_tokens  # its "subtree" now runs over its siblings
     wrong = tree_layout(type(tree)(**{**vars(tree), "subtree_end": subtree_end}), torch.device("cpu"))[0]
+    assert (wrong.packed_nodes is not None) == varlen
     with pytest.raises(AssertionError):
         check_against_dense(tree, 0, layout=wrong)
 
 
-def test_a_padding_slot_written_to_a_real_token_fails(monkeypatch):
-    rows = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [5, 6, 7, 13, 14, 15, 16]]  # leaves of 4, 3 and 5: one bucket
+def test_a_variable_length_call_reading_the_next_sequences_keys_fails(monkeypatch):
+    """A level's sequences reading their keys one token late (the next node's first token instead of their own
+    first), or the nodes' causal call with its boundaries one token late: the comparison catches each."""
+    import dataclasses
+
+    emulate_varlen(monkeypatch)
+    rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [3, 4, 13], [3, 4, 14, 15]]
     tree = build_tree(rows, min_saved=0)
-    check_against_dense(tree, 0)
-    original = layouts._blocks
+    layout = tree_layout(tree, torch.device("cpu"))[0]
+    check_against_dense(tree, 0, layout=layout)
+    assert len(layout.packed_parts) == 1 and layout.packed_parts[0].cu_k.tolist() == [0, 1, 3]  # two prompts
 
-    def leaky(starts, lengths, tokens, width=None):
-        gather, scatter = original(starts, lengths, tokens, width)
-        return gather, gather  # padding slots write to the node's last token instead of the dump row
+    def late(offsets):
+        moved = offsets.clone()
+        moved[1:-1] += 1
+        return moved
 
-    monkeypatch.setattr(layouts, "_blocks", leaky)
-    with pytest.raises(AssertionError):
-        check_against_dense(tree, 0)
+    call = layout.packed_parts[0]
+    wrong_keys = dataclasses.replace(layout, packed_parts=(dataclasses.replace(call, cu_k=late(call.cu_k)),))
+    nodes = layout.packed_nodes
+    wrong_nodes = dataclasses.replace(layout, packed_nodes=dataclasses.replace(nodes, cu_q=late(nodes.cu_q),
+                                                                                cu_k=late(nodes.cu_k)))  # fmt: skip
+    for wrong in (wrong_keys, wrong_nodes):
+        with pytest.raises(AssertionError):
+            check_against_dense(tree, 0, layout=wrong)

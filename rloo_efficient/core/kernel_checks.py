@@ -15,7 +15,20 @@ import warnings
 
 import torch
 
-from .attention_kernels import KernelState, backward, choose_kernel, forward, math_attention, math_backward
+from .attention_kernels import (
+    KernelState,
+    backward,
+    choose_kernel,
+    forward,
+    math_attention,
+    math_backward,
+    math_varlen_backward,
+    math_varlen_forward,
+    varlen_backward,
+    varlen_forward,
+    varlen_kernel,
+    window_bias,
+)
 
 
 # -- first-use check and fallback ------------------------------------------------------------------------------------
@@ -60,13 +73,6 @@ NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasatt
 _status: dict[tuple, str | None] = {}
 
 
-def window_bias(length: int, window: int, dtype, device) -> torch.Tensor:
-    """`(1, 1, L, L)`: the keys in (i - w, i) hidden from query i beyond the causal mask (the reference's window)."""
-    distance = torch.arange(length, device=device).view(-1, 1) - torch.arange(length, device=device)
-    return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min).view(
-        1, 1, length, length)  # fmt: skip
-
-
 def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, causal: bool,
                    window: int | None = None) -> tuple:  # fmt: skip
     use = ("causal window" if window else "causal") if causal else "decode" if query.shape[2] == 1 else "prefix"
@@ -77,16 +83,19 @@ def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: to
 def configuration(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, masked: str | None,
                   use: str) -> tuple:  # fmt: skip
     """The configuration a call of this kind gets, its kernel chosen as for a real call (`use`: "causal", "causal
-    window", "prefix" or "decode"; `masked`: None, "by key" (prompt padding) or "by query" (a sliding window))."""
+    window", "prefix" or "decode", or a variable-length call's "varlen causal", "varlen causal window" or "varlen";
+    `masked`: None, "by key" (prompt padding) or "by query" (a sliding window)). A variable-length use where no kernel
+    runs one gets the kernel None."""
     query = torch.empty(1, heads, 1, dim, device=device, dtype=dtype)
     bias = torch.empty(1, 1, 1, 1, device=device, dtype=dtype) if masked else None
-    return (choose_kernel(query, bias), device, dtype, heads, kv_heads, dim, masked, use)
+    kernel = varlen_kernel(query) if use.startswith("varlen") else choose_kernel(query, bias)
+    return (kernel, device, dtype, heads, kv_heads, dim, masked, use)
 
 
 def describe(config: tuple) -> str:
     kernel, device, dtype, heads, kv_heads, dim, masked, use = config
-    return (f"{kernel} on {device} ({str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads, head_dim {dim}, "
-            f"{use}{', masked ' + masked if masked else ''})")  # fmt: skip
+    return (f"{kernel or 'no kernel'} on {device} ({str(dtype).removeprefix('torch.')}, {heads}/{kv_heads} heads, "
+            f"head_dim {dim}, {use}{', masked ' + masked if masked else ''})")  # fmt: skip
 
 
 def check_kernel(config: tuple) -> str | None:
@@ -97,6 +106,8 @@ def check_kernel(config: tuple) -> str | None:
     the kernel raised).
     """
     kernel, device, dtype, heads, kv_heads, dim, masked, use = config
+    if use.startswith("varlen"):
+        return check_varlen(config)
     causal = use.startswith("causal")
     window = CHECK_WINDOW if use == "causal window" else None
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -126,21 +137,69 @@ def check_kernel(config: tuple) -> str | None:
         except Exception as error:  # noqa: BLE001  (any other failure sends this configuration to the math path)
             return _failure(error)
         if window is not None:  # the reference's mask: the window beyond the causal one
-            bias = window_bias(query_length, window, dtype, device)
+            bias = window_bias(query_length, window, dtype, device).view(1, 1, query_length, query_length)
         exact = [None if x is None else x.detach().to("cpu", torch.float64) for x in (q, k, v, g, bias)]
         with torch.autocast("cpu", enabled=False):
             ref_out, ref_lse = math_attention(*exact[:3], exact[4], causal, scale)
             ref_grads = math_backward(exact[3], *exact[:3], exact[4], ref_out, ref_lse, causal, scale) if grads else ()
-        names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
-        for name, got, want in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
-            error = (got.detach().to("cpu", torch.float64) - want).abs().max().item()
-            tolerance, unit = LSE_TOLERANCE[dtype], ""
-            if name != "log-sum-exp":
-                error, tolerance, unit = error / want.abs().max().item(), TOLERANCE[dtype], " of its largest value"
-            if not error <= tolerance:  # NaN fails too
-                return (f"did not match the float64 reference: {name} off by {error:.1e}{unit} (tolerance "
-                        f"{tolerance:.0e}) at {query_length} queries x {key_length} keys")  # fmt: skip
+        mismatch = _mismatch((out, lse, *grads), (ref_out, ref_lse, *ref_grads), dtype)
+        if mismatch:
+            return f"{mismatch} at {query_length} queries x {key_length} keys"
     return None
+
+
+def _mismatch(got: tuple, want: tuple, dtype: torch.dtype) -> str | None:
+    """How a kernel's (output, log-sum-exp, *gradients) miss the float64 reference's, or None within tolerance."""
+    names = ("output", "log-sum-exp", "query gradient", "key gradient", "value gradient")
+    for name, value, reference in zip(names, got, want):
+        error = (value.detach().to("cpu", torch.float64) - reference).abs().max().item()
+        tolerance, unit = LSE_TOLERANCE[dtype], ""
+        if name != "log-sum-exp":
+            error, tolerance, unit = error / reference.abs().max().item(), TOLERANCE[dtype], " of its largest value"
+        if not error <= tolerance:  # NaN fails too
+            return f"did not match the float64 reference: {name} off by {error:.1e}{unit} (tolerance {tolerance:.0e})"
+    return None
+
+
+# The variable-length problems: (query lengths, key lengths) of the sequences one call packs, side by side: one token,
+# one longer than a kernel block, others of other lengths (causal: queries = keys)
+VARLEN_PROBLEMS = {"causal": ((24, 1, 200, 7), (24, 1, 200, 7)), "prefix": ((12, 300, 1), (24, 64, 3))}
+
+
+def check_varlen(config: tuple) -> str | None:
+    """[`check_kernel`] for a variable-length configuration (`use` "varlen causal", "varlen causal window" or
+    "varlen"): one packed call of sequences of several lengths, forward and backward (the log-sum-exp handed back
+    transposed, as the packed forward holds it), against the float64 reference, sequence by sequence."""
+    kernel, device, dtype, heads, kv_heads, dim, _, use = config
+    causal = use.startswith("varlen causal")
+    window = CHECK_WINDOW if use == "varlen causal window" else None
+    query_lengths, key_lengths = VARLEN_PROBLEMS["causal" if causal else "prefix"]
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(length, count):
+        return torch.randn(length, count, dim, generator=generator, dtype=torch.float64).to(device, dtype)
+
+    def offsets(lengths):
+        return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+    q, g = rand(sum(query_lengths), heads), rand(sum(query_lengths), heads)
+    k, v = rand(sum(key_lengths), kv_heads), rand(sum(key_lengths), kv_heads)
+    cu_q, cu_k = offsets(query_lengths), offsets(key_lengths)
+    scale = dim**-0.5
+    try:
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            out, lse, state = varlen_forward(kernel, q, k, v, cu_q, cu_k, max(query_lengths), max(key_lengths),
+                                             causal, scale, window)  # fmt: skip
+            grads = varlen_backward(state, g, q, k, v, out, lse.t().contiguous().t(), causal, scale)
+    except Exception as error:  # noqa: BLE001
+        return _failure(error)
+    exact = [x.to("cpu", torch.float64) for x in (q, k, v, g)]
+    with torch.autocast("cpu", enabled=False):
+        ref_out, ref_lse = math_varlen_forward(*exact[:3], cu_q.cpu(), cu_k.cpu(), causal, scale, window)
+        ref_grads = math_varlen_backward(exact[3], *exact[:3], ref_out, ref_lse, cu_q.cpu(), cu_k.cpu(), causal, scale,
+                                         window)  # fmt: skip
+    mismatch = _mismatch((out, lse, *grads), (ref_out, ref_lse, *ref_grads), dtype)
+    return mismatch and f"{mismatch} at queries {query_lengths} x keys {key_lengths}"
 
 
 def _usable(config: tuple) -> bool:
@@ -166,6 +225,7 @@ def _disable(config: tuple, reason: str) -> None:
     if _status.get(config) is None:
         _status[config] = reason
         instead = ("chunks with a mask there" if config[-1] == "causal window" else
+                   "its padded length buckets there" if config[-1].startswith("varlen") else
                    "the slower math path there (its scores in memory)")  # fmt: skip
         warnings.warn(f"rloo_efficient: the {describe(config)} attention kernel {reason}; prefix attention uses "
                       f"{instead}.", stacklevel=4)  # fmt: skip
@@ -237,3 +297,39 @@ def attention_backward(state: KernelState, grad_out, query, key, value, bias, ou
         except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
             _disable(state.config, _failure(error))
     return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
+
+
+def varlen_config(query: torch.Tensor, key: torch.Tensor, causal: bool, window: int | None = None) -> tuple | None:
+    """
+    The configuration of variable-length calls ([`attention_kernels.varlen_forward`]) on packed `query` (Tq, H, D) and
+    `key` (Tk, Hkv, D), where a kernel runs them and passed its first-use check; None where none does or it failed (the
+    caller pads its sequences into length buckets instead). `window`: a causal call's sliding window.
+    """
+    kernel = varlen_kernel(query)
+    if kernel is None:
+        return None
+    use = ("varlen causal window" if window else "varlen causal") if causal else "varlen"
+    config = (kernel, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], None, use)
+    return config if _usable(config) else None
+
+
+def varlen_attention_forward(config: tuple, query, key, value, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                             scale: float, window: int | None = None):  # fmt: skip
+    """`(output, lse, state)` of packed sequences on `config`'s kernel; the math reference if it raises (then
+    disabled: later calls pad length buckets; one warning)."""
+    try:
+        return varlen_forward(config[0], query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window, config)
+    except Exception as error:  # noqa: BLE001
+        _disable(config, _failure(error))
+    return varlen_forward("math_varlen", query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window, config)
+
+
+def varlen_attention_backward(state: KernelState, grad_out, query, key, value, out, lse, causal: bool, scale: float):
+    """`(grad_query, grad_key, grad_value)` of packed sequences given the merged output and `lse` (H, Tq)."""
+    if state.kernel != "math_varlen":
+        try:
+            return varlen_backward(state, grad_out, query, key, value, out, lse, causal, scale)
+        except Exception as error:  # noqa: BLE001  (the reference's backward is exact for any forward's output)
+            _disable(state.config, _failure(error))
+        state = KernelState("math_varlen", state.config, state.extra[:2], window=state.window)
+    return varlen_backward(state, grad_out, query, key, value, out, lse, causal, scale)

@@ -16,16 +16,28 @@ writes the flat `(N, h, D)` sequence through one gather and one scatter of its b
 run of it (a padding slot reads a real token of its block, writes to a dump row and gets no output gradient, so it
 adds nothing to any key's): no `(N, N)` mask exists.
 
-Under a sliding window `w` a node's own tokens go through [`window_attention.band_forward`]; a level's part reads only
-each node's last `w - 1` tokens, masked by the distance of each query's position to theirs. Attention sinks (GPT-OSS)
+Where a variable-length kernel runs (flash's on CUDA in half precision, [`kernel_checks.varlen_config`]) the same
+parts need no padding and no blocks: every node's own tokens are one causal call over the flat sequence itself (its
+nodes are its sequences, one after another), and each level's part one call whose sequences are each node's subtree
+reading the node's tokens, both gathered unpadded ([`tree_layout.Packed`]). The merge and the backward are the same.
+
+Under a sliding window `w` a node's own tokens go through [`window_attention.band_forward`] (or flash's variable-length
+call with its window); a level's part reads only each node's last `w - 1` tokens, masked by the distance of each
+query's position to theirs (in padded buckets: the mask depends on each query's position). Attention sinks (GPT-OSS)
 are applied once, to the merged output. Gemma's image blocks (an image's tokens attend to each other both ways) apply
-to the nodes holding them, on the layers they apply to.
+to the nodes holding them, on the layers they apply to (in padded buckets, with their mask).
 """
 
 import torch
 
-from .kernel_checks import attention_backward, attention_forward
-from .tree_layout import Blocks, Part, TreeLayout
+from .kernel_checks import (
+    attention_backward,
+    attention_forward,
+    varlen_attention_backward,
+    varlen_attention_forward,
+    varlen_config,
+)
+from .tree_layout import Blocks, Part, Rows, TreeLayout
 from .vision import block_bias
 from .window_attention import apply_sinks, band_backward, band_forward, sink_gradient
 
@@ -59,19 +71,19 @@ def _lse_rows(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(-1, lse.shape[1]).to(dtype)
 
 
-def _read(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+def _read(x: torch.Tensor, blocks: Blocks | Rows) -> torch.Tensor:
     """The rows of `x` `(N + 1, ...)` that `blocks` write, flat `(n L, ...)` (the dump row at padding)."""
     return x.narrow(0, *blocks.run) if blocks.run is not None else x.index_select(0, blocks.scatter.view(-1))
 
 
-def _write(x: torch.Tensor, blocks: Blocks, rows: torch.Tensor) -> None:
+def _write(x: torch.Tensor, blocks: Blocks | Rows, rows: torch.Tensor) -> None:
     if blocks.run is not None:
         x.narrow(0, *blocks.run).copy_(rows)
     else:
         x.index_copy_(0, blocks.scatter.view(-1), rows)
 
 
-def _add(x: torch.Tensor, blocks: Blocks, rows: torch.Tensor) -> None:
+def _add(x: torch.Tensor, blocks: Blocks | Rows, rows: torch.Tensor) -> None:
     if blocks.run is not None:
         x.narrow(0, *blocks.run).add_(rows)
     else:
@@ -82,10 +94,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, queries: Blocks, out_part: torc
            lse_part: torch.Tensor) -> None:  # fmt: skip
     """Merges a part's output and log-sum-exp (a kernel's, `(n, h, L, D)` and `(n, h, L)`) into the flat `out`
     `(N + 1, h, D)` and `lse` `(N + 1, h)` at its `queries`, by log-sum-exp."""
-    lse_part = _lse_rows(lse_part, lse.dtype)
+    _merge_rows(out, lse, queries, _rows(out_part), _lse_rows(lse_part, lse.dtype))
+
+
+def _merge_rows(out: torch.Tensor, lse: torch.Tensor, queries: Blocks | Rows, out_part: torch.Tensor,
+                lse_part: torch.Tensor) -> None:  # fmt: skip
+    """[`_merge`] of a part's flat rows: output `(n L, h, D)`, log-sum-exp `(n L, h)`."""
+    lse_part = lse_part.to(lse.dtype)
     current = _read(lse, queries)
     weight = torch.sigmoid(lse_part - current).unsqueeze(-1).to(out.dtype)
-    merged = torch.lerp(_read(out, queries), _rows(out_part).to(out.dtype), weight)  # new tensors: then written
+    merged = torch.lerp(_read(out, queries), out_part.to(out.dtype), weight)  # new tensors: then written
     _write(lse, queries, torch.logaddexp(current, lse_part))
     _write(out, queries, merged)
 
@@ -165,7 +183,22 @@ class TreeAttention(torch.autograd.Function):
         out = q.new_empty(tokens + 1, heads, dim, dtype=work)
         lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
         states = []
-        for index, blocks, images in _buckets(layout):
+        # On a device with a variable-length kernel ([`kernel_checks.varlen_config`]): the nodes as one causal call
+        # over the flat sequence, and each level's part without its key padding (under a window a level's mask depends
+        # on each query's position: its padded buckets)
+        nodes, parts = layout.packed_nodes, layout.packed_parts
+        node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
+        nodes_config = nodes and varlen_config(q, k, True, node_window)
+        parts_config = parts and window is None and varlen_config(q, k, False)
+        if nodes_config:
+            out_n, lse_n, state = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
+                                                           nodes.max_k, True, scale, node_window)  # fmt: skip
+            states.append(state)
+            out[:tokens].copy_(out_n)
+            lse[:tokens].copy_(lse_n.t())
+            out[tokens:].zero_()  # the dump row (the buckets would have written it), read by a windowed part's padding
+            lse[tokens:].zero_()
+        for index, blocks, images in () if nodes_config else _buckets(layout):
             qb, kb, vb = _gather(q, blocks), _gather(k, blocks), _gather(v, blocks)
             bias = _image_bias(layout, index, blocks, window, sliding, query.dtype) if images else None
             if bias is None:
@@ -175,7 +208,13 @@ class TreeAttention(torch.autograd.Function):
             states.append(state)
             _write(out, blocks, _rows(out_b).to(work))
             _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
-        for index, part in enumerate(layout.parts):
+        for call in parts if parts_config else ():
+            out_p, lse_p, state = varlen_attention_forward(parts_config, _read(q, call.queries), _read(k, call.keys),
+                                                           _read(v, call.keys), call.cu_q, call.cu_k, call.max_q,
+                                                           call.max_k, False, scale)  # fmt: skip
+            states.append(state)
+            _merge_rows(out, lse, call.queries, out_p, lse_p.t())
+        for index, part in enumerate(() if parts_config else layout.parts):
             keys, bias = _keys_of(layout, index, part, window, query.dtype)
             queries = part.queries
             out_p, lse_p, state = attention_forward(_gather(q, queries), _gather(k, keys), _gather(v, keys), bias,
@@ -210,6 +249,7 @@ class TreeAttention(torch.autograd.Function):
             ctx.save_for_backward(query, key, value, sinks, result, lse)
         # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
         ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
+        ctx.packed = (bool(nodes_config), bool(parts_config))
         return result.unsqueeze(0)  # (1, N, H, D), token-major as transformers' attention functions return
 
     @staticmethod
@@ -234,7 +274,13 @@ class TreeAttention(torch.autograd.Function):
             _add(target, blocks, _rows(value).to(target.dtype))
 
         states = iter(ctx.states)
-        for index, blocks, images in _buckets(layout):
+        packed_nodes, packed_parts = ctx.packed
+        if packed_nodes:  # the nodes' one causal call: the flat sequence itself
+            lse_heads = lse.t()  # (H, N), as flash's
+            grads = varlen_attention_backward(next(states), grad, q, k, v, out, lse_heads, True, scale)
+            for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
+                target[:tokens].add_(value)
+        for index, blocks, images in () if packed_nodes else _buckets(layout):
             qb, gb, ob, lb = scored(blocks)
             kb, vb = _gather(k, blocks), _gather(v, blocks)
             state = next(states)
@@ -245,7 +291,15 @@ class TreeAttention(torch.autograd.Function):
                 grads = attention_backward(state, gb, qb, kb, vb, bias, ob, lb, False, scale)
             for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
                 add(target, blocks, value)
-        for index, part in enumerate(layout.parts):
+        for call in layout.packed_parts if packed_parts else ():
+            rows = lambda x: _read(x, call.queries)  # noqa: E731
+            keys, values = _read(k, call.keys), _read(v, call.keys)
+            dq, dk, dv = varlen_attention_backward(next(states), rows(grad), rows(q), keys, values, rows(out),
+                                                   rows(lse).t(), False, scale)  # fmt: skip
+            _add(grad_q, call.queries, dq.to(grad_q.dtype))
+            _add(grad_k, call.keys, dk.to(grad_k.dtype))
+            _add(grad_v, call.keys, dv.to(grad_v.dtype))
+        for index, part in enumerate(() if packed_parts else layout.parts):
             keys, bias = _keys_of(layout, index, part, window, query.dtype)
             qp, gp, op, lp = scored(part.queries)
             dq, dk, dv = attention_backward(next(states), gp, qp, _gather(k, keys), _gather(v, keys), bias, op, lp,

@@ -13,6 +13,10 @@ batched kernel call over padded blocks gathered from the flat sequence (the flat
 - per tree level `l`: each node at depth `l` with descendants, its tokens read (all of them) by every token of its
   subtree below it (contiguous in the depth-first flat order); the nodes bucketed alike by their subtrees' sizes.
 
+On a device with a variable-length kernel (CUDA: [`VARLEN_DEVICES`]) the layout also carries the same parts as
+variable-length calls ([`Packed`]): the nodes as the flat sequence's sequences, and per level the nodes' subtrees and
+tokens gathered without padding, with their offsets.
+
 The parts are merged by log-sum-exp ([`tree_attention`]). The number of kernel calls per layer is the number of
 buckets, a few per level: it does not grow with the number of rows or nodes. A recurrent layer runs level by level,
 each level's nodes bucketed by length: each node starts from its parent's final state and convolution tail
@@ -35,6 +39,9 @@ from .tree import Tree
 # lengths: tests/test_op_count.py)
 BUCKET_RATIO = 2.0
 SMALL_PADDING = 256
+# Devices whose layouts also carry the variable-length calls ([`Packed`]): flash's on CUDA, where it runs
+# ([`kernel_checks.varlen_config`]); elsewhere the length buckets, which the CPU kernel needs
+VARLEN_DEVICES = ("cuda",)
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,29 @@ class HistoryPart:
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Flat tokens one after another, unpadded: `scatter` (T,) their indices, or None where they are one `run`
+    `(first, T)` of the flat sequence (read and written as [`Blocks`] are)."""
+
+    scatter: torch.Tensor | None
+    run: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One variable-length kernel call ([`attention_kernels.varlen_forward`]): sequence `i` reads the keys `[cu_k[i],
+    cu_k[i + 1])` of `keys` from the queries `[cu_q[i], cu_q[i + 1])` of `queries`; `cu_q`/`cu_k` (n + 1,) int32;
+    `max_q`/`max_k` the longest sequence's."""
+
+    queries: Rows
+    keys: Rows
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
 class Level:
     """Nodes of one depth in one length bucket, for the recurrent layers: their tokens `(n, L)`, lengths, and each
     one's parent's index among the nodes of the depth above (its buckets' nodes in order; -1 at the roots)."""
@@ -120,6 +150,11 @@ class TreeLayout:
     blocks_on: str = "all"
     # A continued prefill's nodes reading their rows' held keys (no gradient), merged after the parts
     history: tuple[HistoryPart, ...] = ()
+    # The same attention as variable-length calls, for devices with such a kernel ([`VARLEN_DEVICES`]): every node's
+    # own tokens, causal, as one call over the flat sequence (None where image nodes need their bias), and each
+    # level's part, its nodes' subtrees reading their tokens; no padding, no gather of the nodes
+    packed_nodes: Packed | None = None
+    packed_parts: tuple[Packed, ...] = ()
 
 
 def _blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int, width: int | None = None) -> tuple[np.ndarray, ...]:
@@ -145,6 +180,19 @@ def _buckets(nodes: np.ndarray, lengths: np.ndarray, ratio: float) -> list[np.nd
         runs.append(nodes[first:i])
         first, padding = i, 0
     return runs
+
+
+def _concatenated(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The flat tokens of the runs `[starts, starts + lengths)`, one after another."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
+def _contiguous(starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int] | None:
+    """`(first, tokens)` where the runs follow each other in the flat sequence."""
+    if len(starts) == 0 or (starts[1:] != starts[:-1] + lengths[:-1]).any():
+        return None
+    return int(starts[0]), int(lengths.sum())
 
 
 def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
@@ -190,6 +238,27 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             key_plan = blocks_of(nodes)
             arrays.extend([tree.length[nodes], tree.position[nodes] + tree.length[nodes] - 1])
             plan["parts"].append((query_plan, key_plan, bool((tree.length[nodes] < tree.length[nodes].max()).any())))
+    varlen = torch.device(device).type in VARLEN_DEVICES and len(all_nodes) > 0
+
+    def packed_of(query_starts, query_lengths, key_starts, key_lengths):
+        planned = []
+        for starts, lengths in ((query_starts, query_lengths), (key_starts, key_lengths)):
+            run = _contiguous(starts, lengths)
+            if run is None:  # the tokens' indices, sent; a run needs none
+                arrays.append(_concatenated(starts, lengths))
+            planned.append(run)
+        arrays.extend([np.concatenate([[0], np.cumsum(query_lengths)]), np.concatenate([[0], np.cumsum(key_lengths)])])
+        return (*planned, int(query_lengths.max()), int(key_lengths.max()))
+
+    if varlen and not with_images.any():  # the flat sequence is the nodes one after another (depth-first)
+        order = np.argsort(tree.start, kind="stable")
+        plan["packed_nodes"] = packed_of(tree.start[order], tree.length[order], tree.start[order], tree.length[order])
+    for depth in depths if varlen else []:
+        level = all_nodes[(tree.depth == depth) & (queries > 0)]
+        level = level[np.argsort(tree.start[level], kind="stable")]
+        if len(level):
+            plan.setdefault("packed_parts", []).append(
+                packed_of(below[level], queries[level], tree.start[level], tree.length[level]))  # fmt: skip
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
     slot_offset, up = 0, np.full(len(all_nodes), -1)
     for depth in depths if recurrent else []:
@@ -231,6 +300,14 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     for query_plan, key_plan, padded in plan["parts"]:
         query_blocks, key_blocks = blocks(query_plan), blocks(key_plan)
         parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded))
+
+    def packed(planned):
+        query_run, key_run, max_q, max_k = planned
+        queries, keys = (Rows(None if run else take(), run) for run in (query_run, key_run))
+        return Packed(queries, keys, take().to(torch.int32), take().to(torch.int32), max_q, max_k)
+
+    packed_nodes = packed(plan["packed_nodes"]) if "packed_nodes" in plan else None
+    packed_parts = tuple(packed(planned) for planned in plan.get("packed_parts", ()))
     levels = []
     for plans in plan["levels"]:
         runs = []
@@ -242,5 +319,5 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     assemble_t, positions = take(), take()
     span = int((tree.position + tree.length).max()) if len(all_nodes) else 0
     layout = TreeLayout(n, buckets, image_buckets, tuple(parts_out), tuple(levels), assemble_t if recurrent else None,
-                        positions, span)  # fmt: skip
+                        positions, span, packed_nodes=packed_nodes, packed_parts=packed_parts)  # fmt: skip
     return layout, list(flat[len(arrays) :])
