@@ -164,7 +164,8 @@ def buckets(argv) -> int:
 
 def kernels(argv, preset: str | None) -> int:
     """Time one packed forward and backward of the reasoning tree (a 512-token prompt, 8 completions of very different
-    lengths) and the system-prompt tree (2,048 tokens, 4 tasks of 200, 8 completions of 128 each) with the attention's
+    lengths), the system-prompt tree (2,048 tokens, 4 tasks of 200, 8 completions of 128 each) and a short prompt (32
+    tokens) read by 8 long completions, with the attention's
     parts as variable-length calls (flash's, on CUDA) against padded length buckets, on this machine's device; and
     how far apart their log-probs are (the same attention, other summation orders)."""
     import time
@@ -192,6 +193,8 @@ def kernels(argv, preset: str | None) -> int:
     system = tokens(2048)
     tasks = [system + tokens(200) for _ in range(4)]
     shapes["system prompt"] = ([tasks[row // 8] for row in range(32)], [tokens(128) for _ in range(32)])
+    # A short prompt read by long completions: a level call with few keys per sequence and many queries
+    shapes["short prompt"] = ([tokens(32)] * 8, [tokens(n) for n in np.minimum(rng.geometric(1 / 1500, 8), 2048)])
 
     def synchronize():
         if device.type == "cuda":

@@ -100,7 +100,8 @@ def run(trainer_class, model_path, args, dataset, reward=vowel_reward, processin
 
 def emulate_varlen(patch: pytest.MonkeyPatch) -> list[str]:
     """The packed forward's variable-length path on CPU (flash's on CUDA): layouts carry its calls, and the math
-    reference, sequence by sequence, runs them. Returns the list of kernels each call ran, as they run."""
+    reference, sequence by sequence, runs them. Returns the kernel of each call the tree attention makes, as it makes
+    it (not the first-use checks' calls)."""
     from rloo_efficient.core import kernel_checks
     from rloo_efficient.core import tree_layout as layouts
 
@@ -108,7 +109,12 @@ def emulate_varlen(patch: pytest.MonkeyPatch) -> list[str]:
     forward = kernel_checks.varlen_forward
     patch.setattr(layouts, "VARLEN_DEVICES", ("cpu",))
     patch.setattr(kernel_checks, "varlen_kernel", lambda query: "math_varlen")
-    patch.setattr(kernel_checks, "varlen_forward", lambda *args: calls.append(args[0]) or forward(*args))
+    def recorded(*args):
+        if len(args) > 11 and args[11]:  # a call with its configuration: the tree attention's
+            calls.append(args[0])
+        return forward(*args)
+
+    patch.setattr(kernel_checks, "varlen_forward", recorded)
     return calls
 
 

@@ -9,6 +9,7 @@ import torch
 from rloo_efficient.core import attention_kernels as kernels
 from rloo_efficient.core import kernel_checks as checks
 from rloo_efficient.core import prefix_attention
+from rloo_efficient.core import varlen_attention as varlen
 from rloo_efficient.core.attention_kernels import math_attention
 from rloo_efficient.core.kernel_checks import attention_backward, attention_forward
 from rloo_efficient.core.packing import pack_rows
@@ -124,23 +125,23 @@ def test_the_variable_length_check_rejects_a_kernel_that_is_slightly_wrong(monke
     whose key gradient is, or that ignores the window, fails, with what was off."""
     config = ("math_varlen", torch.device("cpu"), torch.float32, 8, 2, 64, None, use)
     assert checks.check_kernel(config) is None
-    forward, backward = kernels.math_varlen_forward, kernels.math_varlen_backward
-    monkeypatch.setattr(kernels, "math_varlen_forward", lambda *a: (lambda o, l: (o, l * 1.01))(*forward(*a)))
+    forward, backward = varlen.math_varlen_forward, varlen.math_varlen_backward
+    monkeypatch.setattr(varlen, "math_varlen_forward", lambda *a: (lambda o, l: (o, l * 1.01))(*forward(*a)))
     assert "log-sum-exp off by" in checks.check_kernel(config)
-    monkeypatch.setattr(kernels, "math_varlen_forward", forward)
-    monkeypatch.setattr(kernels, "math_varlen_backward", lambda *a: (lambda q, k, v: (q, k / 2, v))(*backward(*a)))
+    monkeypatch.setattr(varlen, "math_varlen_forward", forward)
+    monkeypatch.setattr(varlen, "math_varlen_backward", lambda *a: (lambda q, k, v: (q, k / 2, v))(*backward(*a)))
     assert "key gradient off by" in checks.check_kernel(config)
-    monkeypatch.setattr(kernels, "math_varlen_backward", backward)
+    monkeypatch.setattr(varlen, "math_varlen_backward", backward)
     if use == "varlen causal window":
-        monkeypatch.setattr(kernels, "math_varlen_forward", lambda *a: forward(*a[:-1], None))  # no window
+        monkeypatch.setattr(varlen, "math_varlen_forward", lambda *a: forward(*a[:-1], None))  # no window
         assert "output off by" in checks.check_kernel(config)
 
 
 @pytest.mark.parametrize("failure", ["check", "raises"])
 def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_checks, monkeypatch, failure):
     """A variable-length kernel that fails its first-use check: the packed forward pads its length buckets instead;
-    one that raises after its check: that call runs the reference, later ones the buckets. The same attention either
-    way, and one warning per configuration, naming the kernel."""
+    one that raises after its check: that call and later ones in the buckets. The same attention either way, and one
+    warning per configuration, naming the kernel."""
     from .conftest import emulate_varlen
     from .test_tree import check_against_dense
 
@@ -151,7 +152,7 @@ def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_che
         monkeypatch.setattr(checks, "check_varlen", lambda config: "did not match the float64 reference: output off")
     else:
         monkeypatch.setattr(checks, "check_varlen", lambda config: None)  # it passed its check
-        reference = kernels.math_varlen_forward
+        reference = varlen.math_varlen_forward
 
         def raising(*args):
             if not raised:
@@ -160,18 +161,18 @@ def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_che
             return reference(*args)
 
         raised = []
-        monkeypatch.setattr(kernels, "math_varlen_forward", raising)
+        monkeypatch.setattr(varlen, "math_varlen_forward", raising)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             check_against_dense(tree, 0)
     messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
     # One warning per configuration: both fail their check (the nodes' causal call, the level's), or the nodes' call
-    # raises (then the reference runs it; the next forward pads its buckets) while the level's runs on
+    # raises (then its buckets run, in this forward and the next) while the level's runs on, in both forwards
     uses = ["varlen causal", "varlen)"] if failure == "check" else ["varlen causal"]
     assert len(messages) == len(uses) and all(use in message for use, message in zip(uses, messages))
     assert all("math_varlen on cpu" in message and "padded length buckets" in message for message in messages)
-    assert calls == ([] if failure == "check" else ["math_varlen"] * 4)
+    assert calls == ([] if failure == "check" else ["math_varlen"] * 3)
 
 
 def packed_grads(model, ids, rows, width_c):

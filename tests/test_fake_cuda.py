@@ -26,6 +26,7 @@ from rloo_efficient.core import attention_kernels as kernels
 from rloo_efficient.core import kernel_checks as checks
 from rloo_efficient.core import prefix_attention
 from rloo_efficient.core import tree_layout as layouts
+from rloo_efficient.core import varlen_attention
 from rloo_efficient.core.prefix_cache import PrefixCache
 from rloo_efficient.core.tree_attention import TreeAttention
 from rloo_efficient.core.packing import pack_rows
@@ -105,6 +106,8 @@ class _LayoutContracts:
                 assert cum_q.dtype == cum_k.dtype == torch.int32 and cum_q.shape == cum_k.shape and cum_q.dim() == 1
                 assert isinstance(max_q, int) and isinstance(max_k, int) and 0 < max_q <= query.shape[0]
                 assert 0 < max_k <= key.shape[0]
+                windows = kwargs.get("window_size_left"), kwargs.get("window_size_right")
+                assert windows == (None, None) or (isinstance(windows[0], int) and windows[0] >= 0 and windows[1] == 0)
                 return op(query, key, value, cum_q, cum_k, max_q, max_k, *args, **kwargs)
 
             return checked_varlen_forward
@@ -181,6 +184,7 @@ def fake_cuda(monkeypatch, capability=HOPPER):
     monkeypatch.setattr(checks, "varlen_forward", recording_varlen)
     monkeypatch.setattr(kernels, "_expand_heads", recorded_expand)
     monkeypatch.setattr(kernels, "aten", _LayoutContracts())
+    monkeypatch.setattr(varlen_attention, "aten", _LayoutContracts())
     with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
         yield chosen
 

@@ -22,12 +22,14 @@ from .attention_kernels import (
     forward,
     math_attention,
     math_backward,
+    window_bias,
+)
+from .varlen_attention import (
     math_varlen_backward,
     math_varlen_forward,
     varlen_backward,
     varlen_forward,
     varlen_kernel,
-    window_bias,
 )
 
 
@@ -162,8 +164,10 @@ def _mismatch(got: tuple, want: tuple, dtype: torch.dtype) -> str | None:
 
 
 # The variable-length problems: (query lengths, key lengths) of the sequences one call packs, side by side: one token,
-# one longer than a kernel block, others of other lengths (causal: queries = keys)
-VARLEN_PROBLEMS = {"causal": ((24, 1, 200, 7), (24, 1, 200, 7)), "prefix": ((12, 300, 1), (24, 64, 3))}
+# sequences longer than a kernel block (queries and keys), others of other lengths (causal: queries = keys); and a
+# level whose subtrees are all one token (flash then swaps grouped heads into the query length)
+VARLEN_PROBLEMS = {"causal": [((24, 1, 200, 7), (24, 1, 200, 7))],
+                   "prefix": [((12, 300, 1), (300, 64, 3)), ((1, 1, 1), (24, 300, 5))]}  # fmt: skip
 
 
 def check_varlen(config: tuple) -> str | None:
@@ -173,7 +177,6 @@ def check_varlen(config: tuple) -> str | None:
     kernel, device, dtype, heads, kv_heads, dim, _, use = config
     causal = use.startswith("varlen causal")
     window = CHECK_WINDOW if use == "varlen causal window" else None
-    query_lengths, key_lengths = VARLEN_PROBLEMS["causal" if causal else "prefix"]
     generator = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(length, count):
@@ -182,24 +185,32 @@ def check_varlen(config: tuple) -> str | None:
     def offsets(lengths):
         return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
-    q, g = rand(sum(query_lengths), heads), rand(sum(query_lengths), heads)
-    k, v = rand(sum(key_lengths), kv_heads), rand(sum(key_lengths), kv_heads)
-    cu_q, cu_k = offsets(query_lengths), offsets(key_lengths)
-    scale = dim**-0.5
-    try:
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            out, lse, state = varlen_forward(kernel, q, k, v, cu_q, cu_k, max(query_lengths), max(key_lengths),
-                                             causal, scale, window)  # fmt: skip
-            grads = varlen_backward(state, g, q, k, v, out, lse.t().contiguous().t(), causal, scale)
-    except Exception as error:  # noqa: BLE001
-        return _failure(error)
-    exact = [x.to("cpu", torch.float64) for x in (q, k, v, g)]
-    with torch.autocast("cpu", enabled=False):
-        ref_out, ref_lse = math_varlen_forward(*exact[:3], cu_q.cpu(), cu_k.cpu(), causal, scale, window)
-        ref_grads = math_varlen_backward(exact[3], *exact[:3], ref_out, ref_lse, cu_q.cpu(), cu_k.cpu(), causal, scale,
-                                         window)  # fmt: skip
-    mismatch = _mismatch((out, lse, *grads), (ref_out, ref_lse, *ref_grads), dtype)
-    return mismatch and f"{mismatch} at queries {query_lengths} x keys {key_lengths}"
+    for query_lengths, key_lengths in VARLEN_PROBLEMS["causal" if causal else "prefix"]:
+        q, g = rand(sum(query_lengths), heads), rand(sum(query_lengths), heads)
+        k, v = rand(sum(key_lengths), kv_heads), rand(sum(key_lengths), kv_heads)
+        cu_q, cu_k = offsets(query_lengths), offsets(key_lengths)
+        scale = dim**-0.5
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                out, lse, state = varlen_forward(kernel, q, k, v, cu_q, cu_k, max(query_lengths), max(key_lengths),
+                                                 causal, scale, window)  # fmt: skip
+                if out.shape != q.shape or lse.shape != (heads, q.shape[0]):  # another layout: not this contract
+                    return (f"returned output {tuple(out.shape)} and log-sum-exp {tuple(lse.shape)} for queries "
+                            f"{tuple(q.shape)}")  # fmt: skip
+                grads = varlen_backward(state, g, q, k, v, out, lse.t().contiguous().t(), causal, scale)
+                if [tuple(x.shape) for x in grads] != [tuple(x.shape) for x in (q, k, v)]:
+                    return f"returned gradients of shapes {[tuple(x.shape) for x in grads]}"
+        except Exception as error:  # noqa: BLE001
+            return _failure(error)
+        exact = [x.to("cpu", torch.float64) for x in (q, k, v, g)]
+        with torch.autocast("cpu", enabled=False):
+            ref_out, ref_lse = math_varlen_forward(*exact[:3], cu_q.cpu(), cu_k.cpu(), causal, scale, window)
+            ref_grads = math_varlen_backward(exact[3], *exact[:3], ref_out, ref_lse, cu_q.cpu(), cu_k.cpu(), causal,
+                                             scale, window)  # fmt: skip
+        mismatch = _mismatch((out, lse, *grads), (ref_out, ref_lse, *ref_grads), dtype)
+        if mismatch:
+            return f"{mismatch} at queries {query_lengths} x keys {key_lengths}"
+    return None
 
 
 def _usable(config: tuple) -> bool:
@@ -315,17 +326,18 @@ def varlen_config(query: torch.Tensor, key: torch.Tensor, causal: bool, window: 
 
 def varlen_attention_forward(config: tuple, query, key, value, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
                              scale: float, window: int | None = None):  # fmt: skip
-    """`(output, lse, state)` of packed sequences on `config`'s kernel; the math reference if it raises (then
-    disabled: later calls pad length buckets; one warning)."""
+    """`(output, lse, state)` of packed sequences on `config`'s kernel, or None if it raises (then disabled, one
+    warning): the caller pads this call's sequences into its length buckets, as it will every later call."""
     try:
         return varlen_forward(config[0], query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window, config)
     except Exception as error:  # noqa: BLE001
         _disable(config, _failure(error))
-    return varlen_forward("math_varlen", query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window, config)
+        return None
 
 
 def varlen_attention_backward(state: KernelState, grad_out, query, key, value, out, lse, causal: bool, scale: float):
-    """`(grad_query, grad_key, grad_value)` of packed sequences given the merged output and `lse` (H, Tq)."""
+    """`(grad_query, grad_key, grad_value)` of packed sequences given the merged output and `lse` (H, Tq); the math
+    reference's if the kernel raises (then disabled, one warning), as [`attention_backward`] falls back."""
     if state.kernel != "math_varlen":
         try:
             return varlen_backward(state, grad_out, query, key, value, out, lse, causal, scale)

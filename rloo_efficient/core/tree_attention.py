@@ -188,17 +188,20 @@ class TreeAttention(torch.autograd.Function):
         # on each query's position: its padded buckets)
         nodes, parts = layout.packed_nodes, layout.packed_parts
         node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
-        nodes_config = nodes and varlen_config(q, k, True, node_window)
-        parts_config = parts and window is None and varlen_config(q, k, False)
-        if nodes_config:
-            out_n, lse_n, state = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
-                                                           nodes.max_k, True, scale, node_window)  # fmt: skip
+        nodes_config = varlen_config(q, k, True, node_window) if nodes is not None else None
+        parts_config = varlen_config(q, k, False) if parts and window is None else None
+        packed_nodes = None  # the nodes' variable-length call (None: its kernel is not used or raised: the buckets)
+        if nodes_config is not None:
+            packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
+                                                    nodes.max_k, True, scale, node_window)  # fmt: skip
+        if packed_nodes is not None:
+            out_n, lse_n, state = packed_nodes
             states.append(state)
             out[:tokens].copy_(out_n)
             lse[:tokens].copy_(lse_n.t())
             out[tokens:].zero_()  # the dump row (the buckets would have written it), read by a windowed part's padding
             lse[tokens:].zero_()
-        for index, blocks, images in () if nodes_config else _buckets(layout):
+        for index, blocks, images in () if packed_nodes is not None else _buckets(layout):
             qb, kb, vb = _gather(q, blocks), _gather(k, blocks), _gather(v, blocks)
             bias = _image_bias(layout, index, blocks, window, sliding, query.dtype) if images else None
             if bias is None:
@@ -208,13 +211,20 @@ class TreeAttention(torch.autograd.Function):
             states.append(state)
             _write(out, blocks, _rows(out_b).to(work))
             _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
-        for call in parts if parts_config else ():
-            out_p, lse_p, state = varlen_attention_forward(parts_config, _read(q, call.queries), _read(k, call.keys),
-                                                           _read(v, call.keys), call.cu_q, call.cu_k, call.max_q,
-                                                           call.max_k, False, scale)  # fmt: skip
+        packed_depths = set()  # the levels whose part ran as one variable-length call; the others in their buckets
+        for call in parts if parts_config is not None else ():
+            packed = varlen_attention_forward(parts_config, _read(q, call.queries), _read(k, call.keys),
+                                              _read(v, call.keys), call.cu_q, call.cu_k, call.max_q, call.max_k,
+                                              False, scale)  # fmt: skip
+            if packed is None:  # its kernel raised (now disabled): this level and the next in their buckets
+                break
+            out_p, lse_p, state = packed
             states.append(state)
             _merge_rows(out, lse, call.queries, out_p, lse_p.t())
-        for index, part in enumerate(() if parts_config else layout.parts):
+            packed_depths.add(call.depth)
+        for index, part in enumerate(layout.parts):
+            if part.depth in packed_depths:
+                continue
             keys, bias = _keys_of(layout, index, part, window, query.dtype)
             queries = part.queries
             out_p, lse_p, state = attention_forward(_gather(q, queries), _gather(k, keys), _gather(v, keys), bias,
@@ -249,7 +259,7 @@ class TreeAttention(torch.autograd.Function):
             ctx.save_for_backward(query, key, value, sinks, result, lse)
         # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
         ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
-        ctx.packed = (bool(nodes_config), bool(parts_config))
+        ctx.packed = (packed_nodes is not None, packed_depths)
         return result.unsqueeze(0)  # (1, N, H, D), token-major as transformers' attention functions return
 
     @staticmethod
@@ -274,7 +284,7 @@ class TreeAttention(torch.autograd.Function):
             _add(target, blocks, _rows(value).to(target.dtype))
 
         states = iter(ctx.states)
-        packed_nodes, packed_parts = ctx.packed
+        packed_nodes, packed_depths = ctx.packed
         if packed_nodes:  # the nodes' one causal call: the flat sequence itself
             lse_heads = lse.t()  # (H, N), as flash's
             grads = varlen_attention_backward(next(states), grad, q, k, v, out, lse_heads, True, scale)
@@ -291,7 +301,7 @@ class TreeAttention(torch.autograd.Function):
                 grads = attention_backward(state, gb, qb, kb, vb, bias, ob, lb, False, scale)
             for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
                 add(target, blocks, value)
-        for call in layout.packed_parts if packed_parts else ():
+        for call in (call for call in layout.packed_parts if call.depth in packed_depths):
             rows = lambda x: _read(x, call.queries)  # noqa: E731
             keys, values = _read(k, call.keys), _read(v, call.keys)
             dq, dk, dv = varlen_attention_backward(next(states), rows(grad), rows(q), keys, values, rows(out),
@@ -299,7 +309,9 @@ class TreeAttention(torch.autograd.Function):
             _add(grad_q, call.queries, dq.to(grad_q.dtype))
             _add(grad_k, call.keys, dk.to(grad_k.dtype))
             _add(grad_v, call.keys, dv.to(grad_v.dtype))
-        for index, part in enumerate(() if packed_parts else layout.parts):
+        for index, part in enumerate(layout.parts):
+            if part.depth in packed_depths:
+                continue
             keys, bias = _keys_of(layout, index, part, window, query.dtype)
             qp, gp, op, lp = scored(part.queries)
             dq, dk, dv = attention_backward(next(states), gp, qp, _gather(k, keys), _gather(v, keys), bias, op, lp,

@@ -78,6 +78,7 @@ class Part:
     key_length: torch.Tensor
     key_end_position: torch.Tensor
     padded_keys: bool  # whether some node is shorter than the longest (a key padding bias is needed)
+    depth: int = 0  # the level's
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Packed:
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    depth: int = 0  # a level's (its [`Part`]s', which pad the same call where the kernel fails)
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             query_plan = blocks_of(nodes, below[nodes], queries[nodes])
             key_plan = blocks_of(nodes)
             arrays.extend([tree.length[nodes], tree.position[nodes] + tree.length[nodes] - 1])
-            plan["parts"].append((query_plan, key_plan, bool((tree.length[nodes] < tree.length[nodes].max()).any())))
+            plan["parts"].append((query_plan, key_plan, bool((tree.length[nodes] < tree.length[nodes].max()).any()),
+                                  depth))  # fmt: skip
     varlen = torch.device(device).type in VARLEN_DEVICES and len(all_nodes) > 0
 
     def packed_of(query_starts, query_lengths, key_starts, key_lengths):
@@ -253,12 +256,14 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     if varlen and not with_images.any():  # the flat sequence is the nodes one after another (depth-first)
         order = np.argsort(tree.start, kind="stable")
         plan["packed_nodes"] = packed_of(tree.start[order], tree.length[order], tree.start[order], tree.length[order])
+        if plan["packed_nodes"][:2] != ((0, n), (0, n)):  # the call reads the flat sequence itself
+            raise ValueError("The tree's nodes do not cover its flat sequence one after another.")
     for depth in depths if varlen else []:
         level = all_nodes[(tree.depth == depth) & (queries > 0)]
         level = level[np.argsort(tree.start[level], kind="stable")]
         if len(level):
             plan.setdefault("packed_parts", []).append(
-                packed_of(below[level], queries[level], tree.start[level], tree.length[level]))  # fmt: skip
+                (*packed_of(below[level], queries[level], tree.start[level], tree.length[level]), depth))  # fmt: skip
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
     slot_offset, up = 0, np.full(len(all_nodes), -1)
     for depth in depths if recurrent else []:
@@ -297,14 +302,14 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     buckets = tuple(blocks(planned) for planned in plan["buckets"])
     image_buckets = tuple(blocks(planned) for planned in plan["image_buckets"])
     parts_out = []
-    for query_plan, key_plan, padded in plan["parts"]:
+    for query_plan, key_plan, padded, depth in plan["parts"]:
         query_blocks, key_blocks = blocks(query_plan), blocks(key_plan)
-        parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded))
+        parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded, depth))
 
     def packed(planned):
-        query_run, key_run, max_q, max_k = planned
+        query_run, key_run, max_q, max_k, *depth = planned
         queries, keys = (Rows(None if run else take(), run) for run in (query_run, key_run))
-        return Packed(queries, keys, take().to(torch.int32), take().to(torch.int32), max_q, max_k)
+        return Packed(queries, keys, take().to(torch.int32), take().to(torch.int32), max_q, max_k, *depth)
 
     packed_nodes = packed(plan["packed_nodes"]) if "packed_nodes" in plan else None
     packed_parts = tuple(packed(planned) for planned in plan.get("packed_parts", ()))

@@ -89,7 +89,8 @@ SHARING_DOC = r"""
             generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
             the reward, the training forward/backward and the optimizer step). On an accelerator this is
             `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
-            `time/cache_release_s`. `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the working memory of
+            `time/cache_release_s`; the phase profiler releases it, so only with `profile_memory=True` (the memory
+            report records the policy as it ran). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the working memory of
             `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the caching allocator
             must allocate again what was released: on an H200 a `generate` call right after `empty_cache()` took
             1.13-1.16x the time of one on a warm allocator, stock's included (see README).
