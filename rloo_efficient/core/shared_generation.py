@@ -30,8 +30,15 @@ from .prefix_attention import decoding_with, install
 from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .transformers_compat import CACHE_KWARG
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
-from .turn_cache import TurnCaches, continuable, continue_prefill, hold, plan_continuation, turn_cache
-from .turn_cache import windows_over_budget
+from .turn_cache import (
+    TurnCaches,
+    continuable,
+    continue_prefill,
+    hold,
+    plan_continuation,
+    turn_cache,
+    windows_over_budget,
+)
 from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 

@@ -263,7 +263,7 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         level = level[np.argsort(tree.start[level], kind="stable")]
         if len(level):
             plan.setdefault("packed_parts", []).append(
-                (*packed_of(below[level], queries[level], tree.start[level], tree.length[level]), depth))  # fmt: skip
+                (packed_of(below[level], queries[level], tree.start[level], tree.length[level]), depth))  # fmt: skip
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
     slot_offset, up = 0, np.full(len(all_nodes), -1)
     for depth in depths if recurrent else []:
@@ -306,13 +306,13 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         query_blocks, key_blocks = blocks(query_plan), blocks(key_plan)
         parts_out.append(Part(query_blocks, key_blocks, take(), take(), padded, depth))
 
-    def packed(planned):
-        query_run, key_run, max_q, max_k, *depth = planned
+    def packed(planned, depth=0):
+        query_run, key_run, max_q, max_k = planned
         queries, keys = (Rows(None if run else take(), run) for run in (query_run, key_run))
-        return Packed(queries, keys, take().to(torch.int32), take().to(torch.int32), max_q, max_k, *depth)
+        return Packed(queries, keys, take().to(torch.int32), take().to(torch.int32), max_q, max_k, depth)
 
     packed_nodes = packed(plan["packed_nodes"]) if "packed_nodes" in plan else None
-    packed_parts = tuple(packed(planned) for planned in plan.get("packed_parts", ()))
+    packed_parts = tuple(packed(planned, depth) for planned, depth in plan.get("packed_parts", ()))
     levels = []
     for plans in plan["levels"]:
         runs = []

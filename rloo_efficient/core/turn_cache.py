@@ -303,8 +303,8 @@ def continuable(model: nn.Module, width: int, longest: int) -> bool:
 class TurnCaches:
     """
     What a tool loop carries between its `generate` calls: the last call's [`HeldCache`], while it fits `budget`
-    bytes. Dropped (and every row's keys and values released) when the loop ends ([`release`]), and a call's held
-    rows are released once the next call has copied what it continues.
+    bytes. Dropped (and every row's keys and values released with it) when the loop ends, and a call's held rows are
+    released once the next call has copied what it continues ([`take`]).
     """
 
     def __init__(self, budget: int):
@@ -323,6 +323,3 @@ class TurnCaches:
     def take(self) -> HeldCache | None:
         held, self.held = self.held, None
         return held
-
-    def release(self) -> None:
-        self.held = None

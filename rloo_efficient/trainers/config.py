@@ -57,9 +57,9 @@ SHARING_DOC = r"""
             the budget, they are not held, and the next turn prefills as its prefix tree (`share_prefill_tree`).
             `None`: a quarter of the accelerator's memory (of the host's on CPU); `0`: never held. For models whose
             cache holds keys and values (not recurrent states, not multi-head latent attention's latents), text
-            prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps
-            its whole history while decoding (masked to its window). Held keys and values were computed one decoding
-            step at a time: they equal a fresh prefill's to floating-point rounding.
+            prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps its whole history while
+            decoding (masked to its window). Held keys and values were computed one decoding step at a time: they
+            equal a fresh prefill's to floating-point rounding.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -90,10 +90,10 @@ SHARING_DOC = r"""
             the reward, the training forward/backward and the optimizer step). On an accelerator this is
             `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
             `time/cache_release_s`; the phase profiler releases it, so only with `profile_memory=True` (the memory
-            report records the policy as it ran). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the working memory of
-            `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the caching allocator
-            must allocate again what was released: on an H200 a `generate` call right after `empty_cache()` took
-            1.13-1.16x the time of one on a warm allocator, stock's included (see README).
+            report records the policy as it ran). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the
+            working memory of `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the
+            caching allocator must allocate again what was released: on an H200 a `generate` call right after
+            `empty_cache()` took 1.13-1.16x the time of one on a warm allocator, stock's included (see README).
         profile_memory (`bool`, *optional*, defaults to `True`):
             Record each phase's peak memory and time (`memory/<phase>/<stat>` and `time/<phase>_s` in the logs) and
             write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary."""
