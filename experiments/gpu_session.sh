@@ -3,7 +3,8 @@
 # leaves the others their time; every output goes to $OUT (or results/gpu_session/ without it). On the device machine,
 # from the project root, after installing the carried wheels (README "On a GPU"):
 #
-#     bash experiments/gpu_session.sh            # ~10 minutes on an H200 (the device call's limit: the most needed first)
+#     bash experiments/gpu_session.sh            # every step: ~15 minutes of limits, more than one device call allows
+#     STEPS="doctor tree_kernels bench_gpu_0.6b" bash experiments/gpu_session.sh   # the steps named (~7 minutes)
 #
 # 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
 # 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
@@ -17,9 +18,11 @@ set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+STEPS="${STEPS:-doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
+    [[ " $STEPS " == *" $name "* ]] || return 0
     echo "== $name (limit ${limit}s): $*"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "== $name: exit $?"
