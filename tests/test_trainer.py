@@ -39,8 +39,8 @@ def test_config_is_a_stock_config_subclass():
     ours = set(RLOOConfig.__dataclass_fields__) - set(trl.RLOOConfig.__dataclass_fields__)
     assert ours == {
         "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_prompt_kv_cache",
-        "tool_cache_budget_gib", "share_reward_prefix", "hydra_reward_adapter", "shuffle_groups", "empty_cache_policy",
-        "profile_memory",
+        "tool_cache_budget_gib", "held_prefix_budget_gib", "share_reward_prefix", "hydra_reward_adapter",
+        "shuffle_groups", "empty_cache_policy", "profile_memory",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 
@@ -60,6 +60,7 @@ def test_config_is_a_stock_config_subclass():
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
         ({"tool_cache_budget_gib": -1}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
         ({"tool_cache_budget_gib": "4"}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
+        ({"held_prefix_budget_gib": -0.5}, "held_prefix_budget_gib must be None or a number of GiB >= 0"),
     ],
 )
 def test_bad_settings_fail_in_the_config(tmp_path, overrides, message):

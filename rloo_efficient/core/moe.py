@@ -56,13 +56,20 @@ def recording_router_logits(model: nn.Module):
             handle.remove()
 
 
-def weighted_aux_loss(router_logits: list[torch.Tensor], token_weights: torch.Tensor, text_config) -> torch.Tensor:
+def weighted_aux_loss(router_logits: list[torch.Tensor], token_weights: torch.Tensor, text_config,
+                      held_logits: list[list[torch.Tensor]] = (), held_weights: list[torch.Tensor] = ()) -> torch.Tensor:  # fmt: skip
     """
     TRL's load-balancing loss (Mixtral's `load_balancing_loss_func`, TRL 1.16's fused head) over the packed tokens'
     `router_logits` (one `(N, E)` per layer), each token weighted by `token_weights` `(1, N)` (the count of its
-    copies in stock's batch) where stock's attention mask weights it 0 or 1.
+    copies in stock's batch) where stock's attention mask weights it 0 or 1. Held tokens ([`hold_plan`]) count too:
+    per slot, each layer's router logits `held_logits` `(Ns, E)` and the micro-batch's rows holding each token
+    `held_weights` `(Ns,)`.
     """
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+    if held_logits:
+        router_logits = [torch.cat([own, *(slot[layer] for slot in held_logits)])
+                         for layer, own in enumerate(router_logits)]  # fmt: skip
+        token_weights = torch.cat([token_weights.view(-1), *held_weights]).view(1, -1)
     return load_balancing_loss_func(tuple(router_logits), text_config.num_experts, text_config.num_experts_per_tok,
                                     token_weights.float())  # fmt: skip

@@ -19,11 +19,12 @@ tokens themselves are gathered from stock's batch on the device. Nothing reads a
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from .hold_plan import ChunkHold, HoldPlan
 from .prefix_attention import LAYOUT_KWARG, NO_MASK
 from .tree import MIN_SAVED_TOKENS, Tree, build_tree
 from .tree_layout import TreeLayout, tree_layout
@@ -129,6 +130,10 @@ class PackedBatch:
     source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
     first_rows: np.ndarray | None = None  # (G,) host: one row per group, groups in the order their tokens come
     group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array, one row per group
+    # Held nodes read ([`hold_plan`]): the sources of the layout's slots, and with `token_weights`, per slot how many
+    # of this micro-batch's rows hold each of the source's tokens `(Ns,)` (0 where none)
+    held_sources: tuple[int, ...] = ()
+    held_weights: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +166,7 @@ def pack_rows(
     image_tokens: set[int] | None = None,
     min_saved: int = MIN_SAVED_TOKENS,
     recurrent: bool = True,
+    hold: tuple[HoldPlan, ChunkHold] | None = None,
 ) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
@@ -178,6 +184,10 @@ def pack_rows(
     [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)` array of those rows
     (for what is the same for every row of a group: Qwen's 3-D positions). `recurrent`: whether the model has
     recurrent layers (the layout then holds their levels).
+
+    With `hold` (a scope's plan and this chunk's part of it, [`hold_plan`]), each row's inputs its held nodes cover are
+    not packed: its own start after them, at their positions, and its tokens read the held nodes' keys from the held
+    state ([`held_state.HeldReads`], which the caller sets on the layout: its slots are `held_sources`).
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
@@ -188,17 +198,26 @@ def pack_rows(
     full = token_weights or not scored.any()  # every token stock's mask holds is an input
     members = np.arange(num_rows) if full else np.flatnonzero(scored > 0)
     images = image_tokens is not None
-    tree = build_tree([sequences[row] for row in members], keys=group[members] if images else None, ends=full,
-                      min_saved=min_saved, keep_roots=images)  # fmt: skip
+    skip = np.zeros(num_rows, dtype=np.int64)
+    keys = group[members] if images else None
+    position_plen = plen
+    if hold is not None:  # each row's own inputs start after its held nodes', hung from its deepest held node
+        plan, chunk = hold
+        skip, keys, position_plen = chunk.skip, chunk.key[members], chunk.position_plen
+    tree = build_tree([sequences[row][skip[row] :] for row in members], keys=keys, ends=full, min_saved=min_saved,
+                      keep_roots=images)  # fmt: skip
+    if hold is not None:
+        tree = replace(tree, position=tree.position + skip[members[tree.row]])
     total = tree.num_tokens
     member_rows = members[tree.token_row]  # (N,) a stock row holding each token
     positions = tree.token_position
     offset = prompt_width - plen  # a row's token at position j sits in column offset + j of stock's row
     source = member_rows * width + offset[member_rows] + positions
     # Position ids: stock's columns, those of each root's row under it (a node shared across groups whose prompts are
-    # of other lengths shifts its other rows' positions by a constant: attention reads only their differences)
+    # of other lengths shifts its other rows' positions by a constant: attention reads only their differences); under
+    # a held node, those of its top held node's row
     root_rows = members[tree.row[tree.root]]
-    position_ids = np.repeat(offset[root_rows], tree.length) + positions
+    position_ids = np.repeat((prompt_width - position_plen)[root_rows], tree.length) + positions
     # Labels and the unpacking: position j of row r predicts its token j + 1, a completion token where j + 1 >= plen
     labels = np.full(total, num_rows * width, dtype=np.int64)  # the -100 sentinel after stock's flat batch
     unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
@@ -206,7 +225,7 @@ def pack_rows(
         count = scored[row]
         if count == 0:
             continue
-        flat = tree.row_inputs[member][plen[row] - 1 : plen[row] - 1 + count]
+        flat = tree.row_inputs[member][plen[row] - 1 - skip[row] : plen[row] - 1 - skip[row] + count]
         labels[flat] = row * width + prompt_width + np.arange(count)
         unpack[row, :count] = flat
     parts = [source, labels, position_ids, unpack.reshape(-1)]
@@ -221,12 +240,33 @@ def pack_rows(
             parts.append(rank[group[member_rows]] * width + offset[member_rows] + positions)
     if token_weights:
         parts.append(tree.token_weight)
+    reads = None
+    if hold is not None:
+        roots = np.flatnonzero(tree.parent < 0)
+        root_keys = chunk.key[members[tree.row[roots]]]
+        reads = plan.reads_of(chunk.reads, tree, root_keys, root_keys, recurrent)
+        if token_weights:  # how many of these rows hold each held token
+            for slot, source in enumerate(reads.sources):
+                weights = np.zeros(plan.source_tokens(source), dtype=np.int64)
+                member_keys = chunk.key[members]
+                for x, _, _ in reads.runs:
+                    if plan.nodes.source[x] == source:
+                        under = (member_keys >= x) & (member_keys < plan.nodes.subtree_end[x])
+                        start = plan.nodes.offset[x]
+                        weights[start : start + plan.nodes.length[x]] = int(under.sum())
+                parts.append(weights)
     image_nodes = None
     if images:
         values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows] + positions]
         holds = np.isin(values, np.fromiter(image_tokens, dtype=np.int64))
         image_nodes = np.unique(np.repeat(np.arange(len(tree.start)), tree.length)[holds])
-    layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent)
+    held_args = {}
+    if reads is not None:
+        held_args = dict(held_reads=reads.held_reads, held_roots=reads.held_roots, held_states=reads.states)
+    layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent, **held_args)
+    held_weights = ()
+    if reads is not None and token_weights:
+        held_weights = tuple(reversed([on_device.pop() for _ in reads.sources]))
     weights = on_device.pop().view(1, total) if token_weights else None
     group_source = on_device.pop() if images and group_sources else None
     index, label_index, position_ids, unpack_index = on_device
@@ -245,4 +285,43 @@ def pack_rows(
         source_index=index,
         first_rows=first_rows,
         group_source_index=group_source,
+        held_sources=tuple(reads.sources) if reads is not None else (),
+        held_weights=held_weights,
     )
+
+
+@dataclass
+class SourceBatch:
+    """A source forward's packed inputs ([`hold_plan`]): its held nodes once, nothing scored."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    shift_labels: torch.Tensor  # (1, N) all -100
+    layout: TreeLayout
+    held_sources: tuple[int, ...]  # the slots' sources (the held nodes of earlier sources its roots read)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    def model_inputs(self) -> dict:
+        return {"input_ids": self.input_ids, "attention_mask": NO_MASK, "position_ids": self.position_ids,
+                "shift_labels": self.shift_labels, LAYOUT_KWARG: self.layout}  # fmt: skip
+
+
+def pack_source(plan: HoldPlan, source: int, prompt_width: int, device, recurrent: bool = True) -> SourceBatch:
+    """The packed forward of `plan`'s `source`: its held nodes as a forest, in depth-first order, at their rows'
+    positions (stock's columns of its top held node's row, as every chunk reading it), its roots reading their held
+    ancestors' keys from earlier sources."""
+    tree, tokens, ancestors = plan.source_tree(source)
+    nodes = plan.source_nodes(source)
+    roots = np.flatnonzero(tree.parent < 0)
+    root_parents = plan.nodes.parent[nodes[roots]]
+    reads = plan.reads_of(ancestors, tree, nodes[roots], root_parents, recurrent)
+    position_ids = np.repeat(prompt_width - plan.nodes.top_plen[nodes], tree.length) + tree.token_position
+    layout, (ids, positions) = tree_layout(tree, device, parts=[tokens, position_ids], recurrent=recurrent,
+                                           held_reads=reads.held_reads, held_roots=reads.held_roots,
+                                           held_states=reads.states)  # fmt: skip
+    total = tree.num_tokens
+    return SourceBatch(ids.view(1, total), positions.view(1, total), torch.full_like(ids, -100).view(1, total),
+                       layout, tuple(reads.sources))

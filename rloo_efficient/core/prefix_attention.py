@@ -34,6 +34,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .held_state import capturing
 from .kernel_checks import attention_forward
 from .tree_attention import TreeAttention
 from .window_attention import apply_sinks, decode_window_biases
@@ -234,8 +235,14 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
                 raise ValueError("A continued prefill's attention over held keys has no backward: run it without "
                                  "grad.")  # fmt: skip
             history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
-        query, key, value, *history = _one_head_dim(query, key, value, *history)
-        out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, history or None)
+        capture = capturing()
+        if capture is not None:  # a source forward: these keys are held for later micro-batches ([`hold_plan`])
+            capture.attention(module.layer_idx, key, value)
+        held = _compute_dtype(query, *layout.held.attention(module.layer_idx))[1:] if layout.held_parts else ()
+        query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
+        history, held = rest[: len(history)], rest[len(history) :]
+        out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, tuple(history) or None,
+                                  *held)  # fmt: skip
     else:
         out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None

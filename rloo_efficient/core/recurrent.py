@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.accelerate import force_accelerate_hooks
 
+from .held_state import capturing
 from .prefix_attention import LAYOUT_KWARG
 from .recurrent_checks import trusted
 from .tree_layout import Level, TreeLayout
@@ -41,6 +42,10 @@ class Fork:
 
     levels: tuple[tuple[Level, ...], ...]
     assemble: torch.Tensor  # (N,) each token's slot in the levels' blocks, flattened and concatenated
+    # Nodes held by an earlier forward ([`hold_plan`]): what this forward reads of them ([`held_state.HeldReads`]), and
+    # per root bucket each root's held parent's row in their concatenated states (its last, zeros: none)
+    held: object = None
+    held_roots: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def of(layout: TreeLayout) -> "Fork":
@@ -48,8 +53,18 @@ class Fork:
         if layout.assemble is None:
             raise ValueError("rloo_efficient: this packed layout was built without the recurrent layers' levels.")
         if "fork" not in layout.memo:
-            layout.memo["fork"] = Fork(layout.levels, layout.assemble)
+            layout.memo["fork"] = Fork(layout.levels, layout.assemble, layout.held, layout.held_roots)
         return layout.memo["fork"]
+
+    def _held(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer`'s held final states and convolution tails (the slots' concatenated, then a zero row), or None."""
+        if not self.held_roots:
+            return None
+        held = self.held.recurrent(layer)
+        if held is None:
+            raise RuntimeError(f"No recurrent state was held for {type(layer).__name__}: its layer did not run the "
+                               "rloo_efficient fork in the source forward.")  # fmt: skip
+        return held
 
     @property
     def blocks(self) -> list[Level]:
@@ -84,20 +99,32 @@ class Fork:
             first += len(level)
         return grouped
 
-    def conv(self, conv_fn, parts: list[torch.Tensor], kernel: int) -> list[torch.Tensor]:
+    def conv(self, conv_fn, parts: list[torch.Tensor], kernel: int, layer=None) -> list[torch.Tensor]:
         """
         A causal depthwise convolution `conv_fn((batch, channels, length)) -> same` over each bucket's nodes
-        `(n, L, C)`, each with its parent's tail as left context (zeros at the roots). Returns the outputs, token-major.
+        `(n, L, C)`, each with its parent's tail as left context (zeros at the roots, or a held parent's tail).
+        Returns the outputs, token-major. In a source forward ([`held_state.capturing`]), every node's tail is held
+        for `layer`.
         """
-        outs, tails = [], None
-        for level, xs in zip(self.levels, self._depths(parts), strict=True):
+        outs, tails, every = [], None, []
+        held = self._held(layer)
+        for depth, (level, xs) in enumerate(zip(self.levels, self._depths(parts), strict=True)):
             depth_tails = []
-            for run, x in zip(level, xs, strict=True):
-                left = x.new_zeros(x.shape[0], kernel - 1, x.shape[-1]) if tails is None else self.inherit(tails, run)
+            for index, (run, x) in enumerate(zip(level, xs, strict=True)):
+                if depth == 0 and held is not None:  # a root's left context: its held parent's tail
+                    left = held[1].index_select(0, self.held_roots[index]).to(x.dtype)
+                elif tails is None:
+                    left = x.new_zeros(x.shape[0], kernel - 1, x.shape[-1])
+                else:
+                    left = self.inherit(tails, run)
                 full = torch.cat([left, x], dim=1)  # position i here is the node's input i - (K - 1)
                 outs.append(conv_fn(full.transpose(1, 2))[:, :, kernel - 1 :].transpose(1, 2))
                 depth_tails.append(self.tail(full, run, kernel))
             tails = torch.cat(depth_tails)  # this depth's nodes in order, for the depth below
+            every.append(tails)
+        capture = capturing()
+        if capture is not None and layer is not None:
+            capture.recurrent(layer, "tail", torch.cat(every))
         return outs
 
     @staticmethod
@@ -112,17 +139,27 @@ class Fork:
         whose backward sums the children's gradients into their parent."""
         return values.index_select(0, level.parent)
 
-    def scan(self, run, parts: list[tuple]) -> list[torch.Tensor]:
+    def scan(self, run, parts: list[tuple], layer=None) -> list[torch.Tensor]:
         """`run(*inputs, initial) -> (out, final)` over each bucket's `inputs`, each node from its parent's final state
-        (None at the roots: zero). Returns each bucket's outputs."""
-        outs, states = [], None
-        for level, inputs_of in zip(self.levels, self._depths(parts), strict=True):
+        (None at the roots: zero; a held parent's final state where there is one). Returns each bucket's outputs. In a
+        source forward ([`held_state.capturing`]), every node's final state is held for `layer`."""
+        outs, states, every = [], None, []
+        held = self._held(layer)
+        for depth, (level, inputs_of) in enumerate(zip(self.levels, self._depths(parts), strict=True)):
             finals = []
-            for bucket, inputs in zip(level, inputs_of, strict=True):
-                out, final = run(*inputs, None if states is None else self.inherit(states, bucket))
+            for index, (bucket, inputs) in enumerate(zip(level, inputs_of, strict=True)):
+                if depth == 0 and held is not None:
+                    initial = held[0].index_select(0, self.held_roots[index])
+                else:
+                    initial = None if states is None else self.inherit(states, bucket)
+                out, final = run(*inputs, initial)
                 outs.append(out)
                 finals.append(final)
             states = torch.cat(finals)
+            every.append(states)
+        capture = capturing()
+        if capture is not None and layer is not None:
+            capture.recurrent(layer, "state", torch.cat(every))
         return outs
 
 
@@ -171,13 +208,14 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> t
         return (query.unflatten(-1, (-1, layer.head_k_dim)), key.unflatten(-1, (-1, layer.head_k_dim)),
                 value.unflatten(-1, (-1, layer.head_v_dim)))  # fmt: skip
 
-    conv_out = fork.conv(conv, fork.split(mixed), layer.conv_kernel_size)
+    conv_out = fork.conv(conv, fork.split(mixed), layer.conv_kernel_size, layer)
 
     def run(x, g, beta, initial):
         return chunk(*heads(x), g=g, beta=beta, initial_state=initial, output_final_state=True,
                      use_qk_l2norm_in_kernel=True)  # fmt: skip
 
-    outs = fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(g)), fork.frozen(fork.split(beta)), strict=True)))
+    outs = fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(g)), fork.frozen(fork.split(beta)), strict=True)),
+                     layer)  # fmt: skip
     core = fork.join(outs)  # (1, N, Hv, dv)
     norm = layer.norm if hasattr(layer, "norm") else layer.o_norm
     out_proj = layer.out_proj if hasattr(layer, "out_proj") else layer.o_proj
@@ -217,8 +255,8 @@ def mamba2(mixer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tens
         )  # fmt: skip
         return y.flatten(2), final
 
-    conv_out = fork.conv(conv, fork.split(xbc), mixer.conv_kernel_size)
-    y = fork.join(fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(dt)), strict=True))))
+    conv_out = fork.conv(conv, fork.split(xbc), mixer.conv_kernel_size, mixer)
+    y = fork.join(fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(dt)), strict=True)), mixer))
     if getattr(mixer, "mamba_rms_norm", True):
         y = mixer.norm(y, gate)
     else:  # Falcon-H1 without its norm
@@ -237,7 +275,7 @@ def short_conv(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.
     def conv(u):
         return F.conv1d(F.pad(u, (weight.shape[-1] - 1, 0)), weight, layer.conv.bias, groups=u.shape[1])
 
-    return layer.out_proj(C * fork.join(fork.conv(conv, fork.split(B * x), weight.shape[-1])))
+    return layer.out_proj(C * fork.join(fork.conv(conv, fork.split(B * x), weight.shape[-1], layer)))
 
 
 # -- installing the forks ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from .kernel_checks import (
     varlen_attention_forward,
     varlen_config,
 )
-from .tree_layout import Blocks, Part, Rows, TreeLayout
+from .tree_layout import Blocks, HeldPart, Part, Rows, TreeLayout
 from .vision import block_bias
 from .window_attention import apply_sinks, band_backward, band_forward, sink_gradient
 
@@ -112,11 +112,12 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None,
+def _keys_of(layout: TreeLayout, index, part: Part | HeldPart, window: int | None,
              dtype) -> tuple[Blocks, torch.Tensor | None]:  # fmt: skip
     """A level's keys (`Blocks`) and bias: each node's tokens, masked where it is shorter than the longest; under a
     `window` shorter than the rows, each node's last `T = min(w - 1, Kmax)` tokens, masked per query where they are out
-    of its window (or before the node). Built once per batch for every layer alike."""
+    of its window (or before the node). Built once per batch for every layer alike. A held part's keys are in its
+    slot's flat sequence."""
     memo_key = ("part", index, window, dtype)
     if memo_key in layout.memo:
         return layout.memo[memo_key]
@@ -134,7 +135,8 @@ def _keys_of(layout: TreeLayout, index: int, part: Part, window: int | None,
     slot = part.key_length[:, None] - tail + torch.arange(tail, device=device)  # (A, T) slots of the key blocks
     valid = slot >= 0
     slot = slot.clamp(min=0)
-    scatter = torch.where(valid, part.keys.scatter.gather(1, slot), layout.tokens)
+    dump = part.tokens if isinstance(part, HeldPart) else layout.tokens
+    scatter = torch.where(valid, part.keys.scatter.gather(1, slot), dump)
     keys = Blocks(part.keys.gather.gather(1, slot), scatter, ~valid, part.keys.run if tail == width else None)
     key_position = part.key_end_position[:, None] - (tail - 1) + torch.arange(tail, device=device)  # (A, T)
     query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(part.queries.shape)
@@ -173,7 +175,7 @@ class TreeAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
-                sliding: bool = False, history: tuple | None = None):  # fmt: skip
+                sliding: bool = False, history: tuple | None = None, *held):  # fmt: skip
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
         q, k, v = _flat(query), _flat(key), _flat(value)
         work = _work_dtype(query.dtype)
@@ -231,6 +233,13 @@ class TreeAttention(torch.autograd.Function):
                                                     False, scale)  # fmt: skip
             states.append(state)
             _merge(out, lse, queries, out_p, lse_p)
+        for index, part in enumerate(layout.held_parts):  # held nodes, their keys in their slot's (Ns, Hkv, D)
+            held_key, held_value = _flat(held[2 * part.slot]), _flat(held[2 * part.slot + 1])
+            keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
+            out_p, lse_p, state = attention_forward(_gather(q, part.queries), _gather(held_key, keys),
+                                                    _gather(held_value, keys), bias, False, scale)  # fmt: skip
+            states.append(state)
+            _merge(out, lse, part.queries, out_p, lse_p)
         for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
             lo, hi = part.span
             if window is not None:  # the queries follow every held key: only the last w - 1 columns are in reach
@@ -255,8 +264,8 @@ class TreeAttention(torch.autograd.Function):
         if sinks is not None:
             apply_sinks(out.transpose(0, 1).unsqueeze(0), lse.transpose(0, 1).unsqueeze(0), sinks)
         result = out.to(query.dtype)
-        if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(query, key, value, sinks, result, lse)
+        if any(ctx.needs_input_grad[:4]) or any(ctx.needs_input_grad[9:]):
+            ctx.save_for_backward(query, key, value, sinks, result, lse, *held)
         # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
         ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
         ctx.packed = (packed_nodes is not None, packed_depths)
@@ -264,7 +273,8 @@ class TreeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, sinks, out, lse = ctx.saved_tensors
+        saved = ctx.saved_tensors  # (unpacked once: gradient checkpointing's recomputation allows no second)
+        query, key, value, sinks, out, lse, *held = saved
         layout, window, scale = ctx.layout, ctx.window, ctx.scale
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
         q, k, v, grad = _flat(query), _flat(key), _flat(value), grad_out[0]
@@ -319,6 +329,21 @@ class TreeAttention(torch.autograd.Function):
             add(grad_q, part.queries, dq)
             add(grad_k, keys, dk)
             add(grad_v, keys, dv)
-        token_major = lambda x, like: x[:tokens].to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+        flats = [_flat(x) for x in held]
+        grad_held = [x.new_zeros(x.shape[0] + 1, *x.shape[1:], dtype=work) if ctx.needs_input_grad[9 + i] else None
+                     for i, x in enumerate(flats)]  # fmt: skip
+        for index, part in enumerate(layout.held_parts):
+            held_key, held_value = flats[2 * part.slot], flats[2 * part.slot + 1]
+            keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
+            qp, gp, op, lp = scored(part.queries)
+            dq, dk, dv = attention_backward(next(states), gp, qp, _gather(held_key, keys), _gather(held_value, keys),
+                                            bias, op, lp, False, scale)  # fmt: skip
+            add(grad_q, part.queries, dq)
+            for target, grad_part in ((grad_held[2 * part.slot], dk), (grad_held[2 * part.slot + 1], dv)):
+                if target is not None:
+                    add(target, keys, grad_part)
+        token_major = lambda x, like: x[: like.shape[2]].to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+        query, key, value = saved[:3]  # (the loops above name their gradients `value`)
         return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
-                None, None, None, None)  # fmt: skip
+                None, None, None, None,
+                *(None if g is None else token_major(g, x) for g, x in zip(grad_held, held, strict=True)))  # fmt: skip

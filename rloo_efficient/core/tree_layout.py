@@ -121,6 +121,20 @@ class Packed:
 
 
 @dataclass(frozen=True)
+class HeldPart:
+    """Held nodes of one depth read by one length bucket of a forward's tokens ([`hold_plan`]): like a [`Part`], with
+    the keys in slot `slot` of the held state the forward reads (`tokens` long: the keys' dump row)."""
+
+    slot: int
+    tokens: int
+    queries: Blocks
+    keys: Blocks
+    key_length: torch.Tensor
+    key_end_position: torch.Tensor
+    padded_keys: bool
+
+
+@dataclass(frozen=True)
 class Level:
     """Nodes of one depth in one length bucket, for the recurrent layers: their tokens `(n, L)`, lengths, and each
     one's parent's index among the nodes of the depth above (its buckets' nodes in order; -1 at the roots)."""
@@ -157,6 +171,14 @@ class TreeLayout:
     # level's part, its nodes' subtrees reading their tokens; no padding, no gather of the nodes
     packed_nodes: Packed | None = None
     packed_parts: tuple[Packed, ...] = ()
+    # Nodes held by an earlier forward and read here ([`hold_plan`]): their parts, the held state they read
+    # ([`held_state.HeldReads`], set by the caller), and per root bucket of the levels the row of each root's held
+    # parent's state in the slots' concatenated states (its last row, zeros, for a root without one)
+    held_parts: tuple[HeldPart, ...] = ()
+    held: object = None
+    held_roots: tuple[torch.Tensor, ...] = ()
+    # Host: each node's row in the recurrent layers' concatenated final states ([`level_order`])
+    state_order: np.ndarray | None = None
 
 
 def _blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int, width: int | None = None) -> tuple[np.ndarray, ...]:
@@ -184,6 +206,17 @@ def _buckets(nodes: np.ndarray, lengths: np.ndarray, ratio: float) -> list[np.nd
     return runs
 
 
+def _grouped(items: list, key):
+    """Consecutive runs of `items` with the same `key(item)`: `(key, run)` each."""
+    runs: list = []
+    for item in items:
+        if runs and runs[-1][0] == key(item):
+            runs[-1][1].append(item)
+        else:
+            runs.append((key(item), [item]))
+    return runs
+
+
 def _concatenated(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The flat tokens of the runs `[starts, starts + lengths)`, one after another."""
     offsets = np.cumsum(lengths) - lengths
@@ -205,12 +238,31 @@ def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
     return [(run, *_blocks(starts[run], lengths[run], tokens)) for run in runs]
 
 
+def level_order(tree: Tree, ratio: float = BUCKET_RATIO) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """The recurrent layers' levels of `tree`: per depth its nodes' length buckets, and each node's row in the final
+    states of every depth's buckets concatenated (the order a recurrent layer's forward leaves them in)."""
+    all_nodes = np.arange(len(tree.start))
+    runs_by_depth, order, offset = [], np.zeros(len(all_nodes), dtype=np.int64), 0
+    for depth in range(int(tree.depth.max()) + 1 if len(all_nodes) else 0):
+        level = all_nodes[tree.depth == depth]
+        runs = _buckets(level, tree.length[level], ratio)
+        order[np.concatenate(runs)] = offset + np.arange(len(level))
+        offset += len(level)
+        runs_by_depth.append(runs)
+    return runs_by_depth, order
+
+
 def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio: float = BUCKET_RATIO,
-                parts: list[np.ndarray] | None = None, recurrent: bool = True) -> tuple[TreeLayout, list[torch.Tensor]]:  # fmt: skip
+                parts: list[np.ndarray] | None = None, recurrent: bool = True,
+                held_reads: list[tuple] = (), held_roots: np.ndarray | None = None,
+                held_states: int = 0) -> tuple[TreeLayout, list[torch.Tensor]]:  # fmt: skip
     """
     The [`TreeLayout`] of `tree` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
     `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `recurrent`: whether the
-    recurrent layers' levels are needed (a model with recurrent layers).
+    recurrent layers' levels are needed (a model with recurrent layers). `held_reads`: the held nodes this forward
+    reads, `(slot, slot tokens, depth, first query, query count, first key, key count, key end position)` each (the
+    queries a run of the flat sequence, the keys a run of the slot's); `held_roots`: per node, its held parent's row
+    in the `held_states` rows of the slots' concatenated recurrent states (-1: none).
     """
     n = tree.num_tokens
     all_nodes = np.arange(len(tree.start))
@@ -264,16 +316,33 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         if len(level):
             plan.setdefault("packed_parts", []).append(
                 (packed_of(below[level], queries[level], tree.start[level], tree.length[level]), depth))  # fmt: skip
+    # Held parts: per slot and depth (a token reads one held node per depth), the nodes bucketed by their queries
+    reads_by = sorted(((slot, depth, slot_tokens, *rest) for slot, slot_tokens, depth, *rest in held_reads),
+                      key=lambda read: read[:2])  # fmt: skip
+    plan["held"] = []
+    for (slot, depth), reads in _grouped(reads_by, lambda read: read[:2]):
+        slot_tokens = reads[0][2]
+        read = np.array([r[3:] for r in reads], dtype=np.int64).reshape(-1, 5)
+        for run in _buckets(np.arange(len(read)), read[:, 1], ratio):
+            q_first, q_count, k_first, k_count, key_end = read[run].T
+            query_plan = blocks_of(None, q_first, q_count)
+            gather, scatter = _blocks(k_first, k_count, slot_tokens)
+            arrays.extend([gather, scatter, k_count, key_end])
+            plan["held"].append((slot, slot_tokens, query_plan, (gather.shape, _run(k_first, k_count)),
+                                 bool((k_count < k_count.max()).any())))  # fmt: skip
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
-    slot_offset, up = 0, np.full(len(all_nodes), -1)
-    for depth in depths if recurrent else []:
-        level, plans = all_nodes[tree.depth == depth], []
-        runs = _buckets(level, tree.length[level], ratio)
+    slot_offset = 0
+    runs_by_depth, state_order = level_order(tree, ratio) if recurrent else ([], None)
+    up = state_order - np.concatenate([[0], np.cumsum([sum(len(r) for r in runs) for runs in runs_by_depth])])[
+        tree.depth] if recurrent and len(all_nodes) else None  # each node's order at its depth
+    for depth, runs in enumerate(runs_by_depth):
+        plans = []
         parents = [np.where(tree.parent[nodes] >= 0, up[np.maximum(tree.parent[nodes], 0)], -1) for nodes in runs]
-        up[np.concatenate(runs)] = np.arange(len(level))  # their order at this depth, for the depth below
         for nodes, parent in zip(runs, parents, strict=True):
             planned = blocks_of(nodes)
             arrays.extend([tree.length[nodes], parent])
+            if depth == 0 and held_roots is not None:
+                arrays.append(np.where(held_roots[nodes] >= 0, held_roots[nodes], held_states))
             width = planned[0][1]
             # each token of these nodes: its slot in the flattened blocks of every depth and bucket, in order
             inside = np.arange(width)[None, :] < tree.length[nodes][:, None]
@@ -313,16 +382,27 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
 
     packed_nodes = packed(plan["packed_nodes"]) if "packed_nodes" in plan else None
     packed_parts = tuple(packed(planned, depth) for planned, depth in plan.get("packed_parts", ()))
-    levels = []
-    for plans in plan["levels"]:
+    held_parts = []
+    for slot, slot_tokens, query_plan, key_plan, padded in plan["held"]:
+        query_blocks = blocks(query_plan)
+        (shape, run) = key_plan
+        gather, scatter = take(shape), take(shape)
+        key_blocks = Blocks(gather, scatter, scatter == slot_tokens, run)
+        held_parts.append(HeldPart(slot, slot_tokens, query_blocks, key_blocks, take(), take(), padded))
+    levels, roots = [], []
+    for depth, plans in enumerate(plan["levels"]):
         runs = []
         for planned in plans:
             level_blocks = blocks(planned)
             length, parent = take(), take()
+            if depth == 0 and held_roots is not None:
+                roots.append(take())
             runs.append(Level(level_blocks, length, parent, ~level_blocks.padding))
         levels.append(tuple(runs))
     assemble_t, positions = take(), take()
     span = int((tree.position + tree.length).max()) if len(all_nodes) else 0
     layout = TreeLayout(n, buckets, image_buckets, tuple(parts_out), tuple(levels), assemble_t if recurrent else None,
-                        positions, span, packed_nodes=packed_nodes, packed_parts=packed_parts)  # fmt: skip
+                        positions, span, packed_nodes=packed_nodes, packed_parts=packed_parts,
+                        held_parts=tuple(held_parts), held_roots=tuple(roots),
+                        state_order=state_order)  # fmt: skip
     return layout, list(flat[len(arrays) :])

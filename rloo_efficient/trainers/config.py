@@ -60,6 +60,20 @@ SHARING_DOC = r"""
             prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps its whole history while
             decoding (masked to its window). Held keys and values were computed one decoding step at a time: they
             equal a fresh prefill's to floating-point rounding.
+        held_prefix_budget_gib (`float` or `None`, *optional*, defaults to `None`):
+            With `share_prompt_prefix`, forward each prompt once for every micro-batch holding one of its rows, instead
+            of once per micro-batch: TRL scores a generation batch in chunks of `per_device_train_batch_size` rows and
+            trains on it in micro-batches of that size, so at one or two rows per micro-batch a group's prompt would
+            be forwarded `k` or `k / 2` times. The first chunk (or micro-batch) holding one of its rows forwards it
+            and holds what later tokens read of it (each layer's keys and values, a recurrent layer's state and
+            convolution tail, a MoE layer's router logits); later ones read it. In training, within one optimizer step
+            (and one generation), the prompt is forwarded with grad by its first micro-batch, its gradient from the
+            others is banked, and its one backward runs inside the Trainer's backward of its last: exactly the
+            gradient of forwarding it in each micro-batch, DDP, DeepSpeed and gradient checkpointing unchanged. What
+            is held is released once its last micro-batch is done. Held state beyond this many GiB is not held (those
+            prompts are forwarded per micro-batch, as without it). `None`: a quarter of the accelerator's memory (of
+            the host's on CPU); `0`: never held. Not for batches with images, nor in training under reentrant
+            gradient checkpointing (`use_reentrant=True`).
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -126,6 +140,11 @@ class SharingArguments:
         metadata={"help": "Hold each row's KV cache across a tool call, up to this many GiB, and continue it in its "
                           "next turn (None: a quarter of the device's memory; 0: never)."},
     )
+    held_prefix_budget_gib: float | None = field(
+        default=None,
+        metadata={"help": "Forward each prompt once for all the micro-batches (and log-prob chunks) holding its rows, "
+                          "holding its state up to this many GiB (None: a quarter of the device's memory; 0: never)."},
+    )
     share_reward_prefix: bool = field(
         default=True,
         metadata={"help": "Score reward models over the prefix tree of their rows (each shared run once, no padding)."},
@@ -153,7 +172,7 @@ OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
 # Every switch off: what a trainer built without our `__init__` reads (see `GroupSharingMixin._constructed`)
 STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_prefill=False,
                                   share_prefill_tree=False, share_prompt_kv_cache=False, tool_cache_budget_gib=0,
-                                  share_reward_prefix=False, hydra_reward_adapter=False,
+                                  held_prefix_budget_gib=0, share_reward_prefix=False, hydra_reward_adapter=False,
                                   shuffle_groups=False, empty_cache_policy="none", profile_memory=False)  # fmt: skip
 
 
@@ -192,10 +211,10 @@ class _SharingConfigMixin:
                 # "false" would be truthy and turn the feature on
                 allowed = "True, False or None" if optional else "True or False"
                 raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__}).")
-        budget = self.tool_cache_budget_gib
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0):
-            raise ValueError(f"tool_cache_budget_gib must be None or a number of GiB >= 0 (0: never hold), got "
-                             f"{budget!r}.")  # fmt: skip
+        for name in ("tool_cache_budget_gib", "held_prefix_budget_gib"):
+            budget = getattr(self, name)
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or budget < 0):
+                raise ValueError(f"{name} must be None or a number of GiB >= 0 (0: never hold), got {budget!r}.")
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."

@@ -31,6 +31,7 @@ from ..core.turn_cache import TurnCaches, continue_reason, default_budget
 from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, image_blocks, image_token_ids, layout_reason
 from ..core.vision import packed_positions, rope_index_positions, select_images, token_blocks, vision_reason
 from .config import STOCK_SETTINGS, sharing_settings
+from .held_prefix import HeldPrefixMixin
 from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
 from .hydra import split_hydra_rewards
 from .rewards import RewardSharingMixin
@@ -47,7 +48,7 @@ def _supported(reason: str | None, consequence: str) -> bool:
     return reason is None
 
 
-class GroupSharingMixin(RewardSharingMixin):
+class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
     """
     Each prompt once per group in every phase of a TRL group trainer. Mix it in before the trainer class,
     `class MyTrainer(GroupSharingMixin, trl.GRPOTrainer)`; [`RLOOTrainer`] and [`GRPOTrainer`] are built so. The
@@ -104,6 +105,8 @@ class GroupSharingMixin(RewardSharingMixin):
                 reason = aux_loss_reason(unwrapped)
             if reason is not None:
                 self._fall_back(reason)
+        if self._share_prefix:  # prompts held across a pass's chunks and a step's micro-batches, within the budget
+            self._init_holds(self._settings.held_prefix_budget_gib)
         # Batches with images: packed for the families whose image placement and positions are known (else stock's)
         self._vision_reason = vision_reason(unwrapped) if is_multimodal(unwrapped) else "the model has no vision tower"
         self._vision = VISION_FAMILIES[unwrapped.config.model_type] if self._vision_reason is None else None
@@ -492,36 +495,64 @@ class GroupSharingMixin(RewardSharingMixin):
         all_logps, all_entropies, all_aux = [], [], []
         with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
         recurrent = has_recurrent_layers(unwrapped)
-        for start in range(0, input_ids.size(0), batch_size):
-            end = min(start + batch_size, input_ids.size(0))
-            packed = pack_rows(input_ids[start:end], logits_to_keep, rows[start:end], token_weights=compute_aux_loss,
-                               group_sources=with_positions, image_tokens=self._image_tokens if images else None,
-                               recurrent=recurrent)  # fmt: skip
-            chunk_images = {}
-            if images and not isinstance(packed, str):
-                packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask, start,
-                                                         logits_to_keep)  # fmt: skip
-            if isinstance(packed, str):
-                self._fall_back(packed, permanent=False)
-                stock = super()._get_per_token_logps_and_entropies.__func__
-                stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
-                logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
-                                              logits_to_keep, end - start, compute_entropy, compute_aux_loss,
-                                              **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
-            else:
-                self.packed_forward_tokens += packed.num_tokens
-                self.tree_tokens += packed.tree.real_tokens
-                routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
-                with self.accelerator.autocast(), routers as router_logits:
-                    outputs = model(**packed.model_inputs(), **chunk_images, fused_lm_head=True, **extra)
-                logps = packed.unpack(outputs.log_probs)
-                entropies = packed.unpack(outputs.entropy) if compute_entropy else None
-                aux = weighted_aux_loss(router_logits, packed.token_weights, text_config) if compute_aux_loss else None
-            all_logps.append(logps)
-            if compute_entropy:
-                all_entropies.append(entropies)
-            if compute_aux_loss:
-                all_aux.append(aux)
+        chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
+        # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]
+        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images))
+
+        def call(**inputs):
+            with self.accelerator.autocast():
+                return model(**inputs, fused_lm_head=True, **extra)
+
+        try:
+            for index, (start, end) in zip(indices, chunks, strict=True):
+                pack = dict(token_weights=compute_aux_loss, group_sources=with_positions,
+                            image_tokens=self._image_tokens if images else None, recurrent=recurrent)  # fmt: skip
+                if scope is not None:
+                    source = scope.plan.chunks[index].source
+                    if source is not None:  # the prompts first held here: forwarded once, for every later chunk
+                        routers = (lambda: recording_router_logits(unwrapped)) if compute_aux_loss else None
+                        tokens = scope.forward_source(source, call, input_ids.size(1) - logits_to_keep,
+                                                      input_ids.device, recurrent, routers)  # fmt: skip
+                        self.packed_forward_tokens += tokens
+                        self.tree_tokens += tokens
+                        self.held_forward_tokens += tokens
+                    packed = scope.pack(index, input_ids[start:end], logits_to_keep, rows[start:end], **pack)
+                else:
+                    packed = pack_rows(input_ids[start:end], logits_to_keep, rows[start:end], **pack)
+                chunk_images = {}
+                if images and not isinstance(packed, str):
+                    packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask,
+                                                             start, logits_to_keep)  # fmt: skip
+                if isinstance(packed, str):
+                    self._fall_back(packed, permanent=False)
+                    stock = super()._get_per_token_logps_and_entropies.__func__
+                    stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
+                    logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
+                                                  logits_to_keep, end - start, compute_entropy, compute_aux_loss,
+                                                  **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
+                else:
+                    self.packed_forward_tokens += packed.num_tokens
+                    self.tree_tokens += packed.tree.real_tokens
+                    routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
+                    with routers as router_logits:
+                        outputs = call(**packed.model_inputs(), **chunk_images)
+                    logps = packed.unpack(outputs.log_probs)
+                    entropies = packed.unpack(outputs.entropy) if compute_entropy else None
+                    aux = None
+                    if compute_aux_loss:
+                        held_logits = packed.layout.held.routers() if packed.layout.held is not None else []
+                        aux = weighted_aux_loss(router_logits, packed.token_weights, text_config, held_logits,
+                                                list(packed.held_weights))  # fmt: skip
+                if scope is not None:
+                    self._chunk_done(scope, index)
+                all_logps.append(logps)
+                if compute_entropy:
+                    all_entropies.append(entropies)
+                if compute_aux_loss:
+                    all_aux.append(aux)
+        finally:
+            if closes:
+                scope.close()
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'

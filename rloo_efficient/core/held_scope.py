@@ -1,0 +1,88 @@
+"""
+A [`hold_plan.HoldPlan`] as it runs: each chunk forwards the source first needed there, reads the sources it needs in
+the version its backward calls for ([`held_state`]), and releases those whose last use it was.
+
+The model call is the caller's (`call(**inputs)`: a trainer's wrapped model under its autocast, with TRL's fused head):
+this module packs, holds and releases; it never calls the model any other way than the caller does.
+"""
+
+import contextlib
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from .held_state import Capture, HeldReads, HeldSource, holding
+from .hold_plan import HoldPlan
+from .packing import PackedBatch, pack_rows, pack_source, row_tokens
+
+
+class HeldScope:
+    """The sources of a plan's scope while its chunks run (`training`: with grad, read in the version each reader's
+    backward calls for; else without). `kv_source`: per attention layer, the layer whose keys it reads."""
+
+    def __init__(self, plan: HoldPlan, training: bool, kv_source: list[int] | None = None):
+        self.plan, self.training, self.kv_source = plan, training, kv_source
+        self.sources: dict[int, HeldSource] = {}
+        self.forwarded_tokens = 0  # tokens the source forwards processed (read by tests and counters)
+
+    def reads(self, sources: tuple[int, ...], reader_backprop: int) -> HeldReads:
+        """The held state a forward whose backward runs in chunk `reader_backprop` reads of `sources`."""
+        slots = []
+        for source in sources:
+            if source not in self.sources:
+                raise RuntimeError(f"Held source {source} is read before its chunk forwarded it, or after its release.")
+            attached = self.training and self.plan.attached(source, reader_backprop)
+            slots.append(self.sources[source].read(attached))
+        return HeldReads(slots, self.kv_source)
+
+    def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool,
+                       routers=None) -> int:  # fmt: skip
+        """Runs `source`'s packed forward through `call`, holding what its layers hand over (and the router logits
+        `routers()` records, a context manager yielding a list, where given). Returns its tokens."""
+        batch = pack_source(self.plan, source, prompt_width, device, recurrent)
+        reads = self.reads(batch.held_sources, int(self.plan.backprop_chunk[source]))
+        inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={})}
+        capture = Capture(self.kv_source)
+        with holding(capture), (routers() if routers is not None else contextlib.nullcontext([])) as logits:
+            call(**inputs)
+        capture.routers(list(logits))
+        self.sources[source] = HeldSource(capture.tensors, batch.num_tokens)
+        self.forwarded_tokens += batch.num_tokens
+        return batch.num_tokens
+
+    def pack(self, chunk: int, input_ids, logits_to_keep: int, rows: torch.Tensor, **kwargs) -> PackedBatch | str:
+        """Chunk `chunk`'s rows packed after their held nodes, its layout reading the held state."""
+        packed = pack_rows(input_ids, logits_to_keep, rows, hold=(self.plan, self.plan.chunks[chunk]), **kwargs)
+        if isinstance(packed, str):
+            return packed
+        reads = self.reads(packed.held_sources, chunk)
+        return replace(packed, layout=replace(packed.layout, held=reads, memo={}))
+
+    def release(self, chunk: int) -> None:
+        """Drops the sources whose last use was chunk `chunk` (in training: whose backward it runs)."""
+        for source in self.plan.released_after(chunk, self.training):
+            held = self.sources.pop(source, None)
+            if held is not None:
+                held.release()
+
+    def close(self) -> None:
+        for held in self.sources.values():
+            held.release()
+        self.sources.clear()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(held.nbytes for held in self.sources.values())
+
+
+def held_router_terms(packed: PackedBatch) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Per slot, each MoE layer's held router logits, and the rows of `packed` holding each held token (the weights
+    of the load-balancing loss): what [`moe.weighted_aux_loss`] adds to the packed tokens'."""
+    reads: HeldReads = packed.layout.held
+    return (reads.routers() if reads is not None else []), list(packed.held_weights)
+
+
+def chunk_tables(rows: torch.Tensor, chunks: list[np.ndarray]) -> list[tuple]:
+    """[`packing.row_tokens`] of each chunk's rows (`chunks`: row indices into `rows`)."""
+    return [row_tokens(rows[torch.from_numpy(chunk)]) for chunk in chunks]

@@ -1,0 +1,169 @@
+"""
+The state a source forward holds for later micro-batches ([`hold_plan`]), and how they read it with or without grad.
+
+A source is one packed forward over held nodes. What later tokens read of it is held, per layer: the attention keys and
+values as the attention function reads them, a recurrent layer's final states and convolution tails at each node's
+end, and the router logits of a MoE layer (for the load-balancing loss, which counts every token stock's micro-batch
+holds). Each is a tensor of the forward, attached to its graph when it runs with grad.
+
+In training a source's graph is backpropagated once, in its backprop chunk ([`hold_plan.HoldPlan.backprop_chunk`]), and
+every reader contributes to its gradient:
+
+- a reader whose backward runs before it reads `detached` copies: leaves sharing the tensors' storage, whose gradient
+  is added into a bank (float32 for half precision) and dropped as it arrives;
+- the readers whose backward runs in it read `attached` views through one autograd node per tensor, whose backward adds
+  the bank to the gradient flowing in: the source's one backward then runs inside the Trainer's ordinary backward of
+  that micro-batch, which also owns gradient synchronization, checkpointing's recomputation and loss scaling (the
+  bank holds gradients of the same scaled loss).
+
+Reading the attached tensors from a micro-batch whose backward runs earlier would backpropagate the source twice (and a
+second time through a graph already freed); reading detached ones in the backprop chunk would leave the bank unused.
+[`hold_plan.HoldPlan.attached`] decides which, per reader.
+"""
+
+import contextlib
+import contextvars
+
+import torch
+
+
+_holding: contextvars.ContextVar = contextvars.ContextVar("rloo_holding", default=None)
+
+
+class _WithBank(torch.autograd.Function):
+    """A held tensor as the backprop chunk reads it: itself forward; backward, its gradient plus the bank."""
+
+    @staticmethod
+    def forward(ctx, tensor, source, name):
+        # The bank as it will be when this backward runs: the source may be released before (its last micro-batch
+        # releases it after its forward), and its banks go with this graph
+        ctx.source, ctx.banks, ctx.name = source, source.banks, name
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bank = ctx.banks.get(ctx.name)
+        if bank is not None:
+            grad = (grad.to(bank.dtype) + bank).to(grad.dtype)
+        ctx.source.banks_added += bank is not None
+        return grad, None, None
+
+
+class HeldSource:
+    """The tensors one source forward left (`name -> tensor`), and their detached and attached versions."""
+
+    def __init__(self, tensors: dict, tokens: int):
+        self.tensors = tensors
+        self.tokens = tokens
+        self.banks: dict = {}
+        self.banks_added = 0  # attached tensors whose backward added a bank (read by tests)
+        self._versions: dict[bool, dict] = {}
+
+    def read(self, attached: bool) -> dict:
+        """Every held tensor, `attached` (through the bank) or detached (its gradient banked); as they are where
+        nothing needs a gradient."""
+        if attached not in self._versions:
+            self._versions[attached] = {name: self._version(name, tensor, attached)
+                                        for name, tensor in self.tensors.items()}  # fmt: skip
+        return self._versions[attached]
+
+    def _version(self, name, tensor: torch.Tensor, attached: bool) -> torch.Tensor:
+        if not tensor.requires_grad:
+            return tensor
+        if attached:
+            return _WithBank.apply(tensor, self, name)
+        leaf = tensor.detach().requires_grad_(True)  # the same storage
+        leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: self._bank(name, leaf))
+        return leaf
+
+    def _bank(self, name, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        dtype = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+        if name in self.banks:
+            self.banks[name].add_(grad)
+        else:
+            self.banks[name] = grad.to(dtype, copy=True)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.tensors.values(), *self.banks.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def release(self) -> None:
+        """Drops the held tensors and banks (an attached version's backward still to run keeps its banks)."""
+        self.tensors, self.banks, self._versions = {}, {}, {}
+
+
+class HeldReads:
+    """What one packed forward reads of held sources: `slots`, each a source's tensors in the version it reads (the
+    layout's held parts name their slot), and `kv_source`, the layer whose keys each attention layer reads (Gemma 4's
+    shared layers read another's)."""
+
+    def __init__(self, slots: list[dict], kv_source: list[int] | None = None):
+        self.slots = slots
+        self.kv_source = kv_source
+
+    def attention(self, layer: int) -> list[torch.Tensor]:
+        """`[key, value]` of every slot for attention layer `layer`, `(1, Hkv, Ns, D)` each."""
+        layer = layer if self.kv_source is None else self.kv_source[layer]
+        out = []
+        for slot in self.slots:
+            if ("key", layer) not in slot:
+                raise RuntimeError(f"No keys were held for attention layer {layer}: its attention did not go through "
+                                   "rloo_efficient's attention function in the source forward.")  # fmt: skip
+            out += [slot[("key", layer)], slot[("value", layer)]]
+        return out
+
+    def recurrent(self, layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(final states, convolution tails)` of every slot's nodes for recurrent layer `layer` (a module), the slots
+        concatenated, with a row of zeros after them (the state of a root without a held parent); None where no slot
+        holds one."""
+        pairs = [(slot.get(("state", id(layer))), slot[("tail", id(layer))]) for slot in self.slots
+                 if ("tail", id(layer)) in slot]  # fmt: skip
+        if not pairs:
+            return None
+        states, tails = zip(*pairs, strict=True)
+        zero = lambda x: x.new_zeros((1, *x.shape[1:]))  # noqa: E731
+        joined = lambda xs: None if xs[0] is None else torch.cat([*xs, zero(xs[0])])  # noqa: E731 (a convolution: no state)
+        return joined(states), joined(tails)
+
+    def routers(self) -> list[list[torch.Tensor]]:
+        """Per slot, each MoE layer's router logits `(Ns, E)`, in call order."""
+        return [[slot[("router", index)] for index in range(sum(name[0] == "router" for name in slot))]
+                for slot in self.slots]  # fmt: skip
+
+
+class Capture:
+    """What a source forward's layers hand over, collected as a [`HeldSource`]'s tensors."""
+
+    def __init__(self, kv_source: list[int] | None = None):
+        self.tensors: dict = {}
+        self.kv_source = kv_source
+
+    def attention(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.kv_source is not None and self.kv_source[layer] != layer:
+            return  # a layer reading another's keys: its source's are held
+        self.tensors[("key", layer)], self.tensors[("value", layer)] = key, value
+
+    def recurrent(self, layer, kind: str, value: torch.Tensor) -> None:
+        """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree_layout.level_order`]."""
+        self.tensors[(kind, id(layer))] = value
+
+    def routers(self, logits: list[torch.Tensor]) -> None:
+        for index, value in enumerate(logits):
+            self.tensors[("router", index)] = value
+
+
+def capturing():
+    """The [`Capture`] of the source forward running now, or None (never during checkpointing's recomputation, which
+    runs outside the forward's block)."""
+    return _holding.get()
+
+
+@contextlib.contextmanager
+def holding(capture: Capture):
+    token = _holding.set(capture)
+    try:
+        yield capture
+    finally:
+        _holding.reset(token)

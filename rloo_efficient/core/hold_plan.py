@@ -1,0 +1,339 @@
+"""
+Which runs of prompt tokens are forwarded once for a run of micro-batches, and which micro-batch reads them.
+
+TRL scores a generation batch, and trains on it, in micro-batches of `per_device_train_batch_size` rows: at one or two
+rows per micro-batch a group's `k` rows fall in `k` or `k / 2` micro-batches, and each would forward the group's
+prompt again. Here the micro-batches of a scope (the chunks of a no-grad log-prob pass; a generation's micro-batches
+inside one optimizer step) are planned together, on the host, from their rows' token lists:
+
+- the *held nodes*: the radix tree of the rows' prompts (a system prompt shared across groups, each group's prompt),
+  keeping a node where rows of at least two chunks pass through it and it saves at least `min_saved` tokens (a node
+  not kept is copied into its branches, as [`tree.build_tree`] copies one). A held node never holds a completion
+  token: the position that predicts a completion's first token is its prompt's last token, the first input of the
+  row's own tokens;
+- the *sources*: the chunk where a held node's rows first appear forwards it (with the other nodes first needed there,
+  in one packed forward whose keys and values, recurrent states and router logits are held: [`held_state`]); every
+  later chunk holding one of its rows reads them;
+- each chunk's own part: each row's inputs after its deepest held node, packed as their prefix tree ([`packing`]).
+
+In training a node's gradient reaches it from every chunk that reads it, and its source's one backward must come last:
+the *backprop chunk* of a source is the last chunk that reads it, directly or through a later source that reads it.
+A reader whose own backward runs in that chunk reads the source's attached tensors; every earlier one reads detached
+copies whose gradient is banked and added in that backward ([`held_state.HeldSource`]).
+
+Over the held-state budget, nodes first needed later are not held (their rows' chunks forward them, as without this
+module); a node whose parent is not held is not held either.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tree import MIN_SAVED_TOKENS, Tree, _radix
+
+
+@dataclass(frozen=True)
+class HeldNodes:
+    """The held nodes of a scope, in depth-first order (a node's index is its rank; its subtree is `[rank,
+    subtree_end)`). Node `x` holds the inputs `[position[x], position[x] + length[x])` of every row through it."""
+
+    position: np.ndarray  # (H,) the row position of its first input
+    length: np.ndarray  # (H,)
+    parent: np.ndarray  # (H,) -1 at a top node
+    depth: np.ndarray  # (H,) its held ancestors
+    subtree_end: np.ndarray  # (H,)
+    first: np.ndarray  # (H,) the first chunk reading it (its source's)
+    last: np.ndarray  # (H,) the last
+    source: np.ndarray  # (H,) the source forwarding it
+    offset: np.ndarray  # (H,) its first input's index in its source's flat sequence
+    top_plen: np.ndarray  # (H,) the prompt length of a row through its top node (the stock column its positions take)
+    tokens: list[np.ndarray]  # (H,) each node's input token ids
+
+
+@dataclass(frozen=True)
+class ChunkHold:
+    """What chunk `index` of a scope holds: for each of its rows (in the chunk's order), the inputs its held nodes
+    cover (`skip`: its own inputs start there), the rank of its deepest held node (`key`, -1 for none) and the prompt
+    length whose stock column offset its positions take (`position_plen`); the held nodes it reads (`reads`), and the
+    source it forwards first (`source`, or None)."""
+
+    index: int
+    skip: np.ndarray
+    key: np.ndarray
+    position_plen: np.ndarray
+    reads: np.ndarray
+    source: int | None
+
+
+@dataclass(frozen=True)
+class Reads:
+    """What one packed forward reads of held sources: the `sources` (slot `i` is `sources[i]`), its held parts
+    ([`tree_layout.tree_layout`]'s `held_reads`), the roots' held parents' rows in the slots' concatenated recurrent
+    states (`held_roots`, per node of the forward's tree; -1: none) of `states` rows, and the `(node, first, count)`
+    runs of readers."""
+
+    sources: list[int]
+    held_reads: list[tuple]
+    held_roots: np.ndarray | None
+    states: int
+    runs: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class HoldPlan:
+    """The held nodes, sources and chunks of a scope (see the module docstring)."""
+
+    nodes: HeldNodes
+    source_chunk: np.ndarray  # (S,) the chunk forwarding each source
+    backprop_chunk: np.ndarray  # (S,) the chunk whose backward runs each source's (the last reading it)
+    chunks: tuple[ChunkHold, ...]
+
+    def source_nodes(self, source: int) -> np.ndarray:
+        return np.flatnonzero(self.nodes.source == source)
+
+    def attached(self, source: int, reader_backprop: int) -> bool:
+        """Whether a reader whose backward runs in chunk `reader_backprop` reads `source`'s attached tensors."""
+        return int(self.backprop_chunk[source]) == reader_backprop
+
+    def released_after(self, chunk: int, training: bool) -> list[int]:
+        """The sources whose last use is chunk `chunk`: their state can go once it is done."""
+        last = self.backprop_chunk if training else np.array([self.nodes.last[self.source_nodes(s)].max()
+                                                               for s in range(len(self.source_chunk))])  # fmt: skip
+        return [int(s) for s in np.flatnonzero(last == chunk)]
+
+    def source_tree(self, source: int) -> tuple[Tree, np.ndarray, np.ndarray]:
+        """The packed tree of a source's nodes (a forest: a node whose parent is held elsewhere is a root), its tokens
+        `(N,)`, and the held nodes of earlier sources its roots read (their ancestors)."""
+        nodes = self.source_nodes(source)
+        held = self.nodes
+        index = np.full(len(held.position), -1, dtype=np.int64)
+        index[nodes] = np.arange(len(nodes))
+        parent = np.where(held.parent[nodes] >= 0, index[np.maximum(held.parent[nodes], 0)], -1)
+        depth = np.zeros(len(nodes), dtype=np.int64)
+        root = np.arange(len(nodes))
+        for i, p in enumerate(parent):  # depth-first order: a parent comes first
+            if p >= 0:
+                depth[i], root[i] = depth[p] + 1, root[p]
+        start = held.offset[nodes]
+        end = start + held.length[nodes]
+        subtree_end = end.copy()
+        for i in range(len(nodes) - 1, -1, -1):
+            if parent[i] >= 0:
+                subtree_end[parent[i]] = max(subtree_end[parent[i]], subtree_end[i])
+        count = int(held.length[nodes].sum())
+        tree = Tree(num_rows=0, num_tokens=count, start=start, length=held.length[nodes], depth=depth, parent=parent,
+                    root=root, subtree_end=subtree_end, position=held.position[nodes],
+                    row=np.zeros(len(nodes), dtype=np.int64), weight=np.ones(len(nodes), dtype=np.int64),
+                    row_inputs=[], real_tokens=count)  # fmt: skip
+        tokens = np.concatenate([held.tokens[x] for x in nodes])
+        ancestors = set()
+        for x in nodes[parent < 0]:
+            a = held.parent[x]
+            while a >= 0:
+                ancestors.add(int(a))
+                a = held.parent[a]
+        return tree, tokens, np.array(sorted(ancestors), dtype=np.int64)
+
+    @property
+    def held_tokens(self) -> int:
+        return int(self.nodes.length.sum())
+
+    def source_tokens(self, source: int) -> int:
+        return int(self.nodes.length[self.nodes.source == source].sum())
+
+    def state_rows(self, source: int) -> np.ndarray:
+        """Each node of `source`'s row in the final states its recurrent layers hold ([`tree_layout.level_order`])."""
+        from .tree_layout import level_order
+
+        return level_order(self.source_tree(source)[0])[1]
+
+    def reads_of(self, reads: np.ndarray, tree: Tree, root_keys: np.ndarray, root_parents: np.ndarray,
+                 recurrent: bool) -> "Reads":  # fmt: skip
+        """What a packed forward over `tree` reads of the held nodes `reads`: its roots, in depth-first order of the held
+        tree, are read by the held nodes whose subtree holds `root_keys` and start from the state of `root_parents`
+        (-1: none). [`Reads`]."""
+        root_nodes = np.flatnonzero(tree.parent < 0)
+        root_starts, root_ends = tree.start[root_nodes], tree.subtree_end[root_nodes]
+        nodes = self.nodes
+        sources = sorted({int(nodes.source[x]) for x in reads})
+        slot_of = {source: slot for slot, source in enumerate(sources)}
+        runs = read_runs(self, reads, root_keys, root_starts, root_ends - root_starts)
+        held_reads = [(slot_of[int(nodes.source[x])], self.source_tokens(int(nodes.source[x])), int(nodes.depth[x]),
+                       first, count, int(nodes.offset[x]), int(nodes.length[x]),
+                       int(nodes.position[x] + nodes.length[x] - 1)) for x, first, count in runs]  # fmt: skip
+        held_roots, states = None, 0
+        if recurrent:
+            rows = {}
+            for source in sources:
+                for x, row in zip(self.source_nodes(source), self.state_rows(source), strict=True):
+                    rows[int(x)] = states + int(row)
+                states += len(self.source_nodes(source))
+            held_roots = np.full(len(tree.start), -1, dtype=np.int64)
+            for node, parent in zip(root_nodes, root_parents, strict=True):
+                if parent >= 0:
+                    held_roots[node] = rows[int(parent)]
+            if (held_roots < 0).all():  # no root starts from a held state
+                held_roots = None
+        return Reads(sources, held_reads, held_roots, states, runs)
+
+
+def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
+               token_bytes: int = 0, budget: int | None = None,
+               min_saved: int = MIN_SAVED_TOKENS) -> HoldPlan | None:  # fmt: skip
+    """
+    The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
+    [`packing.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
+    chunk's tree (a loss over every token, [`packing.pack_rows`]'s `token_weights`); else the rows with something
+    scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
+    bytes held at once (None: no limit).
+    """
+    chunk_of, local, sequences, plens = [], [], [], []
+    for index, (group, plen, scored, tokens) in enumerate(chunks):
+        members = np.arange(len(group)) if full or not scored.any() else np.flatnonzero(scored > 0)
+        for row in members:
+            chunk_of.append(index), local.append(row), plens.append(int(plen[row]))
+            sequences.append(np.asarray(tokens[row][: plen[row]], dtype=np.int64))
+    if len(chunks) < 2 or not sequences:
+        return None
+    chunk_of, plens = np.asarray(chunk_of), np.asarray(plens)
+    root = _radix(sequences, np.zeros(len(sequences), dtype=np.int64))
+
+    # Held nodes, depth-first: (start token, end token, rows, parent rank)
+    kept: list[tuple[int, int, np.ndarray, int]] = []
+
+    def best(node, start: int, under_held: bool) -> tuple[int, list]:
+        """The cheapest way to forward `node`'s subtree for the chunks reading it, its run opening at token `start`
+        (an unheld ancestor's tokens copied in), under a held node or not: `(cost, held (node, start) choices)`. The
+        cost counts prompt tokens forwarded, and `min_saved` per chunk reading a held node under another held one: one
+        more attention part in each of its layers (a chunk's first held level replaces the level of its own tree
+        where its prompt would be a node). A node not held is copied into its children, and forwarded by the chunks
+        holding a row that ends there."""
+        inputs = node.end - 1 - max(start - 1, 0)  # its run's inputs: [max(start - 1, 0), end - 1)
+        readers = np.unique(chunk_of[node.rows])
+        # Rows ending here, not held: each chunk's own tree forwards the run, once for its rows where it keeps it
+        # as a node ([`tree.build_tree`]'s rule), else once per row
+        counts = np.unique(chunk_of[node.ended], return_counts=True)[1] if node.ended else np.zeros(0, dtype=np.int64)
+        ended = int(np.where((counts - 1) * inputs >= min_saved, inputs, counts * inputs).sum())
+        costs = [best(child, start, under_held) for child in node.children]
+        skip = (ended + sum(cost for cost, _ in costs), [choice for _, chosen in costs for choice in chosen])
+        if len(readers) < 2 or inputs <= 0:
+            return skip
+        below = [best(child, node.end, True) for child in node.children]
+        hold = (inputs + (min_saved * len(readers) if under_held else 0) + sum(cost for cost, _ in below),
+                [(node, start), *(choice for _, chosen in below for choice in chosen)])
+        return hold if hold[0] < skip[0] else skip
+
+    chosen = [choice for child in root.children for choice in best(child, 0, False)[1]]
+    # Depth-first (each choice after its held ancestors), each with its nearest held ancestor
+    held_at = {id(node): index for index, (node, _) in enumerate(chosen)}
+
+    def link(node, parent: int) -> None:
+        if id(node) in held_at:
+            _, start = chosen[held_at[id(node)]]
+            kept.append((max(start - 1, 0), node.end - 1, node.rows, parent))
+            parent = len(kept) - 1
+        for child in node.children:
+            link(child, parent)
+
+    for child in root.children:
+        link(child, -1)
+    if not kept:
+        return None
+    # The budget, chronologically: a node is held from its first chunk to its last, if its parent is held and it fits
+    first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
+    last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
+    length = np.array([end - begin for begin, end, _, _ in kept])
+    held = np.zeros(len(kept), dtype=bool)
+    for chunk in range(len(chunks)):
+        alive = int((length * held)[(first < chunk) & (last >= chunk)].sum()) * token_bytes
+        for x in np.flatnonzero(first == chunk):
+            parent = kept[x][3]
+            if (parent < 0 or held[parent]) and (budget is None or alive + length[x] * token_bytes <= budget):
+                held[x] = True
+                alive += length[x] * token_bytes
+    if not held.any():
+        return None
+    keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
+    rank = np.full(len(kept), -1)
+    rank[keep] = np.arange(len(keep))
+    parent = np.array([rank[kept[x][3]] if kept[x][3] >= 0 else -1 for x in keep], dtype=np.int64)
+    subtree_end = np.arange(len(keep)) + 1
+    for x in range(len(keep) - 1, -1, -1):
+        if parent[x] >= 0:
+            subtree_end[parent[x]] = max(subtree_end[parent[x]], subtree_end[x])
+    position = np.array([kept[x][0] for x in keep], dtype=np.int64)
+    length, first, last = length[keep], first[keep], last[keep]
+    top = np.arange(len(keep))
+    for x in range(len(keep)):
+        if parent[x] >= 0:
+            top[x] = top[parent[x]]
+    member_of = [kept[x][2] for x in keep]  # scope member rows through each node
+    top_plen = np.array([plens[member_of[top[x]][0]] for x in range(len(keep))], dtype=np.int64)
+    tokens = [sequences[member_of[x][0]][position[x] : position[x] + length[x]] for x in range(len(keep))]
+    # Sources: the nodes first read by each chunk, in one forward, in depth-first order
+    source_chunk = np.unique(first)
+    source = np.searchsorted(source_chunk, first)
+    offset = np.zeros(len(keep), dtype=np.int64)
+    for s in range(len(source_chunk)):
+        nodes = np.flatnonzero(source == s)
+        offset[nodes] = np.cumsum(length[nodes]) - length[nodes]
+    # A source's backward runs in the last chunk reading it, directly or through a later source reading it
+    backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
+    for s in range(len(source_chunk) - 1, -1, -1):
+        for x in np.flatnonzero((source == s) & (parent >= 0)):
+            a = parent[x]
+            while a >= 0:
+                backprop[source[a]] = max(backprop[source[a]], backprop[s])
+                a = parent[a]
+    depth = np.zeros(len(keep), dtype=np.int64)
+    for x in range(len(keep)):
+        if parent[x] >= 0:
+            depth[x] = depth[parent[x]] + 1
+    nodes = HeldNodes(position, length, parent, depth, subtree_end, first, last, source, offset, top_plen, tokens)
+    # Each member's path of held nodes, deepest last
+    deepest = np.full(len(sequences), -1)
+    for x in range(len(keep)):  # depth-first: a deeper node on a row's path comes later
+        deepest[member_of[x]] = x
+    chunk_plans = []
+    for index, (group, plen, scored, tokens_of) in enumerate(chunks):
+        count = len(group)
+        skip = np.zeros(count, dtype=np.int64)
+        key = np.full(count, -1, dtype=np.int64)
+        position_plen = plen.astype(np.int64).copy()
+        reads = set()
+        for member in np.flatnonzero(chunk_of == index):
+            row, x = local[member], deepest[member]
+            if x < 0:
+                continue
+            skip[row], key[row], position_plen[row] = position[x] + length[x], x, top_plen[x]
+            while x >= 0:
+                reads.add(int(x))
+                x = parent[x]
+        sources = np.flatnonzero(source_chunk == index)
+        chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
+                                     int(sources[0]) if len(sources) else None))  # fmt: skip
+    return HoldPlan(nodes, source_chunk, backprop, tuple(chunk_plans))
+
+
+def read_runs(plan: HoldPlan, reads: np.ndarray, key_of_query: np.ndarray,
+              query_starts: np.ndarray, query_lengths: np.ndarray) -> list[tuple[int, int, int]]:  # fmt: skip
+    """
+    For each held node of `reads`, the run of a forward's flat tokens that reads it: `(node, first, count)`. The
+    forward's nodes `query_starts`/`query_lengths` come in depth-first order of the held tree above them, each with
+    `key_of_query` the rank of the held node it hangs from (-1: none): a held node's readers are those whose key lies
+    in its subtree, one run of the flat sequence.
+    """
+    runs = []
+    order_ok = (np.diff(key_of_query) >= 0).all() if len(key_of_query) > 1 else True
+    if not order_ok:
+        raise ValueError("A packed forward's nodes are not ordered by the held node they hang from.")
+    for x in reads:
+        lo, hi = x, plan.nodes.subtree_end[x]
+        inside = np.flatnonzero((key_of_query >= lo) & (key_of_query < hi))
+        if not len(inside):
+            continue
+        first = int(query_starts[inside[0]])
+        end = int(query_starts[inside[-1]] + query_lengths[inside[-1]])
+        runs.append((int(x), first, end - first))
+    return runs
+

@@ -1,0 +1,179 @@
+"""
+Prefix states held across micro-batches in TRL's trainers ([`core.hold_plan`], [`core.held_scope`]).
+
+TRL runs a generation batch's log-prob passes in chunks of `per_device_train_batch_size` rows, and trains on it in
+micro-batches of that size: with one or two rows per micro-batch, each chunk and micro-batch would forward its rows'
+prompts again. Two kinds of scope hold them once instead:
+
+- a no-grad pass (the old policy's and the reference's log-probs): its chunks, planned together when the pass starts,
+  each prompt forwarded by the first chunk holding one of its rows and read by every later one;
+- training: the micro-batches TRL will serve from its buffered generation before the next optimizer step (or the
+  next generation), planned when the first of them is prepared; each prompt is forwarded with grad by the first,
+  read by the others, and backpropagated once, inside the Trainer's backward of the last ([`core.held_state`]).
+
+Windows are the Trainer's: `current_gradient_accumulation_steps` micro-batches per optimizer step, counted here from
+the end of the last one (`sync_gradients`); generations are TRL's (every `steps_per_generation * num_iterations`
+micro-batches).
+"""
+
+import warnings
+
+import torch
+
+from ..core.held_scope import HeldScope
+from ..core.hold_plan import plan_holds
+from ..core.packing import ROWS_KEY, row_tokens
+from ..core.prefix_cache import kv_sources
+from ..core.turn_cache import default_budget
+
+
+# A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about
+# 34 h bytes per token and layer in half precision, 17 h values): what a held prompt's graph keeps without
+# checkpointing; with it, the checkpoint's input (one hidden state per layer)
+SAVED_PER_LAYER = 17
+
+
+class TrainScope:
+    """A training scope: its held sources, the micro-batches it plans (TRL's buffered batches, in the order TRL will
+    serve them), and the next one's index."""
+
+    def __init__(self, held: HeldScope | None, batches: list):
+        self.held, self.batches, self.cursor = held, batches, 0
+
+    def expects(self, inputs) -> bool:
+        return self.cursor < len(self.batches) and self.batches[self.cursor] is inputs
+
+    def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
+        self.cursor = len(self.batches)
+
+
+class HeldPrefixMixin:
+    """The trainer side of held prefixes, mixed into [`mixin.GroupSharingMixin`]: `training_step` counts each
+    optimizer step's micro-batches, `_prepare_inputs` plans a training scope when its first micro-batch is served, and
+    [`_held_chunks`] gives the packed forward each chunk's scope."""
+
+    _hold_budget: int | None = None  # bytes held prefixes may take; None: not held
+    _train_scope: TrainScope | None = None
+    _active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
+    _window_position = 0  # micro-batches run since the last optimizer step
+    held_forward_tokens = 0  # tokens the source forwards processed (part of `packed_forward_tokens`; read by tests)
+
+    _hold_training = False  # whether training micro-batches hold prompts too (the no-grad passes may alone)
+
+    def _init_holds(self, budget_gib: float | None) -> None:
+        """Turns holding on within `budget_gib` GiB (None: a quarter of the device's memory; 0: off)."""
+        if budget_gib == 0:
+            return
+        self._hold_budget = default_budget(self.accelerator.device) if budget_gib is None else int(budget_gib * 1024**3)
+        reason = self._hold_reason()
+        self._hold_training = reason is None
+        if reason is not None:
+            self._warn_hold(reason)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self._close_train_scope()
+            raise
+        finally:
+            self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        self._active_scope = None
+        if self._hold_training and self._share_prefix and self.model.training and isinstance(inputs, dict) and (
+                ROWS_KEY in inputs):  # fmt: skip
+            self._active_scope = self._training_scope(inputs)
+        return inputs
+
+    def _training_scope(self, inputs) -> TrainScope | None:
+        """The training scope `inputs` is the next micro-batch of: the current one, or one planned from here to the
+        end of the optimizer step or the generation, whichever comes first."""
+        scope = self._train_scope
+        if scope is not None and scope.expects(inputs):
+            return scope
+        self._close_train_scope()
+        buffered = getattr(self, "_buffered_inputs", None)
+        per_generation = self.args.steps_per_generation
+        generate_every = per_generation * self.num_iterations
+        step = self._step
+        count = min(self.current_gradient_accumulation_steps - self._window_position,
+                    generate_every - step % generate_every)  # fmt: skip
+        if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
+            return None
+        batches = [buffered[(step + t) % per_generation] for t in range(count)]
+        held = None
+        if all(ROWS_KEY in batch and batch.get("pixel_values") is None for batch in batches):
+            plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
+                              token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget)  # fmt: skip
+            if plan is not None:
+                held = HeldScope(plan, training=True, kv_source=self._kv_source())
+        self._train_scope = TrainScope(held, batches)
+        return self._train_scope
+
+    def _close_train_scope(self) -> None:
+        if self._train_scope is not None:
+            self._train_scope.close()
+        self._train_scope = self._active_scope = None
+
+    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool):
+        """`(scope, chunk indices, closes)` for a packed forward over `chunks` (`(start, end)` row ranges of `rows`):
+        the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
+        where nothing is held. `closes`: the caller closes the scope when done."""
+        if self._hold_budget is None or images:
+            return None, range(len(chunks)), False
+        if torch.is_grad_enabled():
+            scope = self._active_scope
+            if scope is None or scope.held is None or len(chunks) != 1:
+                return None, range(len(chunks)), False
+            return scope.held, [scope.cursor], False
+        if len(chunks) < 2:
+            return None, range(len(chunks)), False
+        plan = plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
+                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget)  # fmt: skip
+        if plan is None:
+            return None, range(len(chunks)), False
+        return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
+
+    def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
+        """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""
+        scope.release(chunk)
+        train = self._train_scope
+        if train is not None and train.held is scope:
+            train.cursor += 1
+            if train.cursor == len(train.batches):
+                self._close_train_scope()
+
+    def _kv_source(self) -> list[int]:
+        return kv_sources(self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True))
+
+    def _held_token_bytes(self, training: bool) -> int:
+        """What holding one prompt token costs: its keys and values in every layer (in training, also a float32 bank
+        of their gradient, and what its graph keeps: see [`SAVED_PER_LAYER`]), estimated from the config."""
+        model = self.accelerator.unwrap_model(self.model)
+        config = model.config.get_text_config(decoder=True)
+        dtype = torch.bfloat16 if (self.args.bf16 or self.args.fp16) else next(model.parameters()).dtype
+        size = torch.finfo(dtype).bits // 8
+        layers = config.num_hidden_layers
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = 2 * heads * head_dim * layers
+        total = kv * size
+        if training:
+            saved = config.hidden_size * (1 if self.args.gradient_checkpointing else SAVED_PER_LAYER) * layers
+            total += kv * 4 + saved * size
+        return total
+
+    def _hold_reason(self) -> str | None:
+        """Why prompts cannot be held across micro-batches in training, or None."""
+        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            return ("gradient checkpointing with use_reentrant=True keeps no graph of a layer's keys (a held prompt's "
+                    "gradient could not reach it)")  # fmt: skip
+        return None
+
+    def _warn_hold(self, reason: str) -> None:
+        warnings.warn(f"rloo_efficient: each training micro-batch forwards its rows' prompts (they are not held "
+                      f"across micro-batches): {reason}.", stacklevel=3)  # fmt: skip

@@ -1,0 +1,189 @@
+"""
+Prefix states held across micro-batches ([`core.hold_plan`], [`core.held_state`], [`core.held_scope`]): a scope's
+chunks of one or two rows, each prompt forwarded once, against the same chunks each packed on its own (today's
+per-micro-batch tree, itself equal to stock's forward: tests/test_prefix_sharing.py). Per-token log-probs and the
+gradient accumulated over the chunks' backwards, as a Trainer runs them (one backward per chunk), agree at float64's
+resolution; the held state is released when its last chunk is done.
+"""
+
+import contextlib
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from trl.trainer.utils import add_fused_lm_head
+
+from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.held_scope import HeldScope, chunk_tables
+from rloo_efficient.core.hold_plan import plan_holds
+from rloo_efficient.core.packing import pack_rows
+from rloo_efficient.workload import build_model_dir
+
+from .conftest import tiny_workload
+from .trees import stock_batch
+
+
+@pytest.fixture(scope="module")
+def scoring_model(workload):
+    cfg, path, dataset = workload
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prefix_attention.install(model)
+    return model
+
+
+def rl_rows(seed: int, groups: int = 3, k: int = 4, system: int = 70, task: int = 40, vocab: int = 250):
+    """Prompts of `groups` tasks after one system prompt, `k` completions each of varied lengths (some opening alike):
+    `(prompts, completions)`, rows of a group consecutive. The tasks are of one length, so that a system prompt held
+    once positions every row at its stock columns (a node shared across prompts of other lengths shifts positions by
+    a constant, equal within the rotary embedding's float32 rounding: tests/test_prefix_sharing.py)."""
+    rng = random.Random(seed)
+    head = [rng.randrange(3, vocab) for _ in range(system)]
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = head + [rng.randrange(3, vocab) for _ in range(task)]
+        opening = [rng.randrange(3, vocab) for _ in range(rng.randint(0, 3))]
+        for _ in range(k):
+            prompts.append(list(prompt))
+            completions.append(opening + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))])
+    return prompts, completions
+
+
+def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights, min_saved: int = 64):
+    """Each chunk forwarded and backpropagated on its own, as a Trainer's micro-batches; returns the (B, C) log-probs
+    and entropies in row order, the accumulated gradients and the scope (None without holds)."""
+    model.zero_grad()
+    logps = torch.zeros(input_ids.shape[0], width_c, dtype=torch.float64)
+    entropy = torch.zeros_like(logps)
+    scope = None
+    if hold:
+        plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=min_saved)
+        assert plan is not None
+        scope = HeldScope(plan, training=True)
+    prompt_width = input_ids.shape[1] - width_c
+    for index, chunk in enumerate(chunks):
+        rows = torch.from_numpy(chunk)
+        if scope is not None and scope.plan.chunks[index].source is not None:
+            scope.forward_source(scope.plan.chunks[index].source, lambda **kw: model(**kw, fused_lm_head=True),
+                                 prompt_width, input_ids.device, recurrent=False)  # fmt: skip
+        if scope is not None:
+            packed = scope.pack(index, input_ids[rows], width_c, structure[rows], recurrent=False)
+        else:
+            packed = pack_rows(input_ids[rows], width_c, structure[rows], recurrent=False)
+        out = model(**packed.model_inputs(), fused_lm_head=True)
+        if scope is not None:  # as the trainer does: after the forward, before the Trainer's backward
+            scope.release(index)
+        chunk_logps, chunk_entropy = packed.unpack(out.log_probs), packed.unpack(out.entropy)
+        ((chunk_logps * weights[rows]).sum() + chunk_entropy.sum()).backward()
+        logps[rows], entropy[rows] = chunk_logps.detach(), chunk_entropy.detach()
+    grads = [p.grad.clone() for p in model.parameters()]
+    return logps, entropy, grads, scope
+
+
+@pytest.mark.parametrize("min_saved", [64, 0])  # 0: the system prompt held apart, each task under it (nested)
+@pytest.mark.parametrize("bs", [1, 2, 3])
+@pytest.mark.parametrize("order", ["group_major", "shuffled"])
+def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_model, exact_head, bs, order,
+                                                                         min_saved):  # fmt: skip
+    prompts, completions = rl_rows(seed=bs)
+    input_ids, attention_mask, width_c, structure = stock_batch(prompts, completions)
+    rows = np.arange(len(prompts))
+    if order == "shuffled":
+        rows = np.random.default_rng(0).permutation(rows)
+    chunks = [rows[i : i + bs] for i in range(0, len(rows), bs)]
+    weights = torch.linspace(-1, 1, input_ids.shape[0] * width_c, dtype=torch.float64).view(-1, width_c)
+    want_logps, want_entropy, want_grads, _ = run_chunks(scoring_model, input_ids, width_c, structure, chunks, False,
+                                                         weights)  # fmt: skip
+    logps, entropy, grads, scope = run_chunks(scoring_model, input_ids, width_c, structure, chunks, True, weights,
+                                              min_saved)  # fmt: skip
+    if min_saved == 0:
+        assert (scope.plan.nodes.parent >= 0).any()  # a held node under another
+    mask = attention_mask[:, -width_c:].bool()
+    torch.testing.assert_close(logps[mask], want_logps[mask], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(entropy[mask], want_entropy[mask], rtol=1e-10, atol=1e-12)
+    scale = max(g.abs().max().item() for g in want_grads)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10 * scale)
+    assert scope.forwarded_tokens > 0 and not scope.sources  # held, and every source released
+
+
+# One family per mechanism a held prefix must carry: sliding windows shorter than the prompt (Mistral; Gemma 3's
+# alternating layers), sinks and MoE routers (GPT-OSS), latent attention with narrower values (DeepSeek-V3), layers
+# reading another's keys (Gemma 4), recurrent states and convolution tails (Gated DeltaNet: Qwen3-Next, also MoE;
+# Mamba2: Nemotron-H; a short convolution: LFM2)
+HELD_FAMILIES = ("mistral", "gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next", "nemotron_h", "lfm2")
+
+
+@pytest.mark.parametrize("arch", HELD_FAMILIES)
+def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, exact_head, arch):
+    """Chunks of one row, each prompt held: the same log-probs, load-balancing loss (MoE) and gradients as each chunk
+    packed on its own."""
+    import transformers
+
+    from rloo_efficient.core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
+    from rloo_efficient.core.recurrent import has_recurrent_layers, recurrent_layers
+
+    from .test_prefix_sharing import FAMILIES
+
+    cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
+    path = build_model_dir(cfg)
+    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
+    model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
+    add_fused_lm_head(model, outputs=("log_probs",))
+    prefix_attention.install(model)
+    recurrent, moe = has_recurrent_layers(model), aux_loss_reason(model) is None
+    torch.manual_seed(0)
+    with torch.no_grad():  # parameters off their init (tests/test_recurrent.py), decays slow: the state carries the prompt
+        for module, _ in recurrent_layers(model):
+            for parameter in module.parameters():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+            if hasattr(module, "A_log"):
+                module.A_log.fill_(-3.0)
+    text_config = model.config.get_text_config()
+    prompts, completions = rl_rows(seed=7, groups=2, k=3, system=20, task=30, vocab=120)
+    input_ids, attention_mask, width_c, structure = stock_batch(prompts, completions)
+    chunks = [np.array([row]) for row in range(len(prompts))]
+    weights = torch.linspace(-1, 1, input_ids.shape[0] * width_c, dtype=torch.float64).view(-1, width_c)
+
+    def run(hold: bool):
+        model.zero_grad()
+        scope = HeldScope(plan_holds(chunk_tables(structure, chunks), full=moe), training=True) if hold else None
+        logps, aux_losses = torch.zeros(len(prompts), width_c, dtype=torch.float64), []
+        call = lambda **kw: model(**kw, fused_lm_head=True)  # noqa: E731
+        for index, chunk in enumerate(chunks):
+            rows = torch.from_numpy(chunk)
+            pack = dict(token_weights=moe, recurrent=recurrent)
+            if hold and scope.plan.chunks[index].source is not None:
+                scope.forward_source(scope.plan.chunks[index].source, call, input_ids.shape[1] - width_c,
+                                     input_ids.device, recurrent, (lambda: recording_router_logits(model)) if moe else None)  # fmt: skip
+            packed = (scope.pack(index, input_ids[rows], width_c, structure[rows], **pack) if hold
+                      else pack_rows(input_ids[rows], width_c, structure[rows], **pack))  # fmt: skip
+            with recording_router_logits(model) if moe else contextlib.nullcontext() as routers:
+                out = call(**packed.model_inputs())
+            if hold:
+                scope.release(index)
+            chunk_logps = packed.unpack(out.log_probs)
+            loss = (chunk_logps.double() * weights[rows]).sum()
+            if moe:
+                held = packed.layout.held.routers() if packed.layout.held is not None else []
+                aux = weighted_aux_loss(routers, packed.token_weights, text_config, held, list(packed.held_weights))
+                aux_losses.append(aux.detach())
+                loss = loss + aux
+            loss.backward()
+            logps[rows] = chunk_logps.detach().double()
+        return logps, aux_losses, [p.grad.clone() for p in model.parameters() if p.grad is not None], scope
+
+    want_logps, want_aux, want_grads, _ = run(False)
+    logps, aux, grads, scope = run(True)
+    assert scope.forwarded_tokens > 0 and not scope.sources
+    tolerance = 1e-10 if cfg.model_dtype == "float64" else 1e-5  # float32: the experts' and scans' other orders
+    mask = attention_mask[:, -width_c:].bool()
+    torch.testing.assert_close(logps[mask], want_logps[mask], rtol=tolerance, atol=tolerance)
+    if moe:
+        torch.testing.assert_close(torch.stack(aux), torch.stack(want_aux), rtol=tolerance, atol=tolerance)
+    scale = max(g.abs().max().item() for g in want_grads)
+    assert len(grads) == len(want_grads)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=tolerance * 10, atol=tolerance * 10 * scale)
