@@ -99,6 +99,7 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         "rewards": {name: list(values) for name, values in trainer._logs["rewards"].items()},
         "shared_prefill_tokens": getattr(trainer, "shared_prefill_tokens", None),
         "packed_forward_tokens": getattr(trainer, "packed_forward_tokens", None),
+        "held_forward_tokens": getattr(trainer, "held_forward_tokens", None),
         "reward_forward_tokens": getattr(trainer, "reward_forward_tokens", None),
         "share_prefix": getattr(trainer, "_share_prefix", None),
         "reward_funcs": [type(func).__name__ for func in trainer.reward_funcs],

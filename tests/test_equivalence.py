@@ -71,12 +71,13 @@ def assert_close(a, b, rtol):
     torch.testing.assert_close(b, a, rtol=rtol, atol=rtol * scale + 1e-300)
 
 
-def compare(path, dataset, tmp_path, rtol=EXACT_RTOL, **overrides):
+def compare(path, dataset, tmp_path, rtol=EXACT_RTOL, ours_only=None, **overrides):
     settings = {"max_steps": 1, "optim": "sgd", "learning_rate": 1e-1, **overrides}
     stock, stock_calls, stock_deltas = train(
         trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings), dataset
     )
-    ours, our_calls, our_deltas = train(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset)
+    ours, our_calls, our_deltas = train(RLOOTrainer, path, training_args(tmp_path / "ours", **settings,
+                                                                          **(ours_only or {})), dataset)  # fmt: skip
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     assert len(our_calls) == len(stock_calls) > 0
     for (a_logps, a_entropy), (b_logps, b_entropy) in zip(stock_calls, our_calls, strict=True):
@@ -127,3 +128,33 @@ MULTI_STEP_RTOL = 1e-9
 def test_several_sgd_steps_match_stock(workload, tmp_path, exact_head, overrides):
     cfg, path, dataset = workload
     compare(path, dataset, tmp_path, rtol=MULTI_STEP_RTOL, **{"max_steps": 3, **overrides})
+
+
+# One or two rows per micro-batch, the generation batch (2 groups of 4) filling one optimizer step: each prompt is
+# forwarded once per pass and once per step ([`core.hold_plan`]), in TRL's row order (`shuffle_groups=False`: each
+# call's rows are stock's) and group-major (the default: each call compared where its rows are stock's, the update
+# and metrics always); `num_iterations` and `steps_per_generation` apart from the accumulation: scopes end with each
+# optimizer step. Where a step's micro-batches hold rows of both groups, the prompts' shared opening is held once for
+# both: its positions are one group's columns, a constant shift for the other's rows (prompts of other lengths),
+# which the rotary tables (float32) round apart: 1.3e-7 of the update's scale (as the per-micro-batch tree's node
+# shared across groups: tests/test_prefix_sharing.py)
+HELD_LAYOUTS = {
+    "one_row_stock_order": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=8), dict(shuffle_groups=False),
+                            EXACT_RTOL),
+    "two_rows_stock_order": (dict(per_device_train_batch_size=2, gradient_accumulation_steps=4), dict(shuffle_groups=False),
+                             EXACT_RTOL),
+    "two_rows_two_iterations": (dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_iterations=2,
+                                     max_steps=2), dict(shuffle_groups=False), EXACT_RTOL),
+    "one_row_two_steps_per_generation": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=4,
+                                              steps_per_generation=8, max_steps=2), dict(shuffle_groups=False), 1e-6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(HELD_LAYOUTS))
+def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp_path, exact_head, layout):
+    cfg, path, dataset = workload
+    overrides, ours_only, rtol = HELD_LAYOUTS[layout]
+    overrides = {"steps_per_generation": overrides["gradient_accumulation_steps"], **overrides}
+    stock, ours = compare(path, dataset, tmp_path, rtol=rtol, ours_only=ours_only, **overrides)
+    assert ours.held_forward_tokens > 0  # prompts were held, not forwarded by each micro-batch
+    assert not ours._train_scope or not ours._train_scope.held or not ours._train_scope.held.sources  # all released

@@ -99,6 +99,36 @@ def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
     assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
 
 
+# -- one or two rows per micro-batch: each prompt held across micro-batches ([`core.hold_plan`]) -----------------------
+# The generation batch (2 groups of 4) fills one optimizer step. GRPO's defaults (beta 0, dapo, gradient
+# checkpointing); the scoring passes too; bnpo keeps TRL's row shuffle (a step's micro-batches hold rows of both
+# groups, in stock's order); a hybrid (recurrent states held, float32) and a MoE model (the load-balancing loss over the
+# held router logits, float32)
+HELD = {
+    "defaults_one_row": ("llama", dict(per_device_train_batch_size=1, gradient_accumulation_steps=8)),
+    "scoring_passes_two_rows": ("llama", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, beta=0.1,
+                                              num_iterations=2)),
+    "bnpo_row_shuffle_one_row": ("llama", dict(per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                                               loss_type="bnpo")),
+    "hybrid_one_row": ("qwen3_next", dict(per_device_train_batch_size=1, gradient_accumulation_steps=8)),
+    "moe_load_balancing_two_rows": ("qwen3_moe", dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(HELD))
+def test_small_micro_batches_hold_prompts_and_match_stock(model_cache, tmp_path, exact_head, case):
+    arch, overrides = HELD[case]
+    float32 = arch in ("qwen3_next", "qwen3_moe")
+    cfg = tiny_workload(model_cache, arch=arch, **(dict(model_dtype="float32") if float32 else {}))
+    overrides = {"steps_per_generation": overrides["gradient_accumulation_steps"], "max_steps": 2, **overrides}
+    tolerance = dict(rtol=1e-4, atol=1e-5) if float32 else {}
+    stock, ours = compare(build_model_dir(cfg), build_dataset(cfg), tmp_path,
+                          run_kwargs={"processing_class": build_processing_class(cfg)}, **tolerance, **overrides)  # fmt: skip
+    assert ours.held_forward_tokens > 0
+    if arch == "qwen3_moe":
+        assert any("aux_loss" in entry for entry in stock.state.log_history)
+
+
 # -- GRPO's own defaults: the first forward through our code is the checkpointed training forward ----------------------
 # Every recurrent family (Gated DeltaNet, Mamba2, short convolutions), float32 as in the families test (their kernels
 # compute in float32)

@@ -366,7 +366,8 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
 def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(workload, tmp_path):
     """TRL's default (generation in step with the optimizer) with gradient accumulation: ours keeps each group in one
     micro-batch (its prompt packed once there), and the run is stock's up to the order of its sums; with
-    `shuffle_groups=False`, stock's row order, every metric stock's (the per-micro-batch entropy average too)."""
+    `shuffle_groups=False`, stock's row order (each prompt held across the micro-batches holding its rows), every
+    metric stock's (the per-micro-batch entropy average too)."""
     cfg, path, dataset = workload
     common = dict(gradient_accumulation_steps=2, steps_per_generation=2, max_steps=2)
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
@@ -376,7 +377,9 @@ def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(wor
     for batch in ours._buffered_inputs:
         assert (batch[ROWS_KEY][:, 0] == batch[ROWS_KEY][0, 0]).all()  # one whole group per micro-batch
     assert any(len(set(batch[ROWS_KEY][:, 0].tolist())) > 1 for batch in rows._buffered_inputs)  # stock's: split
-    assert ours.packed_forward_tokens < rows.packed_forward_tokens
+    # Stock's row order splits each group over both micro-batches: its prompt is held across them, and no more tokens
+    # are forwarded than with each group in one micro-batch
+    assert ours.packed_forward_tokens == rows.packed_forward_tokens and rows.held_forward_tokens > 0
     assert list(ours._logs["completion"]) == list(stock._logs["completion"]) == list(rows._logs["completion"])
     assert per_micro_batch(ours) == ("entropy",) and per_micro_batch(rows) == ()
     assert_metrics_close(step_metrics(stock), step_metrics(ours), F64_RTOL, F64_ATOL, skip=("entropy",))

@@ -219,7 +219,10 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         if len(readers) < 2 or inputs <= 0:
             return skip
         below = [best(child, node.end, True) for child in node.children]
-        hold = (inputs + (min_saved * len(readers) if under_held else 0) + sum(cost for cost, _ in below),
+        # Rows of prompts of other lengths through it read it at one row's positions, a constant shift of the
+        # others' (exact only to the rotary tables' rounding): worth it only where it saves more than a node's worth
+        shifted = min_saved if len(np.unique(plens[node.rows])) > 1 else 0
+        hold = (inputs + shifted + (min_saved * len(readers) if under_held else 0) + sum(cost for cost, _ in below),
                 [(node, start), *(choice for _, chosen in below for choice in chosen)])
         return hold if hold[0] < skip[0] else skip
 

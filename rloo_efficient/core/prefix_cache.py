@@ -166,6 +166,19 @@ def kv_sources(config) -> list[int]:
             for index, (layer_type, mode) in enumerate(zip(types, modes))]  # fmt: skip
 
 
+def kv_token_bytes(config, element_size: int) -> int:
+    """The bytes of one token's keys and values over the layers of a text `config` that store them (a layer reading
+    another's stores none), from the config; per layer where it varies by layer (Gemma 4's global layers)."""
+    configs = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
+    width = 0
+    for index, source in enumerate(kv_sources(config)):
+        if source == index:
+            layer = configs[index]
+            heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+            width += heads * (getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+    return 2 * width * element_size
+
+
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:
     """Why the once-per-group prompt cache cannot be exact for `model`, or None (a length limit is checked per batch
     by [`cache_limit`])."""

@@ -23,7 +23,7 @@ import torch
 from ..core.held_scope import HeldScope
 from ..core.hold_plan import plan_holds
 from ..core.packing import ROWS_KEY, row_tokens
-from ..core.prefix_cache import kv_sources
+from ..core.prefix_cache import kv_sources, kv_token_bytes
 from ..core.turn_cache import default_budget
 
 
@@ -157,15 +157,11 @@ class HeldPrefixMixin:
         config = model.config.get_text_config(decoder=True)
         dtype = torch.bfloat16 if (self.args.bf16 or self.args.fp16) else next(model.parameters()).dtype
         size = torch.finfo(dtype).bits // 8
-        layers = config.num_hidden_layers
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv = 2 * heads * head_dim * layers
-        total = kv * size
-        if training:
-            saved = config.hidden_size * (1 if self.args.gradient_checkpointing else SAVED_PER_LAYER) * layers
-            total += kv * 4 + saved * size
-        return total
+        kv = kv_token_bytes(config, size)
+        if not training:
+            return kv
+        saved = config.hidden_size * (1 if self.args.gradient_checkpointing else SAVED_PER_LAYER) * config.num_hidden_layers
+        return kv + kv // size * 4 + saved * size
 
     def _hold_reason(self) -> str | None:
         """Why prompts cannot be held across micro-batches in training, or None."""
