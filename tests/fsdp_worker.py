@@ -22,7 +22,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 from rloo_efficient.core import prefix_attention  # noqa: E402
+from rloo_efficient.core.held_scope import HeldScope, chunk_tables  # noqa: E402
+from rloo_efficient.core.hold_plan import plan_holds  # noqa: E402
 from rloo_efficient.core.packing import pack_rows, row_groups  # noqa: E402
 from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores  # noqa: E402
 from rloo_efficient.core.shared_generation import generate_with_shared_prefill  # noqa: E402
@@ -160,6 +164,31 @@ def main():
         grads.append([full(p.grad) for p in m.parameters()])
     out["packed_logps"] = (logps[0] - logps[1]).abs().max().item()
     out["packed_grads"] = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(*grads, strict=True))
+
+    # A no-grad pass in chunks of one row, each prompt held across them (forwarded by its first chunk, read by the
+    # others: [`hold_plan`]), on the sharded model, against the reference's chunks each packed on its own. (Training
+    # does not hold prompts under FSDP: its gradient would enter a layer's keys inside the layer, which FSDP has
+    # resharded, and gathers again only for a gradient reaching the layer's output.)
+    chunks = [np.array([row]) for row in range(len(rows))]
+    plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0)
+    logps = []
+    with torch.no_grad():
+        for m, hold in ((model, True), (reference, False)):
+            scope = HeldScope(plan, training=False) if hold else None
+            call = lambda **inputs: m(**inputs, fused_lm_head=True)  # noqa: E731
+            values = torch.zeros(len(rows), width_c, dtype=torch.float64)
+            for index, chunk in enumerate(chunks):
+                row = torch.from_numpy(chunk)
+                if hold and plan.chunks[index].source is not None:
+                    scope.forward_source(plan.chunks[index].source, call, width_p, ids.device, recurrent=False)
+                packed = (scope.pack(index, ids[row], width_c, structure[row], min_saved=0) if hold
+                          else pack_rows(ids[row], width_c, structure[row], min_saved=0))  # fmt: skip
+                values[row] = packed.unpack(call(**packed.model_inputs()).log_probs).double()
+                if hold:
+                    scope.release(index)
+            logps.append(values)
+            out["held_tokens"] = out.get("held_tokens") or (scope.forwarded_tokens if hold else None)
+    out["held_logps"] = (logps[0] - logps[1]).abs().max().item()
 
     # Shared prefill and the prompt cache once per group, decoding on the sharded model. Rank 0's prompts share, rank
     # 1's are all distinct: `synced` keeps both ranks on the same forwards (every one gathers from both)

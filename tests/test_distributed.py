@@ -89,7 +89,8 @@ def test_the_run_script_on_two_processes_builds_its_models_once_and_writes_one_r
 
 
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
-    """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, the shared prefill with the
+    """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, a no-grad pass holding each
+    prompt across chunks of one row ([`core.hold_plan`]), the shared prefill with the
     prompt cache once per group (text, and image prompts on a Qwen2-VL), and the packed reward scoring give the
     unsharded model's numbers; the ranks agree on the image prefill."""
     worker = Path(__file__).with_name("fsdp_worker.py")
@@ -101,6 +102,8 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
     for rank in (0, 1):
         result = json.loads((tmp_path / f"fsdp_rank{rank}.json").read_text())
         assert result["packed_logps"] < 1e-6 and result["packed_grads"] < 1e-5  # TRL's head rounds to float32
+        # A no-grad pass in chunks of one row, each prompt held across them
+        assert result["held_tokens"] and result["held_logps"] < 1e-6
         assert result["generate_same_tokens"] and result["generate_logits"] < 1e-6
         assert result["reward_scores"] < 1e-10
         # Image prompts: each distinct prompt prefilled once with its image, the stock call's samples; one rank that

@@ -390,21 +390,25 @@ def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
         assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 
-def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, window=None, sinks=None, sliding=False):
-    """The tree attention's forward and backward, called directly (autograd cannot record fake CUDA tensors)."""
+def _attention_backward(chosen, packed, layout, dtype, dim=64, kv_heads=2, window=None, sinks=None, sliding=False,
+                        held=()):  # fmt: skip
+    """The tree attention's forward and backward, called directly (autograd cannot record fake CUDA tensors); `held`:
+    the held keys and values its held parts read."""
     chosen.clear()
     tokens = packed.num_tokens
     q, grad = on_cuda(1, tokens, 4, dim, dtype=dtype), on_cuda(1, tokens, 4, dim, dtype=dtype)
     k, v = on_cuda(1, tokens, kv_heads, dim, dtype=dtype), on_cuda(1, tokens, kv_heads, dim, dtype=dtype)
-    ctx = SimpleNamespace(needs_input_grad=(True, True, True, sinks is not None, False, False, False, False))
+    ctx = SimpleNamespace(needs_input_grad=(True, True, True, sinks is not None, *(False,) * 5, *(True,) * len(held)))
     ctx.save_for_backward = lambda *tensors: setattr(ctx, "saved_tensors", tensors)
-    out = TreeAttention.forward(ctx, q, k, v, sinks, layout, window, 0.125, sliding)
+    out = TreeAttention.forward(ctx, q, k, v, sinks, layout, window, 0.125, sliding, None, *held)
     assert (out.shape, out.dtype) == ((1, tokens, 4, dim), dtype)
     grads = TreeAttention.backward(ctx, grad.transpose(1, 2))
     for got, like in zip(grads[:3], (q, k, v), strict=True):
         assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
     assert (grads[3] is None) == (sinks is None) and (sinks is None or grads[3].shape == sinks.shape)
-    assert grads[4:] == (None,) * 5
+    assert grads[4:9] == (None,) * 5
+    for got, like in zip(grads[9:], held, strict=True):  # each held key's and value's gradient, in its own layout
+        assert (got.shape, got.dtype, got.device) == (like.shape, dtype, CUDA)
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 
@@ -545,3 +549,42 @@ def test_image_blocks_in_the_prompt_nodes_run_the_fused_kernels_on_cuda(monkeypa
         # The prompts' nodes under their image blocks' bias: the efficient kernel, a mask per query (not folded)
         kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
         assert kernels_run[len(layout.buckets)] == ("cuda_efficient", 2)
+
+
+# GPT-OSS's experts (grouped GEMMs) run in bf16 only
+@pytest.mark.parametrize("arch, dtype", [(arch, dtype) for arch in (*ARCHITECTURES, "gemma3", "gpt_oss")
+                                         for dtype in (torch.bfloat16, torch.float16)
+                                         if not (arch == "gpt_oss" and dtype == torch.float16)])  # fmt: skip
+def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
+    """A group's prompt held by its first chunk's source forward, its second chunk's rows reading it ([`hold_plan`]):
+    the source forward and the chunk's forward through the model, the held parts on the fused kernels (with windows
+    and sinks where the family has them), and the held keys' and values' gradients in their own layout."""
+    from rloo_efficient.core.held_scope import HeldScope, chunk_tables
+    from rloo_efficient.core.hold_plan import plan_holds
+
+    ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    chunks = [np.array([0, 1]), np.array([2]), np.array([3, 4, 5])]  # the first group split over two chunks
+    plan = plan_holds(chunk_tables(rows, chunks), full=False, min_saved=0)
+    second = rows[2:3]  # (host tables, sliced outside the fake mode)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, dtype)
+        scope = HeldScope(plan, training=False)
+        ids = ids.to(CUDA)
+        call = lambda **inputs: model(**inputs)  # noqa: E731
+        assert scope.forward_source(plan.chunks[0].source, call, ids.shape[1] - 5, CUDA, recurrent=False) == 19
+        assert set(scope.sources[0].tensors) == {(kind, layer) for kind in ("key", "value") for layer in (0, 1)}
+        assert plan.chunks[1].source is None  # the second chunk reads the first's
+        packed = scope.pack(1, ids[2:3], 5, second, min_saved=0)
+        layout = packed.layout
+        assert layout.held_parts and packed.num_tokens == 3  # the row's own inputs only: its prompt's last, 2 more
+        chosen.clear()
+        logits = model(**packed.model_inputs()).logits
+        assert (logits.shape, logits.dtype) == ((1, packed.num_tokens, 64), dtype)
+        # Never the math path (a held part under a window masks per query: the efficient kernel, heads expanded)
+        fused = lambda: chosen and all(kernel in FUSED for kernel, _ in chosen if kernel != "expanded keys")  # noqa: E731
+        assert fused()
+        window = 8 if arch in WINDOWED else None
+        sinks = torch.zeros(4, dtype=dtype).to(CUDA) if arch == "gpt_oss" else None
+        _attention_backward(chosen, packed, layout, dtype, window=window, sinks=sinks, sliding=window is not None,
+                            held=tuple(layout.held.attention(0)))  # fmt: skip
+        assert fused()
