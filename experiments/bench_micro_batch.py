@@ -11,6 +11,7 @@ steps 2-3 and the repeats); then the whole step. Each run is its own process (ti
 float32, CPU), stock and ours alternating.
 
     python experiments/bench_micro_batch.py --repeats 3 --output results/micro_batch.md
+    python experiments/bench_micro_batch.py --trainer rloo --arch qwen3_next --prompt_lengths 1024 --rows 1 2
 """
 
 import argparse
@@ -22,18 +23,19 @@ from pathlib import Path
 from bench_common import run_workload
 
 EOS = 2  # the workload's tokenizer
-COMMON = ["--trainer", "grpo", "--hidden_size", "128", "--num_hidden_layers", "2", "--max_steps", "3",
-          "--num_generations", "8", "--num_prompts", "16", "--beta", "0.05", "--max_completion_length", "128",
+COMMON = ["--hidden_size", "128", "--num_hidden_layers", "2", "--max_steps", "3", "--num_generations", "8",
+          "--num_prompts", "16", "--beta", "0.05", "--max_completion_length", "128",
           "--generation_kwargs", f'{{"sequence_bias": [[[{EOS}], 1.0]]}}']  # fmt: skip
 ROWS = 16  # per generation batch: 2 prompts x k
 PHASES = ("reference_logps", "policy_logps", "train")
 
 
-def arguments(prompt_length: int, rows: int) -> list[str]:
+def arguments(trainer: str, arch: str, prompt_length: int, rows: int) -> list[str]:
     """The workload at `rows` rows per micro-batch, accumulation filling the generation batch."""
     steps = ROWS // rows
-    return [*COMMON, "--prompt_length", str(prompt_length), "--per_device_train_batch_size", str(rows),
-            "--gradient_accumulation_steps", str(steps), "--steps_per_generation", str(steps)]  # fmt: skip
+    return [*COMMON, "--trainer", trainer, "--arch", arch, "--prompt_length", str(prompt_length),
+            "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(steps),
+            "--steps_per_generation", str(steps)]  # fmt: skip
 
 
 def median_over(results: list[dict], value) -> float:
@@ -45,7 +47,7 @@ def phase_time(result: dict, phase: str) -> float:
     return statistics.median(step["phases"][phase]["time_s"] for step in steps if phase in step["phases"])
 
 
-def rows_of(prompt_length: int, rows: int, samples: dict[str, list[dict]], tree: dict) -> list[str]:
+def rows_of(label: str, prompt_length: int, rows: int, samples: dict[str, list[dict]], tree: dict) -> list[str]:
     lines = []
     for phase in PHASES + ("step",):
         if phase == "step":
@@ -62,7 +64,7 @@ def rows_of(prompt_length: int, rows: int, samples: dict[str, list[dict]], tree:
                     for m, rs in samples.items()}  # fmt: skip
             time = {m: median_over(rs, lambda r: phase_time(r, phase)) for m, rs in samples.items()}
         lines.append(
-            f"| {prompt_length:,} | {rows} | {phase} | {tokens['stock']:,} | {tokens['ours']:,} | {tree_tokens:,} | "
+            f"| {label} | {prompt_length:,} | {rows} | {phase} | {tokens['stock']:,} | {tokens['ours']:,} | {tree_tokens:,} | "
             f"{tokens['ours'] / tree_tokens:.2f}x | {peak['stock']:.3f} | {peak['ours']:.3f} | {time['stock']:.2f} | "
             f"{time['ours']:.2f} | {time['ours'] / time['stock']:.2f}x |"
         )  # fmt: skip
@@ -71,29 +73,32 @@ def rows_of(prompt_length: int, rows: int, samples: dict[str, list[dict]], tree:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
+    parser.add_argument("--arch", default="llama", help="the tiny model's family (a hybrid: qwen3_next, nemotron_h)")
     parser.add_argument("--prompt_lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows per micro-batch")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     args = parser.parse_args(argv)
     header = [f"# python experiments/bench_micro_batch.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-              "# GRPO, k = 8, 2 prompts per step, beta 0.05, completions <= 128 tokens; tiny llama (hidden 128, 2 layers, "
-              "float32), CPU; tokens per step's run (3 steps); peak: above the loaded models (GiB); time: s per step",
-              "| prompt | rows per micro-batch | phase | stock tokens | ours tokens | whole-batch tree | ours / tree | "
+              "# k = 8, 2 prompts per step, beta 0.05, completions <= 128 tokens; tiny models (hidden 128, 2 layers, "
+              "float32), CPU; tokens of the whole run (3 steps); peak: above the loaded models (GiB); time: s per step",
+              "| run | prompt | rows per micro-batch | phase | stock tokens | ours tokens | whole-batch tree | ours / tree | "
               "stock peak | ours peak | stock s | ours s | ours / stock |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     print("\n".join(header), flush=True)
     lines = []
     with tempfile.TemporaryDirectory() as directory:
         for prompt_length in args.prompt_lengths:
-            tree = run_workload("ours", arguments(prompt_length, ROWS), Path(directory), f"tree_{prompt_length}")
+            workload = lambda rows: arguments(args.trainer, args.arch, prompt_length, rows)  # noqa: E731
+            tree = run_workload("ours", workload(ROWS), Path(directory), f"tree_{prompt_length}")
             for rows in args.rows:
                 samples = {"stock": [], "ours": []}
                 for repeat in range(args.repeats):
                     for method in ("stock", "ours"):  # alternating: a drift of the machine hits both
-                        samples[method].append(run_workload(method, arguments(prompt_length, rows), Path(directory),
+                        samples[method].append(run_workload(method, workload(rows), Path(directory),
                                                             f"{method}_{prompt_length}_{rows}_{repeat}"))  # fmt: skip
-                block = rows_of(prompt_length, rows, samples, tree)
+                block = rows_of(f"{args.trainer.upper()} {args.arch}", prompt_length, rows, samples, tree)
                 print("\n".join(block), flush=True)
                 lines += block
     if args.output:

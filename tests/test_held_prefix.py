@@ -187,3 +187,45 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     assert len(grads) == len(want_grads)
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=tolerance * 10, atol=tolerance * 10 * scale)
+
+
+@pytest.mark.parametrize("case", ["reentrant_checkpointing", "fsdp"])
+def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_holds(workload, tmp_path, case):
+    """Reentrant checkpointing keeps no graph of a layer's keys, and FSDP gathers a layer's parameters only for a
+    gradient reaching its output: training micro-batches forward their prompts (one warning naming why); the no-grad
+    passes still hold them."""
+    import warnings
+
+    from rloo_efficient import RLOOTrainer
+    from rloo_efficient.workload import build_tokenizer, vowel_reward
+
+    from .conftest import training_args
+
+    cfg, path, dataset = workload
+    overrides = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8, max_steps=1)
+    if case == "reentrant_checkpointing":
+        overrides.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    fsdp = pytest.MonkeyPatch.context()
+    with warnings.catch_warnings(record=True) as caught, fsdp as patch:
+        warnings.simplefilter("always")
+        if case == "fsdp":  # what the Trainer sets from accelerate's FSDP plugin (CPU processes run no FSDP), as our
+            # construction reads it (set only there: the rest of the Trainer would look for the plugin)
+            from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+
+            init_holds = HeldPrefixMixin._init_holds
+
+            def with_fsdp(self, budget):
+                self.is_fsdp_enabled = True
+                try:
+                    init_holds(self, budget)
+                finally:
+                    self.is_fsdp_enabled = False
+
+            patch.setattr(HeldPrefixMixin, "_init_holds", with_fsdp)
+        trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=training_args(tmp_path, **overrides),
+                              train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
+        trainer.train()
+    messages = [str(w.message) for w in caught if "not held across micro-batches" in str(w.message)]
+    assert len(messages) == 1 and ("use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP") in messages[0]
+    assert not trainer._hold_training and trainer._train_scope is None
+    assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
