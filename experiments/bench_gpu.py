@@ -10,6 +10,7 @@ synchronizes the device at phase boundaries), peak allocated and peak reserved.
     python experiments/bench_gpu.py --workloads smoke     # a seconds-long check of this script, on any device
     python experiments/bench_gpu.py --ablations           # also ours with each generation feature off
     python experiments/bench_gpu.py --workloads 0.6b-k8 --ablations empty_cache_policy=after_generation
+    python experiments/bench_gpu.py --workloads 0.6b-rows1   # one row per micro-batch: prompts held across them
 
 A run that runs out of memory is reported as such.
 """
@@ -36,18 +37,24 @@ WORKLOADS = {
 # Each group alone, for a device session too short for all four (one run takes ~80 s on an H200 at 0.6B)
 WORKLOADS["0.6b"], WORKLOADS["1.7b"] = WORKLOADS["gpu"][:2], WORKLOADS["gpu"][2:]
 WORKLOADS["0.6b-k8"] = WORKLOADS["gpu"][:1]
+# One row per micro-batch, 8 accumulated (a memory-bound user's setting): each prompt held across the micro-batches
+WORKLOADS["0.6b-rows1"] = [("0.6B P=3072 C=256 k=8, 1 row per micro-batch", "qwen3-0.6b", 3072, 256, 8, 1)]
 ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
              "share_generation_prefill=False": ["--share_generation_prefill", "false"],
              "empty_cache_policy=after_generation": ["--empty_cache_policy", "after_generation"]}  # fmt: skip
 GIB = "gib"
 
 
-def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir: Path, device_args) -> dict | str:
+def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir: Path, device_args,
+        rows: int | None = None) -> dict | str:  # fmt: skip
+    """One run; `rows` per micro-batch (default k), accumulation filling one group's step."""
     results = out_dir / f"{method}_{len(list(out_dir.iterdir()))}.json"
+    rows = rows or k
     command = [
         sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--prompt_length", str(prompt_length),
         "--max_completion_length", str(completion_length), "--num_generations", str(k),
-        "--per_device_train_batch_size", str(k), "--max_steps", "3", "--beta", "0.05",
+        "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(k // rows),
+        "--steps_per_generation", str(k // rows), "--max_steps", "3", "--beta", "0.05",
         "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": completion_length}),
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--results_file", str(results),
         "--output_dir", str(out_dir / "trainer"), *(["--preset", preset] if preset else []), *device_args, *extra,
@@ -94,12 +101,12 @@ def main(argv=None) -> int:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     print("\n".join(lines), flush=True)
-    for name, preset, p, c, k in WORKLOADS[args.workloads]:
+    for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:
         methods = {"stock": ("stock", []), "ours": ("ours", [])}
         if args.ablations is not None:
             methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
         with tempfile.TemporaryDirectory() as tmp:
-            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args)
+            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args, *rows)
                        for label, (method, extra) in methods.items()}  # fmt: skip
         stock = results["stock"]
         for label, result in results.items():
@@ -121,6 +128,12 @@ def main(argv=None) -> int:
                 line = f"| {name} | {label} | " + " | ".join(cells) + " |"
             lines.append(line)
             print(line, flush=True)
+        for label, result in results.items():  # each scoring phase apart (s per step)
+            if not isinstance(result, str):
+                phases = ", ".join(f"{phase} {steady(result, phase, 'time_s') or 0.0:.3f}"
+                                   for phase in ("policy_logps", "reference_logps", "train"))  # fmt: skip
+                lines.append(f"# {name}, {label}: {phases}")
+                print(lines[-1], flush=True)
     if args.output:
         Path(args.output).write_text("\n".join(lines) + "\n")
     return 0

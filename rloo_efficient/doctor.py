@@ -7,7 +7,9 @@ The check to run first on a new machine, a GPU one above all: `python -m rloo_ef
    layouts of common models, under TRL's default bf16 autocast: which kernel each configuration gets, and whether it
    matches the float64 reference.
 3. A short stock-vs-ours run on a small synthetic model on this device: in float32, where ours must give stock's
-   completions and metrics; on a GPU also in TRL's default precision (bf16 autocast), for step time and peak memory.
+   completions and metrics, with whole groups per micro-batch and with one row per micro-batch (each prompt held
+   across its group's micro-batches); on a GPU also in TRL's default precision (bf16 autocast), for step time and
+   peak memory.
    The float32 runs train with SGD, whose update is linear in the gradient: AdamW's first steps are sign-like, and
    turn a gradient that nearly cancels (the summation order's rounding then a large part of it) into full-size
    updates, which the next step's metrics show (2026-11-26, H200: a step-2 gradient 2,000 times smaller than step
@@ -101,9 +103,10 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
 
 
 def train(method: str, device: torch.device, bf16: bool, directory: str, quick: bool, optim: str = "sgd",
-          attention: str | None = None) -> dict:  # fmt: skip
+          attention: str | None = None, rows: int | None = None) -> dict:  # fmt: skip
     """One short run of stock TRL or ours on the synthetic workload; its metrics, completions, time and peak.
-    `attention`: the attention implementation the model loads with (default: transformers' choice)."""
+    `attention`: the attention implementation the model loads with (default: transformers' choice). `rows`: rows per
+    micro-batch, accumulation filling the generation batch (each group then spans micro-batches: its prompt held)."""
     import trl
     from transformers import PrinterCallback
 
@@ -123,6 +126,9 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
                     report_to=[], save_strategy="no", seed=0, bf16=bf16, disable_tqdm=True,
                     use_cpu=device.type == "cpu",
                     model_init_kwargs={"attn_implementation": attention} if attention else None)  # fmt: skip
+    if rows is not None:  # the same 8 rows (2 groups) a step, in micro-batches of `rows`
+        settings.update(per_device_train_batch_size=rows, gradient_accumulation_steps=8 // rows,
+                        steps_per_generation=8 // rows, max_steps=2)  # fmt: skip
     args = trl.RLOOConfig(**settings) if method == "stock" else RLOOConfig(**settings, profile_memory=False)
     trainer_class = trl.RLOOTrainer if method == "stock" else RLOOTrainer
     gc.collect()
@@ -151,6 +157,7 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
         "step_time_s": statistics.median(steps[1:] or steps),  # the first step pays one-time costs
         "peak_gib": get_memory_stats(device, reset=False)["peak_allocated_gib"] if is_accelerator(device) else None,
         "packed_tokens": getattr(trainer, "packed_forward_tokens", None),
+        "held_tokens": getattr(trainer, "held_forward_tokens", None),
     }
     del trainer
     return result
@@ -185,15 +192,19 @@ def recorded_fallbacks():
                          and "follow TRL's row shuffle" not in str(w.message)}))  # fmt: skip
 
 
-def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], optim: str = "sgd") -> int:
-    """Stock then ours in one precision; appends the report to `lines`, returns the number of failures."""
+def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], optim: str = "sgd",
+             rows: int | None = None) -> int:  # fmt: skip
+    """Stock then ours in one precision; appends the report to `lines`, returns the number of failures. `rows`: rows
+    per micro-batch (ours must then hold each prompt across its group's micro-batches)."""
     label = "bf16 autocast (TRL's default)" if bf16 else "float32"
     if optim != "sgd":
         label += f", {optim}"
+    if rows is not None:
+        label += f", {rows} row per micro-batch"
     with tempfile.TemporaryDirectory() as directory:
-        stock = train("stock", device, bf16, directory, quick, optim)
+        stock = train("stock", device, bf16, directory, quick, optim, rows=rows)
         with recorded_fallbacks() as fallbacks:
-            ours = train("ours", device, bf16, directory, quick, optim)
+            ours = train("ours", device, bf16, directory, quick, optim, rows=rows)
     worst, problem = compare(stock, ours)
     failures = 0
     lines.append(f"{label}: step time stock {stock['step_time_s']:.3f} s, ours {ours['step_time_s']:.3f} s "
@@ -204,6 +215,10 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], op
     if not ours["packed_tokens"]:
         failures += 1
         lines.append(f"{label}: FAILED: ours did not pack any forward")
+    if rows is not None:
+        failures += not ours["held_tokens"]
+        lines.append(f"{label}: prompts held across micro-batches: {ours['held_tokens'] or 0} tokens forwarded once "
+                     f"for all{'' if ours['held_tokens'] else ' (FAILED: none held)'}")  # fmt: skip
     if bf16:  # bf16 roundings differ with the order of the sums: completions may part ways, which is not a failure
         lines.append(f"{label}: metrics' largest relative difference {worst:.1e} (not compared: bf16)")
     else:
@@ -217,7 +232,7 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], op
                 lines.append(f"{label}:   step {step + 1} (stock / ours): {pairs}")
             # The noise floor: stock against itself with eager attention (another summation order, same math)
             with tempfile.TemporaryDirectory() as directory:
-                eager = train("stock", device, bf16, directory, quick, optim, attention="eager")
+                eager = train("stock", device, bf16, directory, quick, optim, attention="eager", rows=rows)
             floor, floor_problem = compare(stock, eager)
             lines.append(f"{label}: stock with eager attention against stock: largest relative difference "
                          f"{floor:.1e}{'' if floor_problem is None else f' ({floor_problem})'}; ours against stock: "
@@ -255,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a float32 comparison
         lines = []
         failures += run_pair(device, False, quick, lines, args.optim)
+        failures += run_pair(device, False, quick, lines, args.optim, rows=1)
         if device.type == "cuda":
             failures += run_pair(device, True, quick, lines)
         else:

@@ -27,6 +27,9 @@ def test_the_doctor_runs_on_a_machine_without_a_gpu_and_passes():
     assert len(varlen) == 4 * len(doctor.HEAD_LAYOUTS) * (len(doctor.USES) - len(DENSE_USES))
     assert all(line.startswith("no kernel on cpu") and "no variable-length kernel" in line for line in varlen)
     assert "float32: same completions and metrics as stock" in out and out.rstrip().endswith("all checks passed")
+    # One row per micro-batch: each prompt held across its group's micro-batches, and still stock's numbers
+    assert "float32, 1 row per micro-batch: same completions and metrics as stock" in out
+    assert "float32, 1 row per micro-batch: prompts held across micro-batches:" in out and "none held" not in out
 
 
 def test_a_kernel_that_fails_its_check_makes_the_doctor_fail(monkeypatch, capsys):

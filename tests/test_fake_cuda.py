@@ -555,10 +555,12 @@ def test_image_blocks_in_the_prompt_nodes_run_the_fused_kernels_on_cuda(monkeypa
 @pytest.mark.parametrize("arch, dtype", [(arch, dtype) for arch in (*ARCHITECTURES, "gemma3", "gpt_oss")
                                          for dtype in (torch.bfloat16, torch.float16)
                                          if not (arch == "gpt_oss" and dtype == torch.float16)])  # fmt: skip
-def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
-    """A group's prompt held by its first chunk's source forward, its second chunk's rows reading it ([`hold_plan`]):
-    the source forward and the chunk's forward through the model, the held parts on the fused kernels (with windows
-    and sinks where the family has them), and the held keys' and values' gradients in their own layout."""
+@pytest.mark.parametrize("varlen", [True, False])
+def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, varlen):
+    """A group's prompt held by its first chunk's source forward, its second chunk's row reading it ([`hold_plan`]):
+    the source forward and the chunk's forward through the model, the row's node and its held keys in one of flash's
+    variable-length calls (with windows and sinks where the family has them), and the held keys' and values'
+    gradients in their own layout; with flash's variable-length call off, the held parts on the fused kernels."""
     from rloo_efficient.core.held_scope import HeldScope, chunk_tables
     from rloo_efficient.core.hold_plan import plan_holds
 
@@ -566,6 +568,8 @@ def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
     chunks = [np.array([0, 1]), np.array([2]), np.array([3, 4, 5])]  # the first group split over two chunks
     plan = plan_holds(chunk_tables(rows, chunks), full=False, min_saved=0)
     second = rows[2:3]  # (host tables, sliced outside the fake mode)
+    if not varlen:
+        monkeypatch.setattr(layouts, "VARLEN_DEVICES", ())
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, dtype)
         scope = HeldScope(plan, training=False)
@@ -580,7 +584,10 @@ def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype):
         chosen.clear()
         logits = model(**packed.model_inputs()).logits
         assert (logits.shape, logits.dtype) == ((1, packed.num_tokens, 64), dtype)
-        # Never the math path (a held part under a window masks per query: the efficient kernel, heads expanded)
+        # The row's node is a root: per layer one variable-length call reading the held keys, then its own; else
+        # the node's call and the held part's (a window's part masks per query: the efficient kernel, heads expanded)
+        if varlen:
+            assert chosen == [("cuda_flash_varlen", 2)] * 2 and layout.held_nodes is not None
         fused = lambda: chosen and all(kernel in FUSED for kernel, _ in chosen if kernel != "expanded keys")  # noqa: E731
         assert fused()
         window = 8 if arch in WINDOWED else None

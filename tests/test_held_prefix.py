@@ -21,7 +21,7 @@ from rloo_efficient.core.hold_plan import plan_holds
 from rloo_efficient.core.packing import pack_rows
 from rloo_efficient.workload import build_model_dir
 
-from .conftest import tiny_workload
+from .conftest import emulate_varlen, tiny_workload
 from .trees import stock_batch
 
 
@@ -85,8 +85,18 @@ def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights
 @pytest.mark.parametrize("min_saved", [64, 0])  # 0: the system prompt held apart, each task under it (nested)
 @pytest.mark.parametrize("bs", [1, 2, 3])
 @pytest.mark.parametrize("order", ["group_major", "shuffled"])
-def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_model, exact_head, bs, order,
-                                                                         min_saved):  # fmt: skip
+@pytest.mark.parametrize("varlen", [False, True])  # True: as on CUDA (flash's variable-length calls, emulated)
+def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_model, exact_head, monkeypatch, bs,
+                                                                         order, min_saved, varlen):  # fmt: skip
+    """Where every node of a chunk is a root (its rows share nothing but held prompts) and the variable-length kernel
+    runs, each node's call reads its held ancestors' keys before its own (one call, no held parts)."""
+    calls = emulate_varlen(monkeypatch) if varlen else None
+    folded_calls = []
+    if varlen:
+        from rloo_efficient.core import tree_attention
+
+        held_keys = tree_attention._held_keys
+        monkeypatch.setattr(tree_attention, "_held_keys", lambda *args: folded_calls.append(1) or held_keys(*args))
     prompts, completions = rl_rows(seed=bs)
     input_ids, attention_mask, width_c, structure = stock_batch(prompts, completions)
     rows = np.arange(len(prompts))
@@ -100,6 +110,8 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
                                               min_saved)  # fmt: skip
     if min_saved == 0:
         assert (scope.plan.nodes.parent >= 0).any()  # a held node under another
+    if varlen:
+        assert calls and set(calls) == {"math_varlen"} and folded_calls  # the folded call ran (held keys read in it)
     mask = attention_mask[:, -width_c:].bool()
     torch.testing.assert_close(logps[mask], want_logps[mask], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(entropy[mask], want_entropy[mask], rtol=1e-10, atol=1e-12)
@@ -116,8 +128,14 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
 HELD_FAMILIES = ("mistral", "gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next", "nemotron_h", "lfm2")
 
 
-@pytest.mark.parametrize("arch", HELD_FAMILIES)
-def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, exact_head, arch):
+# As on CUDA (flash's variable-length calls, emulated): a row's node reads its held keys in its own call, under a
+# window (Gemma 3), with sinks (GPT-OSS), beside recurrent layers (Qwen3-Next)
+VARLEN_HELD_FAMILIES = ("gemma3", "gpt_oss", "qwen3_next")
+
+
+@pytest.mark.parametrize("arch, varlen", [(arch, False) for arch in HELD_FAMILIES] +
+                         [(arch, True) for arch in VARLEN_HELD_FAMILIES])  # fmt: skip
+def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, exact_head, monkeypatch, arch, varlen):
     """Chunks of one row, each prompt held: the same log-probs, load-balancing loss (MoE) and gradients as each chunk
     packed on its own."""
     import transformers
@@ -127,6 +145,7 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
 
     from .test_prefix_sharing import FAMILIES
 
+    calls = emulate_varlen(monkeypatch) if varlen else None
     cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
     path = build_model_dir(cfg)
     architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
@@ -177,6 +196,8 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
 
     want_logps, want_aux, want_grads, _ = run(False)
     logps, aux, grads, scope = run(True)
+    if varlen:
+        assert calls and set(calls) == {"math_varlen"}
     assert scope.forwarded_tokens > 0 and not scope.sources
     tolerance = 1e-10 if cfg.model_dtype == "float64" else 1e-5  # float32: the experts' and scans' other orders
     mask = attention_mask[:, -width_c:].bool()

@@ -46,9 +46,9 @@ def _scores(query, key, bias, causal, scale):
     scores = torch.matmul(query, _expand_heads(key, query.shape[1]).transpose(-1, -2)).mul_(scale)
     if bias is not None:
         scores = scores + bias
-    if causal:
+    if causal:  # aligned at the last query and key, as flash's (the same as the first where lq == lk)
         lq, lk = scores.shape[-2:]
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(lk - lq)
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return scores
 
@@ -266,11 +266,13 @@ def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def window_bias(length: int, window: int | None, dtype, device) -> torch.Tensor | None:
-    """`(L, L)`: the keys in (i - w, i) hidden from query i beyond the causal mask (None without a window)."""
+def window_bias(length: int, window: int | None, dtype, device, keys: int | None = None) -> torch.Tensor | None:
+    """`(L, K)`: the keys at distance `w` or more behind query i hidden from it beyond the causal mask (None without a
+    window); with `K = keys` longer than `L`, query i sits at key `i + K - L` (aligned at the last query and key)."""
     if window is None:
         return None
-    distance = torch.arange(length, device=device).view(-1, 1) - torch.arange(length, device=device)
+    keys = length if keys is None else keys
+    distance = torch.arange(keys - length, keys, device=device).view(-1, 1) - torch.arange(keys, device=device)
     return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min)
 
 

@@ -166,6 +166,21 @@ def _buckets(layout: TreeLayout):
         yield index, blocks, True
 
 
+def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
+    """The keys (or values) of a folded nodes' call: each node's held ancestors' then its own, gathered from the flat
+    `own` `(N, Hkv, D)` and the slots' `held` `(1, Hkv, Ns, D)`."""
+    return torch.cat([own, *(_flat(x) for x in held)]).index_select(0, fold.keys.scatter)
+
+
+def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dtype) -> list[torch.Tensor]:
+    """The gradient of [`_held_keys`]'s gathered keys `(K, Hkv, D)`, summed back (in `dtype`) to the flat sequence's
+    `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`."""
+    sizes = [tokens, *(x.shape[0] for x in held)]
+    every = gathered.new_zeros(sum(sizes), *gathered.shape[1:], dtype=dtype)
+    every.index_add_(0, fold.keys.scatter, gathered.to(dtype))
+    return list(every.split(sizes))
+
+
 class TreeAttention(torch.autograd.Function):
     """
     Attention of the packed flat sequence (see the module docstring): `query` (1, H, N, D), `key`/`value`
@@ -193,7 +208,25 @@ class TreeAttention(torch.autograd.Function):
         nodes_config = varlen_config(q, k, True, node_window) if nodes is not None else None
         parts_config = varlen_config(q, k, False) if parts and window is None else None
         packed_nodes = None  # the nodes' variable-length call (None: its kernel is not used or raised: the buckets)
-        if nodes_config is not None:
+        folded = False  # whether it read the held parts' keys too (every node a root: [`tree_layout.TreeLayout`])
+        fold = layout.held_nodes if layout.held_parts else None
+        if fold is not None:
+            fold_window = window if window is not None and fold.max_k > window else None
+            fold_config = varlen_config(q, k, True, fold_window)
+            if fold_config is not None:
+                keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
+                packed_nodes = varlen_attention_forward(fold_config, q, keys, values, fold.cu_q, fold.cu_k,
+                                                        fold.max_q, fold.max_k, True, scale, fold_window)  # fmt: skip
+                folded = packed_nodes is not None
+        if folded and sinks is None:  # the one call (every node a root: no part): its output is the attention's
+            out_n, lse_n, state = packed_nodes
+            result, lse = out_n, lse_n.t()  # (N, H, D) in the query's dtype; (N, H) float32, a view of flash's
+            if any(ctx.needs_input_grad[:4]) or any(ctx.needs_input_grad[9:]):
+                ctx.save_for_backward(query, key, value, sinks, result, lse, *held)
+            ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, [state], sliding
+            ctx.packed = (True, set(), True)
+            return result.unsqueeze(0)
+        if nodes_config is not None and not folded:
             packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
                                                     nodes.max_k, True, scale, node_window)  # fmt: skip
         if packed_nodes is not None:
@@ -233,7 +266,7 @@ class TreeAttention(torch.autograd.Function):
                                                     False, scale)  # fmt: skip
             states.append(state)
             _merge(out, lse, queries, out_p, lse_p)
-        for index, part in enumerate(layout.held_parts):  # held nodes, their keys in their slot's (Ns, Hkv, D)
+        for index, part in enumerate(() if folded else layout.held_parts):  # held nodes, keys in their slot's
             held_key, held_value = _flat(held[2 * part.slot]), _flat(held[2 * part.slot + 1])
             keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
             out_p, lse_p, state = attention_forward(_gather(q, part.queries), _gather(held_key, keys),
@@ -268,7 +301,7 @@ class TreeAttention(torch.autograd.Function):
             ctx.save_for_backward(query, key, value, sinks, result, lse, *held)
         # Nothing the size of the sequence outside save_for_backward, or gradient checkpointing could not free it
         ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, states, sliding
-        ctx.packed = (packed_nodes is not None, packed_depths)
+        ctx.packed = (packed_nodes is not None, packed_depths, folded)
         return result.unsqueeze(0)  # (1, N, H, D), token-major as transformers' attention functions return
 
     @staticmethod
@@ -279,13 +312,31 @@ class TreeAttention(torch.autograd.Function):
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
         q, k, v, grad = _flat(query), _flat(key), _flat(value), grad_out[0]
         work = _work_dtype(query.dtype)
-        grad_q = q.new_zeros(tokens + 1, heads, dim, dtype=work)
-        grad_k = k.new_zeros(tokens + 1, *k.shape[1:], dtype=work)
-        grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
         grad_sinks = None
         if ctx.needs_input_grad[3]:  # not for frozen sinks (a PEFT policy's)
             grad_sinks = sink_gradient(grad.transpose(0, 1).unsqueeze(0), out.transpose(0, 1).unsqueeze(0),
                                        lse.transpose(0, 1).unsqueeze(0), sinks)  # fmt: skip
+        states = iter(ctx.states)
+        packed_nodes, packed_depths, folded = ctx.packed
+        flats = [_flat(x) for x in held]
+        if folded:  # the nodes' call over [held keys | own keys], the only call: its keys' gradients to both
+            fold = layout.held_nodes
+            keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
+            dq, dk, dv = varlen_attention_backward(next(states), grad, q, keys, values, out, lse.t(), True, scale)
+            grad_k, *slot_k = _scatter_held_keys(fold, tokens, flats[0::2], dk, work)
+            grad_v, *slot_v = _scatter_held_keys(fold, tokens, flats[1::2], dv, work)
+            held_grads = [g if needed else None for g, needed in zip(
+                (x for pair in zip(slot_k, slot_v, strict=True) for x in pair), ctx.needs_input_grad[9:])]  # fmt: skip
+            token_major = lambda x, like: x.to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+            return (token_major(dq, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
+                    None, None, None, None, *(None if g is None else token_major(g, x)
+                                              for g, x in zip(held_grads, held, strict=True)))  # fmt: skip
+        grad_q = q.new_zeros(tokens + 1, heads, dim, dtype=work)
+        grad_k = k.new_zeros(tokens + 1, *k.shape[1:], dtype=work)
+        grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
+        grad_held = [x.new_zeros(x.shape[0] + 1, *x.shape[1:], dtype=work) if ctx.needs_input_grad[9 + i] else None
+                     for i, x in enumerate(flats)]  # fmt: skip
+
         def scored(blocks: Blocks):  # the queries' side of a call: no output gradient at the padding slots
             grad_blocks = _gather(grad, blocks, zero_padding=True)
             return _gather(q, blocks), grad_blocks, _gather(out, blocks), _gather(lse, blocks)
@@ -293,8 +344,6 @@ class TreeAttention(torch.autograd.Function):
         def add(target, blocks: Blocks, value):
             _add(target, blocks, _rows(value).to(target.dtype))
 
-        states = iter(ctx.states)
-        packed_nodes, packed_depths = ctx.packed
         if packed_nodes:  # the nodes' one causal call: the flat sequence itself
             lse_heads = lse.t()  # (H, N), as flash's
             grads = varlen_attention_backward(next(states), grad, q, k, v, out, lse_heads, True, scale)
@@ -329,10 +378,7 @@ class TreeAttention(torch.autograd.Function):
             add(grad_q, part.queries, dq)
             add(grad_k, keys, dk)
             add(grad_v, keys, dv)
-        flats = [_flat(x) for x in held]
-        grad_held = [x.new_zeros(x.shape[0] + 1, *x.shape[1:], dtype=work) if ctx.needs_input_grad[9 + i] else None
-                     for i, x in enumerate(flats)]  # fmt: skip
-        for index, part in enumerate(layout.held_parts):
+        for index, part in enumerate(() if folded else layout.held_parts):
             held_key, held_value = flats[2 * part.slot], flats[2 * part.slot + 1]
             keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
             qp, gp, op, lp = scored(part.queries)

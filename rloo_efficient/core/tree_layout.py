@@ -175,6 +175,10 @@ class TreeLayout:
     # ([`held_state.HeldReads`], set by the caller), and per root bucket of the levels the row of each root's held
     # parent's state in the slots' concatenated states (its last row, zeros, for a root without one)
     held_parts: tuple[HeldPart, ...] = ()
+    # Where every node is a root and the variable-length kernel runs: each node's own causal call with its held
+    # ancestors' keys before its own (aligned at its last query and key: every held key, then its own causally), keys
+    # gathered from [the flat sequence | each slot's, in slot order]: the held parts and the nodes in one call
+    held_nodes: Packed | None = None
     held: object = None
     held_roots: tuple[torch.Tensor, ...] = ()
     # Host: each node's row in the recurrent layers' concatenated final states ([`level_order`])
@@ -330,6 +334,22 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             arrays.extend([gather, scatter, k_count, key_end])
             plan["held"].append((slot, slot_tokens, query_plan, (gather.shape, _run(k_first, k_count)),
                                  bool((k_count < k_count.max()).any())))  # fmt: skip
+    if varlen and held_reads and not with_images.any() and (tree.depth == 0).all():
+        slot_tokens = dict(sorted({read[0]: read[1] for read in held_reads}.items()))
+        slot_start = dict(zip(slot_tokens, n + np.cumsum([0, *slot_tokens.values()])[:-1], strict=True))
+        order = np.argsort(tree.start, kind="stable")
+        pieces, key_lengths = [], []
+        for node in order:  # a few roots: the rows of one micro-batch
+            start, length = int(tree.start[node]), int(tree.length[node])
+            ancestors = sorted((depth, slot, k_first, k_count) for slot, _, depth, q_first, q_count, k_first, k_count, _
+                               in held_reads if q_first <= start < q_first + q_count)  # fmt: skip
+            runs = [slot_start[slot] + np.arange(k_first, k_first + k_count) for _, slot, k_first, k_count in ancestors]
+            pieces += [*runs, np.arange(start, start + length)]
+            key_lengths.append(sum(len(run) for run in runs) + length)
+        key_lengths = np.asarray(key_lengths, dtype=np.int64)
+        arrays.extend([np.concatenate(pieces), np.concatenate([[0], np.cumsum(tree.length[order])]),
+                       np.concatenate([[0], np.cumsum(key_lengths)])])  # fmt: skip
+        plan["held_nodes"] = (int(tree.length.max()), int(key_lengths.max()))
     assemble = np.empty(n if recurrent else 0, dtype=np.int64)
     slot_offset = 0
     runs_by_depth, state_order = level_order(tree, ratio) if recurrent else ([], None)
@@ -389,6 +409,11 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         gather, scatter = take(shape), take(shape)
         key_blocks = Blocks(gather, scatter, scatter == slot_tokens, run)
         held_parts.append(HeldPart(slot, slot_tokens, query_blocks, key_blocks, take(), take(), padded))
+    held_nodes = None
+    if "held_nodes" in plan:
+        max_q, max_k = plan["held_nodes"]
+        key_index, cu_q, cu_k = take(), take().to(torch.int32), take().to(torch.int32)
+        held_nodes = Packed(Rows(None, (0, n)), Rows(key_index, None), cu_q, cu_k, max_q, max_k)
     levels, roots = [], []
     for depth, plans in enumerate(plan["levels"]):
         runs = []
@@ -403,6 +428,6 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     span = int((tree.position + tree.length).max()) if len(all_nodes) else 0
     layout = TreeLayout(n, buckets, image_buckets, tuple(parts_out), tuple(levels), assemble_t if recurrent else None,
                         positions, span, packed_nodes=packed_nodes, packed_parts=packed_parts,
-                        held_parts=tuple(held_parts), held_roots=tuple(roots),
+                        held_parts=tuple(held_parts), held_nodes=held_nodes, held_roots=tuple(roots),
                         state_order=state_order)  # fmt: skip
     return layout, list(flat[len(arrays) :])

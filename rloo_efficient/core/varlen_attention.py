@@ -6,7 +6,8 @@ the packed forward's nodes (causal, queries = keys) and each tree level's keys r
 Shapes: `query` (Tq, H, D), `key`/`value` (Tk, Hkv, D); `cu_q`/`cu_k` (n + 1,) int32 offsets of each sequence's queries
 and keys; `max_q`/`max_k` the longest (host ints); output (Tq, H, D), `lse` (H, Tq) float32 (flash's layout). On CUDA
 flash's variable-length entry point (`aten._flash_attention_forward` with `cum_seq_q`/`cum_seq_k`: grouped-query heads
-native, a causal call aligned at each sequence's first query and key, a sliding window); the math reference
+native, a causal call aligned at each sequence's last query and key (its first where they are as many: a sequence
+whose keys open with a held prompt's reads all of it), a sliding window); the math reference
 ("math_varlen", sequence by sequence) is the first-use check's reference ([`kernel_checks.check_varlen`]) and the
 backward's fallback. The backward, as the dense kernels', takes the merged output and log-sum-exp.
 """
@@ -41,7 +42,7 @@ def math_varlen_forward(query, key, value, cu_q, cu_k, causal, scale, window=Non
     outs, lses = [], []
     for rows, keys in _sequences(cu_q, cu_k):
         bias = window_bias(rows.stop - rows.start, window, torch.promote_types(query.dtype, torch.float32),
-                           query.device)  # fmt: skip
+                           query.device, keys.stop - keys.start)  # fmt: skip
         out, lse = math_attention(_sequence(query, rows), _sequence(key, keys), _sequence(value, keys), bias, causal,
                                   scale)  # fmt: skip
         outs.append(out[0].transpose(0, 1))
@@ -54,7 +55,7 @@ def math_varlen_backward(grad_out, query, key, value, out, lse, cu_q, cu_k, caus
     grad_q, grad_k, grad_v = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     for rows, keys in _sequences(cu_q, cu_k):
         bias = window_bias(rows.stop - rows.start, window, torch.promote_types(query.dtype, torch.float32),
-                           query.device)  # fmt: skip
+                           query.device, keys.stop - keys.start)  # fmt: skip
         grads = math_backward(_sequence(grad_out, rows), _sequence(query, rows), _sequence(key, keys),
                               _sequence(value, keys), bias, _sequence(out, rows), lse[None, :, rows], causal,
                               scale)  # fmt: skip

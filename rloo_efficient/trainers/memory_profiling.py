@@ -17,7 +17,8 @@ from ..profiling.memory import device_description, is_accelerator, peak_rss_rese
 from ..profiling.phase_profiler import PHASES, PhaseProfiler, max_over_ranks  # noqa: F401 (PHASES: part of this module's API)
 
 
-SHARING_COUNTERS = ("packed_forward_tokens", "tree_tokens", "shared_prefill_tokens", "reward_forward_tokens")
+SHARING_COUNTERS = ("packed_forward_tokens", "tree_tokens", "held_forward_tokens", "shared_prefill_tokens",
+                    "reward_forward_tokens")
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # rloo_efficient/
 
 
