@@ -6,6 +6,8 @@
 #     bash experiments/gpu_session.sh            # every step: ~15 minutes of limits, more than one device call allows
 #     STEPS="doctor tree_kernels bench_gpu_0.6b" bash experiments/gpu_session.sh   # the steps named (~7 minutes)
 #
+# 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
+#    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at that setting;
 # 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
 # 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
 #    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree_layout.py VARLEN_DEVICES);
@@ -18,7 +20,7 @@ set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-STEPS="${STEPS:-doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
+STEPS="${STEPS:-held_overhead bench_gpu_rows1 doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
@@ -28,6 +30,9 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
+run 60 held_overhead python3 experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 \
+    --completion_length 256
+run 220 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
 run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
