@@ -23,13 +23,14 @@ import time
 
 import numpy as np
 import torch
+from bench_generation import peak_tensor_bytes
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from bench_generation import peak_tensor_bytes
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill
-from rloo_efficient.core.tree import build_tree
-from rloo_efficient.core.turn_cache import TurnCaches
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
+from rloo_efficient.core.generation.turn_cache import TurnCaches
+from rloo_efficient.core.tree.radix import build_tree
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
+
 
 MIB = 1024**2
 

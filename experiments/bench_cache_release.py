@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 POLICIES = ("none", "after_generation", "every_phase")
 
 

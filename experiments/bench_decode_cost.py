@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rloo_efficient.core.kernel_checks import attention_forward
-from rloo_efficient.core.prefix_attention import SplitLayout, split_attention
+from rloo_efficient.core.attention.backend import SplitLayout, split_attention
+from rloo_efficient.core.attention.checks import attention_forward
 
 
 def timed(fn, device, seconds: float = 0.3) -> float:

@@ -15,18 +15,18 @@ so both do the same decoding work.
 boundary), so that allocations the call makes cannot reuse cached blocks.
 """
 
-import argparse
 import itertools
 import statistics
 import sys
 import time
 
 import torch
+from bench_common import parser_for
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.profiling.memory import is_accelerator, release_cached_memory
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
@@ -77,11 +77,7 @@ def measure(method, model, input_ids, attention_mask, config, repeats, release=F
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--completion_length", type=int, default=64)
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = parser_for(__doc__, prompt_lengths=[512, 2048], completion_length=64, ks=[2, 4, 8], repeats=3)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="stock is always run")
     parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.workload.PRESETS")
     parser.add_argument("--release", action="store_true", help="also time each method after emptying the cache")

@@ -23,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_common import Report  # noqa: E402
+
+
 HERE = Path(__file__).resolve().parent
 # (name, preset, prompt length, completion length, k)
 WORKLOADS = {
@@ -93,14 +96,13 @@ def main(argv=None) -> int:
     peak = "peak_allocated_gib" if on_gpu else "peak_rss_gib"
     reserved = "peak_reserved_gib" if on_gpu else None
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
-    lines = [
+    report = Report([
         f"# python experiments/bench_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}",
         f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB",
         f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
         f"{'peak allocated' if on_gpu else 'peak resident'} | ratio | peak reserved |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    print("\n".join(lines), flush=True)
+    ], args.output)
     for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:
         methods = {"stock": ("stock", []), "ours": ("ours", [])}
         if args.ablations is not None:
@@ -126,17 +128,13 @@ def main(argv=None) -> int:
                     cells += [f"{value:.2f}", f"{value / base:.2f}x" if base else ""]
                 cells.append(f"{steady(result, None, reserved):.2f}" if reserved else "")
                 line = f"| {name} | {label} | " + " | ".join(cells) + " |"
-            lines.append(line)
-            print(line, flush=True)
+            report.add(line)
         for label, result in results.items():  # each scoring phase apart (s per step)
             if not isinstance(result, str):
                 phases = ", ".join(f"{phase} {steady(result, phase, 'time_s') or 0.0:.3f}"
                                    for phase in ("policy_logps", "reference_logps", "train"))  # fmt: skip
-                lines.append(f"# {name}, {label}: {phases}")
-                print(lines[-1], flush=True)
-    if args.output:
-        Path(args.output).write_text("\n".join(lines) + "\n")
-    return 0
+                report.add(f"# {name}, {label}: {phases}")
+    return report.write()
 
 
 if __name__ == "__main__":

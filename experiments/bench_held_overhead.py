@@ -19,10 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient.core.held_scope import HeldScope, chunk_tables
-from rloo_efficient.core.hold_plan import plan_holds
-from rloo_efficient.core.packing import pack_rows, row_groups
-from rloo_efficient.core.prefix_attention import install
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree.holds import plan_holds
+from rloo_efficient.core.tree.rows import row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 

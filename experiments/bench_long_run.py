@@ -18,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+
 RUN_ARGS = ["--method", "ours", "--prompt_length", "64", "--max_completion_length", "16", "--num_generations", "2",
             "--per_device_train_batch_size", "2", "--logging_steps", "10", "--save_strategy", "no", "--report_to",
             "none", "--disable_tqdm", "true"]  # fmt: skip

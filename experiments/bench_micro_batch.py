@@ -14,13 +14,13 @@ float32, CPU), stock and ours alternating.
     python experiments/bench_micro_batch.py --trainer rloo --arch qwen3_next --prompt_lengths 1024 --rows 1 2
 """
 
-import argparse
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import run_workload
+from bench_common import Report, alternate, parser_for, run_workload
+
 
 EOS = 2  # the workload's tokenizer
 COMMON = ["--hidden_size", "128", "--num_hidden_layers", "2", "--max_steps", "3", "--num_generations", "8",
@@ -72,13 +72,10 @@ def rows_of(label: str, prompt_length: int, rows: int, samples: dict[str, list[d
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_for(__doc__, prompt_lengths=[1024, 4096], repeats=1, output=True)
     parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--arch", default="llama", help="the tiny model's family (a hybrid: qwen3_next, nemotron_h)")
-    parser.add_argument("--prompt_lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows per micro-batch")
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     args = parser.parse_args(argv)
     header = [f"# python experiments/bench_micro_batch.py {' '.join(argv if argv is not None else sys.argv[1:])}",
               "# k = 8, 2 prompts per step, beta 0.05, completions <= 128 tokens; tiny models (hidden 128, 2 layers, "
@@ -86,24 +83,16 @@ def main(argv=None) -> int:
               "| run | prompt | rows per micro-batch | phase | stock tokens | ours tokens | whole-batch tree | ours / tree | "
               "stock peak | ours peak | stock s | ours s | ours / stock |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    print("\n".join(header), flush=True)
-    lines = []
+    report = Report(header, args.output)
     with tempfile.TemporaryDirectory() as directory:
         for prompt_length in args.prompt_lengths:
             workload = lambda rows: arguments(args.trainer, args.arch, prompt_length, rows)  # noqa: E731
             tree = run_workload("ours", workload(ROWS), Path(directory), f"tree_{prompt_length}")
             for rows in args.rows:
-                samples = {"stock": [], "ours": []}
-                for repeat in range(args.repeats):
-                    for method in ("stock", "ours"):  # alternating: a drift of the machine hits both
-                        samples[method].append(run_workload(method, workload(rows), Path(directory),
-                                                            f"{method}_{prompt_length}_{rows}_{repeat}"))  # fmt: skip
-                block = rows_of(f"{args.trainer.upper()} {args.arch}", prompt_length, rows, samples, tree)
-                print("\n".join(block), flush=True)
-                lines += block
-    if args.output:
-        Path(args.output).write_text("\n".join(header + lines) + "\n")
-    return 0
+                samples = alternate(lambda method, repeat: run_workload(
+                    method, workload(rows), Path(directory), f"{method}_{prompt_length}_{rows}_{repeat}"), args.repeats)
+                report.add(*rows_of(f"{args.trainer.upper()} {args.arch}", prompt_length, rows, samples, tree))
+    return report.write()
 
 
 if __name__ == "__main__":

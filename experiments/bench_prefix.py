@@ -7,18 +7,19 @@ peak memory above the start of the pass, and time (median of --repeats after a b
     python experiments/bench_prefix.py --prompt_lengths 512 2048 --completion_length 64 --ks 2 4 8
 """
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
+from bench_common import parser_for
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree.rows import row_groups
 from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.packing import pack_rows, row_groups
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
@@ -69,11 +70,7 @@ def measure(model, packed, input_ids, attention_mask, completion_length, repeats
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt_lengths", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--completion_length", type=int, default=64)
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = parser_for(__doc__, prompt_lengths=[512, 2048], completion_length=64, ks=[2, 4, 8], repeats=3)
     parser.add_argument("--gradient_checkpointing", action="store_true", help="as TRL's RLOO default")
     args = parser.parse_args(argv)
 
@@ -81,7 +78,7 @@ def main(argv=None):
     path = build_model_dir(WorkloadConfig())  # the default tiny model
     model = AutoModelForCausalLM.from_pretrained(path).to(device)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)  # the packed forward's layout is read by our attention function
+    install(model)  # the packed forward's layout is read by our attention function
     model.train()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

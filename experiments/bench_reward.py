@@ -20,14 +20,21 @@ import tempfile
 import time
 
 import torch
+from bench_generation import peak_tensor_bytes  # the same measure as the generation benchmark's
 from transformers import AutoModelForSequenceClassification
 
-from bench_generation import peak_tensor_bytes  # the same measure as the generation benchmark's
-from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.forward.reward import pack_reward_rows, packed_scores
+from rloo_efficient.core.layers.install import install
 from rloo_efficient.profiling.memory import current_rss_gib, is_accelerator
-from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
-from rloo_efficient.workload import build_reward_model_dir, build_tokenizer
+from rloo_efficient.workload import (
+    WorkloadConfig,
+    build_dataset,
+    build_model_dir,
+    build_reward_adapter_dir,
+    build_reward_model_dir,
+    build_tokenizer,
+)
+
 
 MIB = 1024**2
 
@@ -49,7 +56,7 @@ def timed(fn, repeats, device) -> float:
 def phase(args, device):
     workload = WorkloadConfig(prompt_length=args.prompt_length)
     model = AutoModelForSequenceClassification.from_pretrained(build_reward_model_dir(workload)).to(device).eval()
-    prefix_attention.install(model)
+    install(model)
     tokenizer = build_tokenizer()
     prompt = build_dataset(workload)[0]["prompt"]
     rng = random.Random(0)

@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import run_workload
+from bench_common import Report, alternate, run_workload
+
 
 EOS = 2  # the workload's tokenizer
 COMMON = ["--hidden_size", "128", "--num_hidden_layers", "2", "--max_steps", "3"]
@@ -85,13 +86,14 @@ def threshold(argv) -> int:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from rloo_efficient.core import prefix_attention
-    from rloo_efficient.core.packing import pack_rows, row_groups
+    from rloo_efficient.core.forward.packing import pack_rows
+    from rloo_efficient.core.layers.install import install
+    from rloo_efficient.core.tree.rows import row_groups
     from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(prompt_length=512)))
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     print(f"# python experiments/bench_tree.py {' '.join(argv)}")
     print("# 8 rows: a run shared by all (L tokens), then 2 task runs of 200 tokens shared by 4 rows each, then 64-token"
           " completions; the first run kept (a tree level) or copied; forward+backward seconds, median of 7")
@@ -130,14 +132,15 @@ def buckets(argv) -> int:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from rloo_efficient.core import prefix_attention
-    from rloo_efficient.core.packing import pack_rows, row_groups
-    from rloo_efficient.core.tree_layout import tree_layout
+    from rloo_efficient.core.forward.packing import pack_rows
+    from rloo_efficient.core.layers.install import install
+    from rloo_efficient.core.tree.layout import LAYOUT_KWARG, tree_layout
+    from rloo_efficient.core.tree.rows import row_groups
     from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(prompt_length=512)))
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     rng = np.random.default_rng(0)
     lengths = np.minimum(rng.geometric(1 / 650, 8), 2048).tolist()
     prompt = rng.integers(3, 250, 512).tolist()
@@ -151,7 +154,7 @@ def buckets(argv) -> int:
     print("|---:|---:|---:|")
     for ratio in (1.5, 2.0, 4.0, 1e9):
         layout = tree_layout(packed.tree, ids.device, ratio=ratio)[0]
-        inputs = {**packed.model_inputs(), prefix_attention.LAYOUT_KWARG: layout}
+        inputs = {**packed.model_inputs(), LAYOUT_KWARG: layout}
         samples = []
         for _ in range(6):
             start = time.perf_counter()
@@ -175,16 +178,18 @@ def kernels(argv, preset: str | None) -> int:
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from rloo_efficient.core import prefix_attention
-    from rloo_efficient.core import tree_layout as layouts
-    from rloo_efficient.core.packing import pack_rows, row_groups
+    from rloo_efficient.core.forward.packing import pack_rows
+    from rloo_efficient.core.layers.install import install
+    from rloo_efficient.core.tree import layout as layouts
+    from rloo_efficient.core.tree.layout import LAYOUT_KWARG
+    from rloo_efficient.core.tree.rows import row_groups
     from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(preset=preset) if preset else dict(prompt_length=512)
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(**shape)), dtype="auto").to(device)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     rng = np.random.default_rng(0)
     tokens = lambda n: rng.integers(3, min(model.config.vocab_size, 30000), n).tolist()  # noqa: E731
     shapes = {}
@@ -223,7 +228,7 @@ def kernels(argv, preset: str | None) -> int:
                 layout = layouts.tree_layout(packed.tree, device)[0]
             finally:
                 layouts.VARLEN_DEVICES = original
-            inputs = {**packed.model_inputs(), prefix_attention.LAYOUT_KWARG: layout}
+            inputs = {**packed.model_inputs(), LAYOUT_KWARG: layout}
             samples = []
             for _ in range(6):
                 model.zero_grad(set_to_none=True)
@@ -264,28 +269,20 @@ def main(argv=None) -> int:
         return threshold(argv)
     if args.buckets:
         return buckets(argv)
-    lines = [
+    report = Report([
         f"# python experiments/bench_tree.py {' '.join(argv)}",
         "# tokens: given to the policy and reference forwards over the run; tree: ours' prefix trees' real tokens; "
         "peak: above the loaded models (GiB); time: per step, median of steps 2-3 (s); medians over repeats",
         "| workload | phase | tokens stock | tokens ours | tree | ours / tree | peak stock | peak ours | time stock | "
         "time ours | time ratio |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
-    print("\n".join(lines), flush=True)
+    ], args.output)  # fmt: skip
     for name in args.workloads:
-        samples = {"stock": [], "ours": []}
         with tempfile.TemporaryDirectory() as tmp:
-            for repeat in range(args.repeats):
-                for method in ("stock", "ours"):
-                    samples[method].append(run_workload(method, [*WORKLOADS[name], *COMMON], Path(tmp),
-                                                        f"{method}_{name}_{repeat}"))  # fmt: skip
-        for line in table(name, samples):
-            lines.append(line)
-            print(line, flush=True)
-    if args.output:
-        Path(args.output).write_text("\n".join(lines) + "\n")
-    return 0
+            samples = alternate(lambda method, repeat: run_workload(method, [*WORKLOADS[name], *COMMON], Path(tmp),
+                                                                    f"{method}_{name}_{repeat}"), args.repeats)  # fmt: skip
+        report.add(*table(name, samples))
+    return report.write()
 
 
 if __name__ == "__main__":

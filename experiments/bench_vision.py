@@ -13,13 +13,13 @@ ratios are medians over `--repeats`.
     python experiments/bench_vision.py --trainer grpo --repeats 3 --output results/vision_grpo.md
 """
 
-import argparse
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import run_workload
+from bench_common import Report, alternate, parser_for, run_workload
+
 
 STEPS = 3
 
@@ -40,21 +40,14 @@ def per_group(counts: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --prompt_length: text tokens per prompt
+    parser = parser_for(__doc__, prompt_length=200, completion_length=256, k=8, repeats=1, output=True)
     parser.add_argument("--trainer", default="rloo", choices=["rloo", "grpo"], help="TRL's trainer, stock vs ours")
     parser.add_argument("--arch", default="qwen2_5_vl")
     parser.add_argument("--image_size", type=int, default=148, help="pixels a side (148: 1,369 image tokens)")
-    parser.add_argument("--prompt_length", type=int, default=200, help="text tokens per prompt")
-    parser.add_argument("--completion_length", type=int, default=256)
-    parser.add_argument("--k", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     args = parser.parse_args(argv)
-    samples = {"stock": [], "ours": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.repeats):
-            for method in ("stock", "ours"):
-                samples[method].append(run(method, args, Path(tmp)))
+        samples = alternate(lambda method, repeat: run(method, args, Path(tmp)), args.repeats)
     first = {method: runs[0] for method, runs in samples.items()}  # counts are deterministic: any run's
     working = {m: [r["working_gib"] for r in rs] for m, rs in samples.items()}
     step = {m: [r["median_step_time_s"] for r in rs] for m, rs in samples.items()}
@@ -62,7 +55,7 @@ def main(argv=None) -> int:
     time_ratio = statistics.median(o / s for o, s in zip(step["ours"], step["stock"], strict=True))
     tokens = {m: sum(r["language_model_tokens"].values()) for m, r in first.items()}
     images = {m: sum(r["images_encoded"].values()) for m, r in first.items()}
-    lines = [
+    report = Report([
         f"# python experiments/bench_vision.py {' '.join(argv if argv is not None else sys.argv[1:])}",
         f"# {args.trainer.upper()}, tiny {args.arch}: one {args.image_size}x{args.image_size} image and "
         f"~{args.prompt_length} text tokens per prompt, C = {args.completion_length}, k = {args.k}, one group per step, "
@@ -77,11 +70,8 @@ def main(argv=None) -> int:
         f"{statistics.median(working['ours']):.3f} | {memory_ratio:.2f}x |",
         f"| step time (s) | {statistics.median(step['stock']):.2f} | {statistics.median(step['ours']):.2f} | "
         f"{time_ratio:.2f}x |",
-    ]  # fmt: skip
-    print("\n".join(lines), flush=True)
-    if args.output:
-        Path(args.output).write_text("\n".join(lines) + "\n")
-    return 0
+    ], args.output)  # fmt: skip
+    return report.write()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
+
 PHASES = ("generation", "policy_logps", "reference_logps", "reward", "train", "optimizer")
 
 
@@ -85,8 +86,9 @@ def main(argv=None) -> int:
     output.write_text(text + "\n")
     print(f"\n[compare] table written to {output}")
     # The same runs as a tidy CSV, for experiments/plot_results.py and the notebook
-    from sweep import tidy_rows, COLUMNS  # noqa: PLC0415
     import csv
+
+    from sweep import COLUMNS, tidy_rows  # noqa: PLC0415
 
     csv_path = results_dir / "results.csv"
     with open(csv_path, "w", newline="") as f:

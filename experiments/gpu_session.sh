@@ -10,11 +10,11 @@
 #    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at that setting;
 # 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
 # 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
-#    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree_layout.py VARLEN_DEVICES);
+#    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree/layout.py VARLEN_DEVICES);
 # 3. the trainer at 0.6B, k = 8: stock, ours (empty_cache_policy "auto": none on a GPU) and ours releasing the cache
 #    after each generation (the earlier default, suspected of the ~1.2 s ours' generation phase spent there);
 # 4. the agent workload's generation turn by turn (tool turns continuing each row's cache) at Qwen3-0.6B's shape;
-# 5. the decoding cost on this GPU across prompt lengths (core/prefix_cache.py BREAK_EVEN_BYTES);
+# 5. the decoding cost on this GPU across prompt lengths (core/generation/prompt_cache.py BREAK_EVEN_BYTES);
 # 6. the trainer on the 1.7B workloads (never measured yet).
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import matplotlib
 
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+
 
 PHASES = ["generation", "policy_logps", "reference_logps", "reward", "train", "optimizer"]
 COLORS = {"stock": "#9e9e9e", "ours": "#1f77b4"}

@@ -24,10 +24,17 @@ import torch
 import trl
 from trl import TrlParser
 
-from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin, RLOOConfig, RLOOTrainer
+from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_reward_adapter_dir
-from rloo_efficient.workload import build_processing_class, build_reward_model_dir, vowel_reward
+from rloo_efficient.workload import (
+    WorkloadConfig,
+    build_dataset,
+    build_model_dir,
+    build_processing_class,
+    build_reward_adapter_dir,
+    build_reward_model_dir,
+    vowel_reward,
+)
 
 
 # The settings that make two runs the same workload, beside the WorkloadConfig
@@ -99,9 +106,9 @@ def count_forwards(trainer) -> dict:
         counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
 
     if isinstance(trainer, GroupSharingMixin):  # ours: each packed forward's tokens, and its prefix tree's real ones
-        import rloo_efficient.trainers.mixin as mixin
+        import rloo_efficient.trainers.packed as packed_forward
 
-        pack = mixin.pack_rows
+        pack = packed_forward.pack_rows
 
         def counted_pack(*args, **kwargs):
             packed = pack(*args, **kwargs)
@@ -110,7 +117,7 @@ def count_forwards(trainer) -> dict:
                 add("tree_tokens", int(packed.tree.real_tokens))
             return packed
 
-        mixin.pack_rows = counted_pack
+        packed_forward.pack_rows = counted_pack
 
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:

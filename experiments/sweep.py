@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 COLUMNS = ["run_id", "method", "k", "prompt_length", "completion_length", "step", "phase", "metric", "value",
            "device", "torch", "transformers", "trl", "git_commit", "time_of_run"]  # fmt: skip
 

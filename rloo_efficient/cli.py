@@ -56,9 +56,9 @@ def run(argv: list[str] | None = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The console script: parses as TRL's `trl <command>` does, then launches [`run`] through `accelerate launch`."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
     from trl.cli.commands.training import _subtract_subsequence
-    from accelerate.commands.launch import launch_command, launch_command_parser
 
     command, arguments = _command(list(sys.argv[1:] if argv is None else argv))
     with our_classes(command) as script:

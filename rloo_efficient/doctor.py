@@ -2,7 +2,7 @@
 The check to run first on a new machine, a GPU one above all: `python -m rloo_efficient.doctor`.
 
 1. The versions that matter, and the device (its compute capability on a GPU).
-2. Each fused attention kernel's first-use check ([`kernel_checks.check_kernel`]) for every dtype and every use
+2. Each fused attention kernel's first-use check ([`attention.checks.check_kernel`]) for every dtype and every use
    (prompt-causal, a prompt's keys read by its completions, decoding; with and without prompt padding), with the head
    layouts of common models, under TRL's default bf16 autocast: which kernel each configuration gets, and whether it
    matches the float64 reference.
@@ -36,7 +36,7 @@ from importlib import metadata
 
 import torch
 
-from .core import kernel_checks
+from .core.attention import checks as kernel_checks
 from .profiling.memory import get_memory_stats, is_accelerator, release_cached_memory, reset_peak_memory, synchronize
 
 

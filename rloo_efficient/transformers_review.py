@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from .core.families import MODEL_TYPES
-from .core.vision import VISION_FAMILIES
+from .core.layers.families import MODEL_TYPES
+from .core.layers.vision import VISION_FAMILIES
 
 
 REVIEWED = Path(__file__).with_name("transformers_reviewed.json")

@@ -20,8 +20,15 @@ from datasets import Dataset
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from .tiny_models import ARCHITECTURES, IMAGE_PLACEHOLDER, MULTIMODAL, build_processor, image_tokens, model_config
-from .tiny_models import model_from_config
+from .tiny_models import (
+    ARCHITECTURES,
+    IMAGE_PLACEHOLDER,
+    MULTIMODAL,
+    build_processor,
+    image_tokens,
+    model_config,
+    model_from_config,
+)
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")

@@ -102,8 +102,8 @@ def emulate_varlen(patch: pytest.MonkeyPatch) -> list[str]:
     """The packed forward's variable-length path on CPU (flash's on CUDA): layouts carry its calls, and the math
     reference, sequence by sequence, runs them. Returns the kernel of each call the tree attention makes, as it makes
     it (not the first-use checks' calls)."""
-    from rloo_efficient.core import kernel_checks
-    from rloo_efficient.core import tree_layout as layouts
+    from rloo_efficient.core.attention import checks as kernel_checks
+    from rloo_efficient.core.tree import layout as layouts
 
     calls: list[str] = []
     forward = kernel_checks.varlen_forward

@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,8 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
-from rloo_efficient.core.shared_generation import unique_rows  # noqa: E402
-from rloo_efficient.core.tree_prefill import plan_tree_prefill  # noqa: E402
+from rloo_efficient.core.generation.generate import unique_rows  # noqa: E402
+from rloo_efficient.core.generation.tree_prefill import plan_tree_prefill  # noqa: E402
 from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward  # noqa: E402
 from tests.conftest import METRICS, tiny_workload, training_args  # noqa: E402
 

@@ -12,9 +12,11 @@ import sys
 import warnings
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
@@ -22,14 +24,14 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-import numpy as np  # noqa: E402
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.forward.reward import pack_reward_rows, packed_scores  # noqa: E402
+from rloo_efficient.core.forward.scope import HeldScope, chunk_tables  # noqa: E402
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill  # noqa: E402
+from rloo_efficient.core.layers.install import install  # noqa: E402
+from rloo_efficient.core.tree.holds import plan_holds  # noqa: E402
+from rloo_efficient.core.tree.rows import row_groups
 
-from rloo_efficient.core import prefix_attention  # noqa: E402
-from rloo_efficient.core.held_scope import HeldScope, chunk_tables  # noqa: E402
-from rloo_efficient.core.hold_plan import plan_holds  # noqa: E402
-from rloo_efficient.core.packing import pack_rows, row_groups  # noqa: E402
-from rloo_efficient.core.reward_packing import pack_reward_rows, packed_scores  # noqa: E402
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill  # noqa: E402
 
 CONFIG = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=6,
               num_key_value_heads=2, pad_token_id=0)  # fmt: skip
@@ -50,7 +52,7 @@ def shard(model):
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    prefix_attention.install(model)
+    install(model)
     return model
 
 
@@ -87,7 +89,7 @@ def image_prompts(directory: Path) -> dict:
     for layer in (*model.model.language_model.layers, *model.model.visual.blocks):
         fully_shard(layer)
     fully_shard(model)
-    prefix_attention.install(model)
+    install(model)
     encoded = []
     encode = model.model.get_image_features
 
@@ -146,7 +148,7 @@ def main():
     for m in (model, reference):
         add_fused_lm_head(m, outputs=("log_probs", "entropy"))
     shard(model)
-    prefix_attention.install(reference)
+    install(reference)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 6)]
     rows = [0, 0, 1, 1, 1]

@@ -18,6 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,9 +26,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
-from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class  # noqa: E402
-from rloo_efficient.workload import build_reward_adapter_dir  # noqa: E402
-from rloo_efficient.workload import build_reward_model_dir, build_tokenizer, vowel_reward  # noqa: E402
+from rloo_efficient.workload import (  # noqa: E402  # noqa: E402
+    build_dataset,
+    build_model_dir,
+    build_processing_class,
+    build_reward_adapter_dir,  # noqa: E402
+    build_reward_model_dir,
+    build_tokenizer,
+    vowel_reward,
+)
 from tests.conftest import METRICS, per_micro_batch, tiny_workload, training_args  # noqa: E402
 
 

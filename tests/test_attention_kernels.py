@@ -6,14 +6,12 @@ import warnings
 import pytest
 import torch
 
-from rloo_efficient.core import attention_kernels as kernels
-from rloo_efficient.core import kernel_checks as checks
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core import varlen_attention as varlen
-from rloo_efficient.core.attention_kernels import math_attention
-from rloo_efficient.core.kernel_checks import attention_backward, attention_forward
-from rloo_efficient.core.packing import pack_rows
-from rloo_efficient.core.tree import build_tree
+from rloo_efficient.core.attention import checks, kernels, varlen
+from rloo_efficient.core.attention.checks import attention_backward, attention_forward
+from rloo_efficient.core.attention.kernels import math_attention
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree.radix import build_tree
 
 
 def rand(generator, *shape, dtype=torch.float64):
@@ -195,7 +193,7 @@ def test_a_kernel_that_raises_later_falls_back_to_the_math_path_without_a_crash(
 
     model = tiny_llama().to(torch.float64)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     ids, rows = stock_batch([9, 5], [0, 0, 1, 1], [3, 4, 2, 4], 4, seed=0)
     expected = packed_grads(model, ids, rows, 4)
     original = getattr(kernels, f"_kernel_{where}")

@@ -11,6 +11,7 @@ import pytest
 
 from .conftest import assert_metrics_close
 
+
 WORKER = Path(__file__).with_name("dp_worker.py")
 LAYOUTS = {
     # k = 4 rows per prompt, 2 per process: every group is split across the two processes
@@ -90,7 +91,7 @@ def test_the_run_script_on_two_processes_builds_its_models_once_and_writes_one_r
 
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
     """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, a no-grad pass holding each
-    prompt across chunks of one row ([`core.hold_plan`]), the shared prefill with the
+    prompt across chunks of one row ([`core.tree.holds`]), the shared prefill with the
     prompt cache once per group (text, and image prompts on a Qwen2-VL), and the packed reward scoring give the
     unsharded model's numbers; the ranks agree on the image prefill."""
     worker = Path(__file__).with_name("fsdp_worker.py")

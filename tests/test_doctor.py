@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from rloo_efficient import doctor
-from rloo_efficient.core import kernel_checks
+from rloo_efficient.core.attention import checks as kernel_checks
 
 
 DENSE_USES = [use for use in doctor.USES if not use[0].startswith("varlen")]  # the CPU has no variable-length kernel

@@ -13,7 +13,7 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core.packing import ROWS_KEY
+from rloo_efficient.core.tree.rows import ROWS_KEY
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import METRICS, step_metrics, training_args
@@ -131,7 +131,7 @@ def test_several_sgd_steps_match_stock(workload, tmp_path, exact_head, overrides
 
 
 # One or two rows per micro-batch, the generation batch (2 groups of 4) filling one optimizer step: each prompt is
-# forwarded once per pass and once per step ([`core.hold_plan`]), in TRL's row order (`shuffle_groups=False`: each
+# forwarded once per pass and once per step ([`core.tree.holds`]), in TRL's row order (`shuffle_groups=False`: each
 # call's rows are stock's) and group-major (the default: each call compared where its rows are stock's, the update
 # and metrics always); `num_iterations` and `steps_per_generation` apart from the accumulation: scopes end with each
 # optimizer step. Where a step's micro-batches hold rows of both groups, the prompts' shared opening is held once for

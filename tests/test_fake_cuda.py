@@ -22,18 +22,19 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from rloo_efficient.core import attention_kernels as kernels
-from rloo_efficient.core import kernel_checks as checks
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core import tree_layout as layouts
-from rloo_efficient.core import varlen_attention
-from rloo_efficient.core.prefix_cache import PrefixCache
-from rloo_efficient.core.tree_attention import TreeAttention
-from rloo_efficient.core.packing import pack_rows
-from rloo_efficient.core.shared_generation import prefill_prompts, unique_rows
+from rloo_efficient.core.attention import backend as prefix_attention
+from rloo_efficient.core.attention import checks, kernels
+from rloo_efficient.core.attention import varlen as varlen_attention
+from rloo_efficient.core.attention.tree import TreeAttention
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.generation.generate import prefill_prompts, unique_rows
+from rloo_efficient.core.generation.prompt_cache import PrefixCache
+from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.transformers_compat import CACHE_KWARG
+from rloo_efficient.core.tree import layout as layouts
 
 from .test_prefix_attention import stock_batch
+
 
 aten = torch.ops.aten
 CUDA = torch.device("cuda", 0)
@@ -308,7 +309,7 @@ def fake_model(arch: str, dtype: torch.dtype):
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
-    prefix_attention.install(model)
+    install(model)
     return model
 
 
@@ -340,7 +341,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
 def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
     """Generation's prefill over the prompts' prefix tree (a 70-token system prompt, three tasks): the decoder's packed
     forward on the fused kernels, each layer's keys and values laid out as the padded batch's cache, on the device."""
-    from rloo_efficient.core.tree_prefill import plan_tree_prefill, tree_prefill
+    from rloo_efficient.core.generation.tree_prefill import plan_tree_prefill, tree_prefill
 
     system = [5] * 70
     prompts = [system + [6] * 20, system + [7] * 13, system + [8]]
@@ -362,7 +363,7 @@ def test_a_continued_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
     """A tool turn's rows continuing their held caches (one row the prompt kept once per group, the other its own): the
     held keys copied into the padded batch's cache, the new tokens' packed forward over them on the fused kernels
     (with a window of 8 on every other layer, and sinks: each query's held keys masked to its window)."""
-    from rloo_efficient.core.turn_cache import HeldCache, continue_prefill, plan_continuation
+    from rloo_efficient.core.generation.turn_cache import HeldCache, continue_prefill, plan_continuation
 
     held_tokens = [np.array([5] * 70 + [6] * 20 + [9] * 6), np.array([5] * 70 + [7] * 13 + [3] * 4)]
     prompts = [[*held_tokens[0], *[4] * 31], [*held_tokens[1], *[2] * 9]]  # tool answers of 31 and 9 tokens
@@ -481,7 +482,7 @@ def test_a_windowed_kernel_that_raises_leaves_the_window_to_chunks_not_to_the_ma
     kernel, never the math path's (L, L) scores; one warning names the kernel."""
     import warnings
 
-    from rloo_efficient.core import window_attention
+    from rloo_efficient.core.attention import windows as window_attention
 
     def raising(*args, **kwargs):
         raise RuntimeError("no windowed flash here")
@@ -517,8 +518,8 @@ def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monke
         chosen.clear()
         q, k = on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16), on_cuda(1, tokens, 4, 24, dtype=torch.bfloat16)
         v = on_cuda(1, tokens, 4, 12, dtype=torch.bfloat16)
-        out, _ = prefix_attention.prefix_attention(None, q, k, v, prefix_attention.NO_MASK, scaling=0.2,
-                                                   **{prefix_attention.LAYOUT_KWARG: packed.layout})  # fmt: skip
+        out, _ = prefix_attention.prefix_attention(None, q, k, v, layouts.NO_MASK, scaling=0.2,
+                                                   **{layouts.LAYOUT_KWARG: packed.layout})  # fmt: skip
         assert out.shape == (1, tokens, 4, 12) and out.dtype == torch.bfloat16
         # head_dim 24 in half precision: flash's variable-length calls (the nodes; the level's part)
         assert [entry[0] for entry in chosen] == ["cuda_flash_varlen"] * 2
@@ -531,8 +532,8 @@ def test_image_blocks_in_the_prompt_nodes_run_the_fused_kernels_on_cuda(monkeypa
     per-query bias (image blocks, and the window where there is one) on the efficient kernel, forward and backward."""
     import numpy as np
 
-    from rloo_efficient.core.tree_layout import tree_layout
-    from rloo_efficient.core.vision import token_blocks
+    from rloo_efficient.core.layers.vision import token_blocks
+    from rloo_efficient.core.tree.layout import tree_layout
 
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
     token_types = torch.zeros_like(ids)
@@ -561,8 +562,8 @@ def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, v
     the source forward and the chunk's forward through the model, the row's node and its held keys in one of flash's
     variable-length calls (with windows and sinks where the family has them), and the held keys' and values'
     gradients in their own layout; with flash's variable-length call off, the held parts on the fused kernels."""
-    from rloo_efficient.core.held_scope import HeldScope, chunk_tables
-    from rloo_efficient.core.hold_plan import plan_holds
+    from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
+    from rloo_efficient.core.tree.holds import plan_holds
 
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
     chunks = [np.array([0, 1]), np.array([2]), np.array([3, 4, 5])]  # the first group split over two chunks

@@ -8,9 +8,14 @@ import pytest
 import torch
 import trl
 
-from rloo_efficient import GRPOConfig, GRPOTrainer, GroupSharingMixin
-from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
-from rloo_efficient.workload import vowel_reward
+from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer
+from rloo_efficient.workload import (
+    build_dataset,
+    build_model_dir,
+    build_processing_class,
+    build_tokenizer,
+    vowel_reward,
+)
 
 from .conftest import per_micro_batch, run, tiny_workload, training_args
 from .test_trainer import TransformersSampling
@@ -99,7 +104,7 @@ def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
     assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
 
 
-# -- one or two rows per micro-batch: each prompt held across micro-batches ([`core.hold_plan`]) -----------------------
+# -- one or two rows per micro-batch: each prompt held across micro-batches ([`core.tree.holds`]) -----------------------
 # The generation batch (2 groups of 4) fills one optimizer step. GRPO's defaults (beta 0, dapo, gradient
 # checkpointing); the scoring passes too; bnpo keeps TRL's row shuffle (a step's micro-batches hold rows of both
 # groups, in stock's order); a hybrid (recurrent states held, float32) and a MoE model (the load-balancing loss over the
@@ -138,7 +143,8 @@ HYBRIDS = {"qwen3_5": {}, "qwen3_5_moe": {}, "qwen3_next": {}, "olmo_hybrid": {}
 
 def first_use_again(monkeypatch):
     """Every kernel's first-use check runs again in this test (their verdicts are kept per process)."""
-    from rloo_efficient.core import kernel_checks, recurrent_checks
+    from rloo_efficient.core.attention import checks as kernel_checks
+    from rloo_efficient.core.layers import recurrent_checks
 
     monkeypatch.setattr(kernel_checks, "_status", {})
     monkeypatch.setattr(recurrent_checks, "_trusted", {})
@@ -412,7 +418,7 @@ def tool_tokenizer():
 
 def recorded_continuations(monkeypatch) -> list:
     """Per call of ours that continued held caches (a tool loop's later turn): `(rows, rows reusing held tokens)`."""
-    import rloo_efficient.core.shared_generation as shared_generation
+    import rloo_efficient.core.generation.generate as shared_generation
 
     continued = []
     continue_prefill = shared_generation.continue_prefill
@@ -442,7 +448,7 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     budget the caches exceed: one warning) and a system prompt before every task (100 tokens), the later turn's rows,
     no two alike, still share it: that turn is prefilled as its prefix tree. The training forward packs each prompt
     once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
-    import rloo_efficient.trainers.mixin as mixin
+    import rloo_efficient.trainers.generation as mixin  # the generation glue: its generate_with_shared_prefill
 
     scripted_tool_calls(monkeypatch)
     continued = recorded_continuations(monkeypatch)

@@ -1,5 +1,5 @@
 """
-Prefix states held across micro-batches ([`core.hold_plan`], [`core.held_state`], [`core.held_scope`]): a scope's
+Prefix states held across micro-batches ([`core.tree.holds`], [`core.attention.held`], [`core.forward.scope`]): a scope's
 chunks of one or two rows, each prompt forwarded once, against the same chunks each packed on its own (today's
 per-micro-batch tree, itself equal to stock's forward: tests/test_prefix_sharing.py). Per-token log-probs and the
 gradient accumulated over the chunks' backwards, as a Trainer runs them (one backward per chunk), agree at float64's
@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.held_scope import HeldScope, chunk_tables
-from rloo_efficient.core.hold_plan import plan_holds
-from rloo_efficient.core.packing import pack_rows
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree.holds import plan_holds
 from rloo_efficient.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
@@ -30,7 +30,7 @@ def scoring_model(workload):
     cfg, path, dataset = workload
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     return model
 
 
@@ -93,7 +93,7 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
     calls = emulate_varlen(monkeypatch) if varlen else None
     folded_calls = []
     if varlen:
-        from rloo_efficient.core import tree_attention
+        from rloo_efficient.core.attention import tree as tree_attention
 
         held_keys = tree_attention._held_keys
         monkeypatch.setattr(tree_attention, "_held_keys", lambda *args: folded_calls.append(1) or held_keys(*args))
@@ -140,8 +140,8 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     packed on its own."""
     import transformers
 
-    from rloo_efficient.core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-    from rloo_efficient.core.recurrent import has_recurrent_layers, recurrent_layers
+    from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
+    from rloo_efficient.core.layers.recurrent import has_recurrent_layers, recurrent_layers
 
     from .test_prefix_sharing import FAMILIES
 
@@ -151,7 +151,7 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
     model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
     add_fused_lm_head(model, outputs=("log_probs",))
-    prefix_attention.install(model)
+    install(model)
     recurrent, moe = has_recurrent_layers(model), aux_loss_reason(model) is None
     torch.manual_seed(0)
     with torch.no_grad():  # parameters off their init (tests/test_recurrent.py), decays slow: the state carries the prompt

@@ -24,6 +24,7 @@ from rloo_efficient.workload import build_model_dir, build_reward_adapter_dir, b
 from .conftest import assert_metrics_close
 from .launch_worker import launcher_workload
 
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "accelerate_configs"
 WORKER = Path(__file__).with_name("launch_worker.py")

@@ -8,6 +8,7 @@ import torch
 import rloo_efficient.profiling.memory as memory
 from rloo_efficient.profiling.memory import get_memory_stats, peak_rss_resettable, reset_peak_memory
 
+
 CPU = torch.device("cpu")
 MIB = 1024**2
 

@@ -9,14 +9,15 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient import GRPOConfig, GRPOTrainer
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.families import forward_unsupported_reason
-from rloo_efficient.core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from rloo_efficient.core.packing import pack_rows
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.layers.families import forward_unsupported_reason
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
 from rloo_efficient.workload import build_dataset, build_model_dir
 
 from .conftest import METRICS, run, step_metrics, tiny_workload, training_args
 from .trees import random_rows, split_rows, stock_batch
+
 
 # float32: the experts' grouped GEMM has no float64; the packed and padded forwards sum in other orders
 RTOL, ATOL = 1e-5, 1e-6
@@ -27,7 +28,7 @@ def moe_model(model_cache):
     cfg = tiny_workload(model_cache, arch="qwen3_moe", model_dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(cfg), dtype=torch.float32)
     add_fused_lm_head(model, outputs=("log_probs",))
-    prefix_attention.install(model)
+    install(model)
     return model
 
 
@@ -73,7 +74,7 @@ def test_the_packed_loss_is_stocks_over_a_tree_with_unscored_rows(moe_model, see
 
 
 def test_a_token_weighted_once_instead_of_once_per_row_fails(moe_model, monkeypatch):
-    from rloo_efficient.core.tree import Tree
+    from rloo_efficient.core.tree.radix import Tree
 
     monkeypatch.setattr(Tree, "token_weight", property(lambda self: np.ones(self.num_tokens, dtype=np.int64)))
     (expected, _), (ours, _), _, _ = stock_and_packed_loss(moe_model, 0)

@@ -8,6 +8,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+
 EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 sys.path.insert(0, str(EXPERIMENTS))
 

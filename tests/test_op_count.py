@@ -26,7 +26,7 @@ def test_a_whole_run_dispatches_at_most_a_tenth_more_than_stock(model_cache, tmp
     # Each kernel configuration's first-use check runs once per process, not per step: left out of the count
     from torch.utils._python_dispatch import _disable_current_modes
 
-    import rloo_efficient.core.kernel_checks as checks
+    import rloo_efficient.core.attention.checks as checks
 
     check = checks.check_kernel
 

@@ -11,10 +11,12 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient.core import prefix_attention, tree_layout
-from rloo_efficient.core.families import attention_reason
-from rloo_efficient.core.packing import pack_rows
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill
+from rloo_efficient.core.attention import backend as prefix_attention
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
+from rloo_efficient.core.layers.families import attention_reason
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree import layout as tree_layout
 from rloo_efficient.profiling.op_count import OpCounter
 
 from . import trees
@@ -82,7 +84,7 @@ def packed_forward_backward(model, k, groups, uneven=False):
 def test_packed_forward_operators_per_layer_do_not_grow_with_k_or_groups(uneven, monkeypatch):
     model = tiny_llama()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     shapes = [(2, 2), (16, 2), (2, 4), (16, 4)]
 
     def per_layer():
@@ -189,7 +191,7 @@ def test_installed_model_without_a_layout_is_the_model(implementation):
     model, reference = tiny_llama(), tiny_llama()
     for m in (model, reference):
         m.config._attn_implementation = implementation
-    assert prefix_attention.install(model) == 2 and prefix_attention.install(model) == 2  # idempotent
+    assert install(model) == 2 and install(model) == 2  # idempotent
     ids = torch.randint(3, VOCAB, (3, 9))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -209,7 +211,7 @@ def test_packed_forward_is_the_same_whatever_attention_the_model_was_loaded_with
     for m in (model, reference):
         add_fused_lm_head(m, outputs=("log_probs", "entropy"))
     assert attention_reason(model) is None
-    prefix_attention.install(model)
+    install(model)
     ids, rows = stock_batch([9, 5], [0, 0, 1, 1, 1], [4, 2, 5, 0, 3], 5, seed=3)
     packed = pack_rows(ids, 5, rows)
     ours = packed.unpack(model(**packed.model_inputs(), fused_lm_head=True).log_probs)
@@ -226,7 +228,7 @@ def test_under_bf16_autocast_as_sdpa_is():
     backward) and while decoding from the prompt cache."""
     model = tiny_llama()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)
+    install(model)
     ids, rows = stock_batch([9, 6], [0, 0, 1, 1], [5, 3, 5, 2], 5, seed=4)
     mask = torch.cat([ids[:, :9] != 0, torch.arange(5).expand(4, 5) < rows[:, 2:3]], dim=1).long()
     labels = ids.masked_fill(mask == 0, -100)
@@ -270,7 +272,7 @@ def test_the_packed_attention_keeps_its_sequence_in_saved_tensors_only(window):
     """Gradient checkpointing frees what an autograd node saved with `save_for_backward`, not its attributes: none of
     them may hold the keys, values or anything the size of the sequence (the layout's per-batch indices aside, which
     every layer shares). Under a window, the prompt tail's mask is built once per batch for every layer."""
-    import rloo_efficient.core.tree_attention as tree_attention
+    import rloo_efficient.core.attention.tree as tree_attention
 
     ids, rows = stock_batch([9, 6], [0, 0, 1, 1, 1], [5, 3, 4, 2, 5], 5, seed=0)
     packed = pack_rows(ids, 5, rows, min_saved=0)

@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.families import forward_unsupported_reason as unsupported_reason
-from rloo_efficient.core.packing import ROWS_KEY, group_ids_for, pack_rows, prompt_images, row_groups
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.layers.families import forward_unsupported_reason as unsupported_reason
+from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree.rows import ROWS_KEY, group_ids_for, prompt_images, row_groups
 from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
@@ -132,7 +133,7 @@ FAMILY_LAYOUTS = {
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_every_family_matches_stock_trl(model_cache, tmp_path, exact_head, monkeypatch, arch, layout):
     """Under TRL's default config: for the MoE families, the load-balancing loss on (TRL takes its coefficient from the
-    config), packed and weighted ([`core.moe`]), its logged `aux_loss` compared too."""
+    config), packed and weighted ([`core.layers.moe`]), its logged `aux_loss` compared too."""
     _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout)
 
 
@@ -153,7 +154,7 @@ def test_variable_length_calls_match_stock_trl(model_cache, tmp_path, exact_head
 
 
 def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
-    import rloo_efficient.trainers.mixin as mixin
+    import rloo_efficient.trainers.packed as mixin  # the packed forward: its pack_rows
 
     workload, overrides = FAMILY_LAYOUTS[layout]
     cfg = tiny_workload(model_cache, arch=arch, **{**FAMILIES[arch], **workload})
@@ -193,7 +194,7 @@ def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_ro
     architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
     model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
     add_fused_lm_head(model, outputs=("log_probs",))
-    prefix_attention.install(model)
+    install(model)
     generator = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(5, 120, (n,), generator=generator).tolist()  # noqa: E731
     system = draw(40)
@@ -265,7 +266,7 @@ def scoring_model(workload):
     cfg, path, dataset = workload
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prefix_attention.install(model)  # the packed layout is read by our attention function (the stock call passes none)
+    install(model)  # the packed layout is read by our attention function (the stock call passes none)
     return model
 
 

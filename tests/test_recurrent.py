@@ -1,5 +1,5 @@
 """
-Recurrent layers over the prefix tree (`rloo_efficient.core.recurrent`): one layer of each kind, taken from its
+Recurrent layers over the prefix tree (`rloo_efficient.core.layers.recurrent`): one layer of each kind, taken from its
 family's own tiny model, on the packed tree against the same layer run on each stock row on its own (from a zero
 state), forward and gradients, over ragged trees: depth 1 to 4; one-token nodes and nodes shorter than the 4-tap
 convolution (whose left context then reaches past the parent); a node longer than a scan chunk; rows that end inside
@@ -9,9 +9,9 @@ another's tokens; completions of very different lengths.
 import pytest
 import torch
 
-from rloo_efficient.core import recurrent
-from rloo_efficient.core.tree import build_tree
-from rloo_efficient.core.tree_layout import tree_layout
+from rloo_efficient.core.layers import recurrent
+from rloo_efficient.core.tree.layout import tree_layout
+from rloo_efficient.core.tree.radix import build_tree
 from rloo_efficient.tiny_models import model_config, model_from_config
 from rloo_efficient.workload import build_tokenizer
 
@@ -165,7 +165,7 @@ def _state_detached(reference):
 def test_the_kernels_check_passes_the_reference_and_refuses_a_wrong_one(name, dtype):
     import inspect
 
-    from rloo_efficient.core import recurrent_checks
+    from rloo_efficient.core.layers import recurrent_checks
 
     wrapper = _kernel(name)
     reference = inspect.unwrap(wrapper)
@@ -189,7 +189,7 @@ def test_a_kernel_that_fails_its_check_is_replaced_by_its_reference_with_one_war
     import inspect
     import warnings
 
-    from rloo_efficient.core import recurrent_checks
+    from rloo_efficient.core.layers import recurrent_checks
 
     reference = inspect.unwrap(_kernel("gated delta rule"))
     fused = functools.wraps(reference)(_state_detached(reference))  # unwraps to the reference, as transformers' do
@@ -210,7 +210,7 @@ def test_the_check_runs_inside_a_no_grad_pass(monkeypatch):
     import inspect
     import warnings
 
-    from rloo_efficient.core import recurrent_checks
+    from rloo_efficient.core.layers import recurrent_checks
 
     reference = inspect.unwrap(_kernel("mamba2 scan"))
     wrapped = functools.wraps(reference)(lambda *args, **kwargs: reference(*args, **kwargs))
@@ -234,7 +234,7 @@ def test_a_layer_dispatched_by_accelerate_is_forked_with_its_weights(model_cache
     from accelerate import dispatch_model
     from transformers import AutoModelForCausalLM
 
-    from rloo_efficient.core.prefix_attention import LAYOUT_KWARG
+    from rloo_efficient.core.tree.layout import LAYOUT_KWARG
     from rloo_efficient.workload import build_model_dir
 
     cfg = tiny_workload(model_cache, arch=arch, model_dtype="float64" if arch == "lfm2" else "float32",

@@ -11,15 +11,25 @@ import pytest
 import torch
 import trl
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2ForSequenceClassification
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core.reward_packing import pack_reward_rows
-from rloo_efficient.trainers.hydra import HydraReward
+from rloo_efficient.core.forward.reward import pack_reward_rows
 from rloo_efficient.tiny_models import model_config
-from rloo_efficient.workload import SPECIAL_TOKENS, build_dataset, build_model_dir, chat_template
-from rloo_efficient.workload import build_tokenizer, vowel_reward
+from rloo_efficient.trainers.hydra import HydraReward
+from rloo_efficient.workload import (
+    SPECIAL_TOKENS,
+    build_dataset,
+    build_model_dir,
+    build_tokenizer,
+    chat_template,
+    vowel_reward,
+)
 
 from .conftest import METRICS, assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 

@@ -1,19 +1,27 @@
 """The shared generation prefill: `generate` from a once-per-prompt prefill gives the stock call's logits and samples,
 forwards exactly the tokens it should, and stock generation runs (with one warning) where it cannot be exact."""
 
-import contextlib
 import warnings
 
 import pytest
 import torch
 import trl
-from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core import prefix_attention
-from rloo_efficient.core.prefix_cache import PrefixCache, prefix_cache_unsupported_reason
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill, generation_unsupported_reason
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill, generation_unsupported_reason
+from rloo_efficient.core.generation.prompt_cache import PrefixCache, prefix_cache_unsupported_reason
+from rloo_efficient.core.layers.install import installed
 from rloo_efficient.core.transformers_compat import output_cache
 
 from .conftest import run, training_args
@@ -171,7 +179,7 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     """Plain generate's samples and logits from each distinct prompt prefilled once, with its cache fanned out or kept
     once. With a system prompt (70 tokens, then tasks of 20, 13 and 1), the distinct prompts are prefilled as their
     prefix tree: the system prompt once for the call, each task's remainder after it, no padding."""
-    from rloo_efficient.core.tree_prefill import tree_prefill_reason
+    from rloo_efficient.core.generation.tree_prefill import tree_prefill_reason
 
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
@@ -230,8 +238,8 @@ def test_the_tree_prefill_runs_under_the_models_mixed_precision_wrapper():
 
     from accelerate.utils import convert_outputs_to_fp32
 
-    from rloo_efficient.core.shared_generation import prefill_prompts
-    from rloo_efficient.core.tree_prefill import plan_tree_prefill, tree_prefill
+    from rloo_efficient.core.generation.generate import prefill_prompts
+    from rloo_efficient.core.generation.tree_prefill import plan_tree_prefill, tree_prefill
 
     model = build("llama", dtype=torch.float32)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16)
@@ -368,7 +376,7 @@ def test_prompt_cache_once_keeps_one_copy_and_leaves_the_model_as_it_was():
     hook.remove()
     assert seen == {"prefix_rows": 3, "rows": 6}
     # The model's own config and attention are untouched: a plain forward is the model's own
-    assert model.config._attn_implementation == "sdpa" and prefix_attention.installed(model)
+    assert model.config._attn_implementation == "sdpa" and installed(model)
     torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                reference(input_ids=ids, attention_mask=mask).logits, rtol=0, atol=0)  # fmt: skip
 
@@ -399,8 +407,8 @@ def test_trainer_default_chooses_per_call_by_the_cost_model(workload, stock_run,
     """`share_prompt_kv_cache=None` (the default): each generate call keeps the prompt's cache once where the cost
     model says it reads enough fewer bytes (here forced either way through the break-even), else fans it out; both
     give stock's completions."""
-    import rloo_efficient.core.prefix_cache as prefix_cache
-    import rloo_efficient.core.shared_generation as shared_generation
+    import rloo_efficient.core.generation.generate as shared_generation
+    import rloo_efficient.core.generation.prompt_cache as prefix_cache
 
     cfg, path, dataset = workload
     monkeypatch.setitem(prefix_cache.BREAK_EVEN_BYTES, "cpu", 0 if keeps else float("inf"))
@@ -415,7 +423,7 @@ def test_trainer_default_chooses_per_call_by_the_cost_model(workload, stock_run,
 def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_than_the_split_costs(monkeypatch):
     from transformers import DynamicCache
 
-    from rloo_efficient.core.prefix_cache import BREAK_EVEN_BYTES, keep_prompt_once
+    from rloo_efficient.core.generation.prompt_cache import BREAK_EVEN_BYTES, keep_prompt_once
 
     def prefilled(distinct, length, layers=2, dtype=torch.float32):
         cache = DynamicCache()
@@ -426,7 +434,7 @@ def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_tha
 
     import types
 
-    from rloo_efficient.core import prefix_cache
+    from rloo_efficient.core.generation import prompt_cache as prefix_cache
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     device_memory = types.SimpleNamespace(total_memory=141e9)  # an H200's

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from rloo_efficient.core import prefix_attention
+from rloo_efficient.core.tree.layout import NO_MASK
 
 
 def tiny():
@@ -40,8 +40,8 @@ def test_a_4d_mask_is_passed_through_untouched():
     """The packed forward passes an empty 4-D placeholder so that no (L, L) mask is ever built."""
     model = tiny()
     embeds = torch.zeros(1, 7, 16)
-    mask = create_causal_mask(model.config, embeds, prefix_attention.NO_MASK, None, position_ids=torch.arange(7)[None])
-    assert mask is prefix_attention.NO_MASK
+    mask = create_causal_mask(model.config, embeds, NO_MASK, None, position_ids=torch.arange(7)[None])
+    assert mask is NO_MASK
 
 
 def test_attention_dispatch_reads_the_module_config_and_forwards_call_kwargs():

@@ -1,5 +1,5 @@
 """
-The prefix tree ([`core.tree`]) and attention over it ([`core.tree_attention`]): each row reads its own tokens at its
+The prefix tree ([`core.tree.radix`]) and attention over it ([`core.attention.tree`]): each row reads its own tokens at its
 own positions; each token attends to exactly its ancestors and causally within its node (against a dense (N, N) mask
 over the same flat sequence, forward and gradients, windows and sinks included); and the mistakes these guard against
 (a node attending to a sibling, a padding slot written to a real token) fail the comparison.
@@ -11,10 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rloo_efficient.core import tree_layout as layouts
-from rloo_efficient.core.prefix_attention import prefix_attention
-from rloo_efficient.core.tree import END, build_tree
-from rloo_efficient.core.tree_layout import tree_layout
+from rloo_efficient.core.attention.backend import prefix_attention
+from rloo_efficient.core.tree.layout import tree_layout
+from rloo_efficient.core.tree.radix import END, build_tree
 
 from .conftest import emulate_varlen
 from .trees import random_rows

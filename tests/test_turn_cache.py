@@ -6,12 +6,19 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from rloo_efficient.core.shared_generation import generate_with_shared_prefill
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
+from rloo_efficient.core.generation.turn_cache import TurnCaches, continue_reason, plan_continuation
 from rloo_efficient.core.transformers_compat import output_cache
-from rloo_efficient.core.turn_cache import TurnCaches, continue_reason, plan_continuation
 
-from .test_shared_generation import TOKEN_TYPES, VOCAB, assert_same_generation, build, generation_config, left_pad
-from .test_shared_generation import prompts_for
+from .test_shared_generation import (
+    TOKEN_TYPES,
+    VOCAB,
+    assert_same_generation,
+    build,
+    generation_config,
+    left_pad,
+    prompts_for,
+)
 
 
 # Families whose cache holds keys and values: each row's cache continues. Windows of 8, shorter than every history
@@ -101,7 +108,7 @@ def test_a_row_whose_history_changed_continues_nothing():
 
 def test_matching_rows_to_held_rows():
     """On the host: each row continues the held row whose tokens open it, in order; a changed or unknown row none."""
-    from rloo_efficient.core.turn_cache import HeldCache
+    from rloo_efficient.core.generation.turn_cache import HeldCache
 
     held_tokens = [np.array(t) for t in ([5, 6, 7], [5, 6, 8], [5, 6, 7, 9], [2, 2])]
     held = HeldCache(held_tokens, [], [], *(np.zeros(4, dtype=np.int64) for _ in range(4)))

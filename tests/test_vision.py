@@ -255,7 +255,7 @@ def test_images_a_tool_returned_run_stock_with_one_warning(model_cache, tmp_path
 def test_crops_are_one_reason_whatever_the_batch(model_cache):
     """Gemma 3's pan-and-scan crops (the processor's `do_pan_and_scan`) give more pixel entries than images: stock's
     path, for a reason that reads the same for every such batch (warned about once, not once per image count)."""
-    from rloo_efficient.core.vision import VISION_FAMILIES, layout_reason
+    from rloo_efficient.core.layers.vision import VISION_FAMILIES, layout_reason
 
     cfg = tiny_workload(model_cache, arch="gemma3_vlm", image_size=8, num_prompts=8)
     processor, images = build_processing_class(cfg), build_dataset(cfg)["image"]  # 8x8, 16x8, 8x8, ...
@@ -273,7 +273,7 @@ def test_crops_are_one_reason_whatever_the_batch(model_cache):
 def test_a_family_without_known_image_placement_runs_stock_with_one_warning(model_cache, tmp_path, monkeypatch):
     """Image batches of a family not in the vision list: stock's generation and forwards, one warning naming why; its
     text-only batches would still share."""
-    from rloo_efficient.core import vision
+    from rloo_efficient.core.layers import vision
 
     monkeypatch.delitem(vision.VISION_FAMILIES, "llava")
     cfg = tiny_workload(model_cache, arch="llava", image_size=8, num_prompts=8)
@@ -341,7 +341,7 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, arch, once)
     from PIL import Image
     from transformers import GenerationConfig
 
-    from rloo_efficient.core.shared_generation import generate_with_shared_prefill
+    from rloo_efficient.core.generation.generate import generate_with_shared_prefill
     from rloo_efficient.tiny_models import model_config, model_from_config
     from rloo_efficient.workload import build_tokenizer
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from rloo_efficient.core.packing import row_groups
+from rloo_efficient.core.tree.rows import row_groups
 
 
 def random_rows(seed: int, max_depth: int = 4, max_children: int = 3, max_run: int = 9, vocab: int = 64,

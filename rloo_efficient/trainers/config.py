@@ -14,10 +14,10 @@ SHARING_DOC = r"""
             each run of tokens its rows share once (a group's prompt, a system prompt shared across groups,
             completions that open alike) and each completion at its own length, with no padding; each token attends
             to its ancestors and causally within its node through rloo_efficient's attention backend (fused kernels,
-            no `(L, L)` mask; see `rloo_efficient.core.tree_attention`), whatever attention implementation the model
+            no `(L, L)` mask; see `rloo_efficient.core.attention.tree`), whatever attention implementation the model
             was loaded with. Exact: same log-probs and gradients as the stock forward, to floating-point tolerance;
             sliding windows, attention sinks and recurrent layers included. Models where it cannot be exact (families
-            other than those in `rloo_efficient.core.families.MODEL_TYPES`, absolute position embeddings, rotary
+            other than those in `rloo_efficient.core.layers.families.MODEL_TYPES`, absolute position embeddings, rotary
             embeddings that depend on the sequence length, bidirectional attention, active dropout, a MoE router with
             jitter) use the stock path, with one warning naming the reason. A MoE model's load-balancing loss (TRL's
             default) is computed exactly from the packed tokens, each weighted by the rows holding it.
@@ -41,7 +41,7 @@ SHARING_DOC = r"""
             tokens and merged exactly (log-sum-exp, as in Hydragen), two fused-kernel calls per layer and step for all
             rows, sliding windows and sinks included. For the families in `MODEL_TYPES`; other models fan the cache
             out, with one warning naming the reason. `None` chooses per `generate` call by a measured cost model
-            (`core.prefix_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
+            (`core.generation.prompt_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
             decoding step read more than the split costs (on a GPU, where decoding is bound by launches, only for
             large batches of long prompts; that break-even comes from one H200 measurement). Fanned out, the
             prompt's decoding cache takes k times the memory (as stock's does): where those copies would take more

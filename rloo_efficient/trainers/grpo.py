@@ -13,10 +13,11 @@ class GRPOTrainer(MemoryProfilingMixin, GroupSharingMixin, trl.GRPOTrainer):
     per group in every phase, profiles memory per phase, and can release cached memory at phase boundaries. See
     [`GRPOConfig`] for the switches; with all of them off, training is stock TRL's.
 
-    Every GRPO feature runs through TRL's own code: each loss type, the reference and old-log-prob passes, tools (the
-    first turn's prompt is shared; later turns, each row's own history, are generated as stock generates them),
-    `rollout_func` and environments (prompts grouped by their tokens, environment included). TRL methods wrapped:
-    those of [`GroupSharingMixin`] and [`MemoryProfilingMixin`], each calling `super()`; no TRL method is copied.
+    Every GRPO feature runs through TRL's own code: each loss type, the reference and old-log-prob passes, tools (each
+    turn's prompts prefilled as their tree; a later turn's rows continuing their caches from the turn before, within
+    `tool_cache_budget_gib`), `rollout_func` and environments (prompts grouped by their tokens, environment included).
+    TRL methods wrapped: those of [`GroupSharingMixin`] and [`MemoryProfilingMixin`], each calling `super()`; no TRL
+    method is copied.
     """
 
     _config_class = GRPOConfig

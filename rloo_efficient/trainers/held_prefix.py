@@ -1,5 +1,5 @@
 """
-Prefix states held across micro-batches in TRL's trainers ([`core.hold_plan`], [`core.held_scope`]).
+Prefix states held across micro-batches in TRL's trainers ([`core.tree.holds`], [`core.forward.scope`]).
 
 TRL runs a generation batch's log-prob passes in chunks of `per_device_train_batch_size` rows, and trains on it in
 micro-batches of that size: with one or two rows per micro-batch, each chunk and micro-batch would forward its rows'
@@ -9,7 +9,7 @@ prompts again. Two kinds of scope hold them once instead:
   each prompt forwarded by the first chunk holding one of its rows and read by every later one;
 - training: the micro-batches TRL will serve from its buffered generation before the next optimizer step (or the
   next generation), planned when the first of them is prepared; each prompt is forwarded with grad by the first,
-  read by the others, and backpropagated once, inside the Trainer's backward of the last ([`core.held_state`]).
+  read by the others, and backpropagated once, inside the Trainer's backward of the last ([`core.attention.held`]).
 
 Windows are the Trainer's: `current_gradient_accumulation_steps` micro-batches per optimizer step, counted here from
 the end of the last one (`sync_gradients`); generations are TRL's (every `steps_per_generation * num_iterations`
@@ -20,11 +20,11 @@ import warnings
 
 import torch
 
-from ..core.held_scope import HeldScope
-from ..core.hold_plan import plan_holds
-from ..core.packing import ROWS_KEY, row_tokens
-from ..core.prefix_cache import kv_sources, kv_token_bytes
-from ..core.turn_cache import default_budget
+from ..core.forward.scope import HeldScope
+from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
+from ..core.generation.turn_cache import default_budget
+from ..core.tree.holds import plan_holds
+from ..core.tree.rows import ROWS_KEY, row_tokens
 
 
 # A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about

@@ -1,14 +1,12 @@
 """
 The one mixin that binds the core to a TRL group trainer: [`trl.RLOOTrainer`], [`trl.GRPOTrainer`], or a subclass of
 either (TRL's own `GMPOTrainer`, a user's). It wraps TRL's methods and calls `super()` in each; no TRL method body is
-copied. The batch's rows ([`core.packing.row_groups`]: each row's group, lengths and tokens) are read once per
+copied. The batch's rows ([`core.tree.rows.row_groups`]: each row's group, lengths and tokens) are read once per
 generation batch from the token lists TRL's `_generate` returns, are active while TRL's own no-grad passes run, travel
 with the batch TRL returns (TRL's shuffle and split carry them), and are active again while TRL's loss runs for each
-micro-batch, which packs them as its prefix tree ([`core.tree`]).
+micro-batch, which packs them as its prefix tree ([`core.tree.radix`]).
 """
 
-import contextlib
-import dataclasses
 import inspect
 import warnings
 
@@ -16,24 +14,27 @@ import numpy as np
 import torch
 from accelerate.utils import is_peft_model
 from transformers import AutoTokenizer, PreTrainedModel
-from trl.extras.profiling import profiling_context
 from trl.trainer.utils import get_config_model_id, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from ..core import prefix_attention
-from ..core.families import forward_unsupported_reason, is_multimodal
-from ..core.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from ..core.packing import ROWS_KEY, group_shuffle_order, pack_rows, prompt_images, prompt_key, row_groups
-from ..core.prefix_cache import prefix_cache_unsupported_reason
-from ..core.recurrent import has_recurrent_layers
-from ..core.shared_generation import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, generation_unsupported_reason
-from ..core.shared_generation import text_only
-from ..core.turn_cache import TurnCaches, continue_reason, default_budget
-from ..core.vision import IMAGE_KWARGS, VISION_FAMILIES, image_blocks, image_token_ids, layout_reason
-from ..core.vision import packed_positions, rope_index_positions, select_images, token_blocks, vision_reason
+from ..core.generation.generate import (
+    generation_unsupported_reason,
+)
+from ..core.generation.prompt_cache import prefix_cache_unsupported_reason
+from ..core.generation.turn_cache import TurnCaches, continue_reason, default_budget
+from ..core.layers.families import forward_unsupported_reason, is_multimodal
+from ..core.layers.install import install
+from ..core.layers.moe import aux_loss_reason
+from ..core.layers.vision import (
+    VISION_FAMILIES,
+    image_token_ids,
+    vision_reason,
+)
+from ..core.tree.rows import ROWS_KEY, group_shuffle_order, prompt_images, row_groups
 from .config import STOCK_SETTINGS, sharing_settings
+from .generation import SharedGenerationMixin
 from .held_prefix import HeldPrefixMixin
-from .hydra import HydraReward, reward_adapter_config, resolved_dtype, saving_policy_adapters_only
-from .hydra import split_hydra_rewards
+from .hydra import HydraReward, resolved_dtype, reward_adapter_config, saving_policy_adapters_only, split_hydra_rewards
+from .packed import PackedForwardMixin
 from .rewards import RewardSharingMixin
 
 
@@ -48,7 +49,7 @@ def _supported(reason: str | None, consequence: str) -> bool:
     return reason is None
 
 
-class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
+class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMixin, RewardSharingMixin):
     """
     Each prompt once per group in every phase of a TRL group trainer. Mix it in before the trainer class,
     `class MyTrainer(GroupSharingMixin, trl.GRPOTrainer)`; [`RLOOTrainer`] and [`GRPOTrainer`] are built so. The
@@ -60,16 +61,16 @@ class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
       (Hydra); our attention function installed on the policy and the reference.
     - `_tokenize_prompts`: each distinct prompt (and environment) tokenized once; its rows get copies.
     - `_generate_single_turn`: while it runs, the model's `generate` prefills each distinct prompt once
-      ([`core.shared_generation`]), its images encoded once ([`core.vision`]); vLLM and continuous batching go to TRL
+      ([`core.generation.generate`]), its images encoded once ([`core.layers.vision`]); vLLM and continuous batching go to TRL
       untouched.
     - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes; while
-      it runs (GRPO's tool loop), each turn's KV caches are held for the rows' next turn ([`core.turn_cache`],
+      it runs (GRPO's tool loop), each turn's KV caches are held for the rows' next turn ([`core.generation.turn_cache`],
       `tool_cache_budget_gib`), and released when it returns.
     - `_generate_and_score_completions`: the structure is added to the batch it returns; keeping groups together
       (`shuffle_groups`, by default where that only reorders a sum: [`_group_shuffle_reason`]), the
       batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
     - `_compute_loss`: the micro-batch's structure is active while TRL's loss runs.
-    - `_get_per_token_logps_and_entropies`: the packed forward ([`core.packing`]) when the active structure matches
+    - `_get_per_token_logps_and_entropies`: the packed forward ([`core.forward.packing`]) when the active structure matches
       the batch it is given; TRL's otherwise.
     - `_calculate_rewards` (see [`rewards.RewardSharingMixin`]): reward models scored from packed rows.
     - `_save`: a Hydra reward adapter is left out of the saved policy.
@@ -152,7 +153,7 @@ class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for inner in (unwrapped, self.ref_model):
                 if inner is not None:
-                    prefix_attention.install(self.accelerator.unwrap_model(inner))
+                    install(self.accelerator.unwrap_model(inner))
 
     def _group_shuffle_reason(self) -> str | None:
         """Why keeping each group's rows in one micro-batch would change more than the order of a sum, or None: every
@@ -254,114 +255,6 @@ class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
             self._prefix_warned.add(message)
             warnings.warn(message, stacklevel=3)
 
-    # -- generation --------------------------------------------------------------------------------------------------
-    def _tokenize_prompts(self, prompts: list):
-        if not self._settings.share_prompt_prefix or self._is_vlm:
-            return super()._tokenize_prompts(prompts)
-        # With environments (GRPO), each prompt is rendered with its environment's tools: part of the key
-        environments = getattr(self, "_batch_environments", None)
-        if getattr(self, "environment_factories", None) is None:
-            environments = None
-        keys = [(None if environments is None else environments[i], prompt_key(p)) for i, p in enumerate(prompts)]
-        first: dict[tuple, int] = {}
-        for row, key in enumerate(keys):
-            first.setdefault(key, row)
-        if len(first) == len(prompts):
-            return super()._tokenize_prompts(prompts)
-        rows = list(first.values())
-        if environments is not None:
-            self._batch_environments = [environments[row] for row in rows]
-        try:
-            unique_ids, images, fields = super()._tokenize_prompts([prompts[row] for row in rows])
-        finally:
-            if environments is not None:
-                self._batch_environments = environments
-        if fields:  # per-prompt fields would need the same fan-out: tokenize every row, as stock does
-            return super()._tokenize_prompts(prompts)
-        position = {key: index for index, key in enumerate(first)}
-        # Each row gets its own copy of its prompt's tokens (a list later code may edit in place)
-        return [list(unique_ids[position[key]]) for key in keys], images, fields
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        if not self._share_prefill:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        if "generate" in vars(self.accelerator.unwrap_model(self.model_wrapped)):
-            # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
-            # is called as stock calls it, with stock's arguments
-            self._warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
-                            "generate: the model's generate is replaced on the model object")  # fmt: skip
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        with_images = not text_only(images, multimodal_fields)
-        reason = self._image_prefill_reason(prompt_ids, images, multimodal_fields) if with_images else None
-        # Where every forward gathers parameters from all ranks, they all take stock's generate or none does
-        if not self._all_ranks_can(reason is None):
-            self._fall_back(reason or "another process's prompts cannot be prefilled once", permanent=False)
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        with self._shared_prefill(prompt_ids, images if with_images else None):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-
-    def _image_prefill_reason(self, prompt_ids, images, multimodal_fields) -> str | None:
-        """Why prompts with images cannot be prefilled once per group, or None when they can."""
-        if self._vision_reason is not None:
-            return self._vision_reason
-        unknown = set(multimodal_fields) - set(IMAGE_KWARGS) - set(TOKEN_TYPE_FIELDS)
-        if unknown:
-            return f"the processor returns fields the shared prefill does not split ({', '.join(sorted(unknown))})"
-        if any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
-            return "a prompt ends with an image's token"  # the prefill stops one token short of it
-        if "pixel_values" in multimodal_fields:
-            return layout_reason(multimodal_fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
-                                 self._vision["pixels"])  # fmt: skip
-        return None
-
-    def _all_ranks_can(self, can: bool) -> bool:
-        """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
-        if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
-            return can
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(can)], device=self.accelerator.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-    @contextlib.contextmanager
-    def _shared_prefill(self, prompt_ids: list[list[int]], images: list | None = None):
-        """
-        While TRL's generation runs (its regular transformers path: vLLM and continuous batching never call `generate`),
-        the model's `generate` is [`generate_with_shared_prefill`] for these prompts' token lists (and their images):
-        each distinct prompt prefilled once, its images encoded once, decoding continued from that cache, sampling
-        exactly as the stock call.
-        """
-        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
-        stock_generate = model.generate
-
-        def generate(input_ids, attention_mask, **kwargs):
-            output, tokens = generate_with_shared_prefill(
-                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
-                tree=self._settings.share_prefill_tree, synced=self._forwards_are_collective(model),
-                generate=stock_generate, images=images, turns=self._turns, **kwargs,
-            )  # fmt: skip
-            self.shared_prefill_tokens += tokens
-            return output
-
-        model.generate = generate  # on the instance: found before the class's method
-        try:
-            yield
-        finally:
-            if vars(model).get("generate") is generate:  # ours, unless the block replaced it: the class's again
-                del model.generate
-
-    def _forwards_are_collective(self, model) -> bool:
-        """Whether every forward gathers parameters from all ranks (so that ranks must run the same forwards)."""
-        if self.accelerator.num_processes == 1:
-            return False
-        from torch.distributed.fsdp import FSDPModule
-        from transformers.distributed.fsdp import is_fsdp_managed_module
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        # As transformers' generate decides to keep ranks in step (`synced_gpus`), and FSDP2 applied by accelerate
-        return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)
-
     # -- the group structure: computed, carried, made active ---------------------------------------------------------
     def _scored_lengths(self, completion_ids_list: list[list[int]]) -> list[int]:
         """Completion tokens stock TRL scores per row: all of them, or none for a masked truncated completion."""
@@ -444,152 +337,3 @@ class GroupSharingMixin(HeldPrefixMixin, RewardSharingMixin):
             return super()._compute_loss(model, inputs)
         finally:
             self._active_rows = previous
-
-    # -- the packed forward ------------------------------------------------------------------------------------------
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal_kwargs):  # fmt: skip
-        """TRL's forward, or the packed one when the active group structure matches the batch."""
-        images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
-        rows = self._rows_for(input_ids, logits_to_keep, images)
-        if rows is None:
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal_kwargs,
-            )  # fmt: skip
-        with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
-            return self._packed_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                                    compute_entropy, compute_aux_loss, images)  # fmt: skip
-
-    def _rows_for(self, input_ids, logits_to_keep, images: dict) -> torch.Tensor | None:
-        """The active group structure when the packed forward can serve this call, else None."""
-        rows = self._active_rows
-        if not self._share_prefix or rows is None:
-            return None
-        if images.get("pixel_values") is not None:  # a batch with images: stock's forward where they cannot be packed
-            reason = self._vision_reason or layout_reason(images, images.get("num_images") or [], self._vision["pixels"])
-            if reason is not None:
-                self._fall_back(reason, permanent=False)
-                return None
-        if any(key not in images for key in ("pixel_values", "num_images")) and images:  # token types, no image
-            return None
-        group, plen, scored = rows[:, :3].numpy().T  # host values
-        if len(group) != input_ids.shape[0] or plen.max() > input_ids.shape[1] - logits_to_keep or (
-            scored.max() > logits_to_keep):  # fmt: skip
-            # Count-free, so that it warns once however many batch shapes miss it
-            self._fall_back("the group structure of the batch's generation does not match the rows, prompt length or "
-                            "completion length of the batch a forward is given", permanent=False)  # fmt: skip
-            return None
-        return rows
-
-    def _packed_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, rows, batch_size,
-                                    compute_entropy, compute_aux_loss=False, images=None):  # fmt: skip
-        """TRL's micro-batch chunking, each chunk packed as one flat sequence (TRL's forward where it can't be); with
-        `compute_aux_loss`, each chunk's MoE load-balancing loss over every token stock's chunk holds ([`core.moe`]);
-        with `images` (TRL's image kwargs), each group's images once ([`core.vision`])."""
-        batch_size = batch_size or input_ids.size(0)
-        unwrapped = self.accelerator.unwrap_model(model)
-        prefix_attention.install(unwrapped)  # done at init; a model swapped in since (e.g. a synced reference) too
-        text_config = unwrapped.config.get_text_config()
-        # A config asking for router logits would have TRL's head compute its own loss over our flat sequence
-        extra = {"output_router_logits": False} if hasattr(text_config, "output_router_logits") else {}
-        all_logps, all_entropies, all_aux = [], [], []
-        with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
-        recurrent = has_recurrent_layers(unwrapped)
-        chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
-        # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]
-        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images))
-
-        def call(**inputs):
-            with self.accelerator.autocast():
-                return model(**inputs, fused_lm_head=True, **extra)
-
-        try:
-            for index, (start, end) in zip(indices, chunks, strict=True):
-                pack = dict(token_weights=compute_aux_loss, group_sources=with_positions,
-                            image_tokens=self._image_tokens if images else None, recurrent=recurrent)  # fmt: skip
-                if scope is not None:
-                    source = scope.plan.chunks[index].source
-                    if source is not None:  # the prompts first held here: forwarded once, for every later chunk
-                        routers = (lambda: recording_router_logits(unwrapped)) if compute_aux_loss else None
-                        tokens = scope.forward_source(source, call, input_ids.size(1) - logits_to_keep,
-                                                      input_ids.device, recurrent, routers)  # fmt: skip
-                        self.packed_forward_tokens += tokens
-                        self.tree_tokens += tokens
-                        self.held_forward_tokens += tokens
-                    packed = scope.pack(index, input_ids[start:end], logits_to_keep, rows[start:end], **pack)
-                else:
-                    packed = pack_rows(input_ids[start:end], logits_to_keep, rows[start:end], **pack)
-                chunk_images = {}
-                if images and not isinstance(packed, str):
-                    packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask,
-                                                             start, logits_to_keep)  # fmt: skip
-                if isinstance(packed, str):
-                    self._fall_back(packed, permanent=False)
-                    stock = super()._get_per_token_logps_and_entropies.__func__
-                    stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
-                    logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
-                                                  logits_to_keep, end - start, compute_entropy, compute_aux_loss,
-                                                  **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
-                else:
-                    self.packed_forward_tokens += packed.num_tokens
-                    self.tree_tokens += packed.tree.real_tokens
-                    routers = recording_router_logits(unwrapped) if compute_aux_loss else contextlib.nullcontext()
-                    with routers as router_logits:
-                        outputs = call(**packed.model_inputs(), **chunk_images)
-                    logps = packed.unpack(outputs.log_probs)
-                    entropies = packed.unpack(outputs.entropy) if compute_entropy else None
-                    aux = None
-                    if compute_aux_loss:
-                        held_logits = packed.layout.held.routers() if packed.layout.held is not None else []
-                        aux = weighted_aux_loss(router_logits, packed.token_weights, text_config, held_logits,
-                                                list(packed.held_weights))  # fmt: skip
-                if scope is not None:
-                    self._chunk_done(scope, index)
-                all_logps.append(logps)
-                if compute_entropy:
-                    all_entropies.append(entropies)
-                if compute_aux_loss:
-                    all_aux.append(aux)
-        finally:
-            if closes:
-                scope.close()
-        logps = torch.cat(all_logps, dim=0)
-        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
-        return logps, entropies, aux_loss
-
-    def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, logits_to_keep: int):
-        """
-        The packed chunk starting at row `start` of an image batch: the images of each group's first row, once, in the
-        order of the groups' nodes, and what the family needs beside them ([`core.vision`]): Qwen's 3-D positions (the
-        model's own `get_rope_index` on each group's first row, its completion columns unmasked: the rows of a group
-        share their prompt's positions, and completions are text, one position per column), or the tokens' image
-        blocks (Gemma). Returns `(packed, image kwargs)`.
-        """
-        num_images, first = images["num_images"], start + packed.first_rows
-        group_images = select_images(images, num_images, first, self._vision["pixels"])
-        if self._vision["positions"] == "rope_index":
-            index = torch.from_numpy(first).to(input_ids.device)
-            mask = attention_mask.index_select(0, index)
-            mask[:, -logits_to_keep:] = 1
-            positions = rope_index_positions(model, input_ids.index_select(0, index), mask, {
-                "image_grid_thw": group_images.get("image_grid_thw"),
-                "mm_token_type_ids": images["mm_token_type_ids"].index_select(0, index)})  # fmt: skip
-            packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.group_source_index))
-        blocks = image_blocks(model)
-        if blocks is not None and group_images:  # an image's tokens attend to each other both ways
-            key, image_types, layers = blocks
-            ids = token_blocks(images[key][start : start + packed.num_rows], image_types, packed.source_index)
-            packed = dataclasses.replace(packed, layout=dataclasses.replace(packed.layout, token_blocks=ids,
-                                                                            blocks_on=layers))  # fmt: skip
-        return packed, group_images
-
-    def _images_of_rows(self, images: dict, start: int, end: int) -> dict:
-        """TRL's image kwargs for the rows `[start, end)` alone, as TRL's forward takes them for a batch of those."""
-        rows = np.arange(start, end)
-        out = select_images(images, images["num_images"], rows, self._vision["pixels"])
-        out["num_images"] = images["num_images"][start:end]
-        for key in TOKEN_TYPE_FIELDS:
-            if images.get(key) is not None:
-                out[key] = images[key][start:end]
-        return out

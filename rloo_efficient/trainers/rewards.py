@@ -2,7 +2,7 @@
 The reward phase inside the group: while TRL's `_calculate_rewards` runs, each reward model that can be scored from
 packed rows (and each Hydra reward adapter) stands in the trainer's `reward_funcs` as a [`PackedRewardModel`], which
 TRL calls as it calls a reward function. It renders and tokenizes the texts as TRL's reward-model branch does, scores
-each group's common token prefix once ([`core.reward_packing`]), and returns the scores; everything else in TRL's
+each group's common token prefix once ([`core.forward.reward`]), and returns the scores; everything else in TRL's
 method (reward functions, async ones, environments, weights, NaN handling, gathering) is TRL's own.
 """
 
@@ -14,10 +14,10 @@ from torch import nn
 from transformers import Trainer
 from trl.data_utils import apply_chat_template, is_conversational
 
-from ..core.packing import group_ids_for
-from ..core.prefix_attention import install
-from ..core.recurrent import has_recurrent_layers
-from ..core.reward_packing import pack_reward_rows, packed_scores, padded_scores, reward_model_reason
+from ..core.forward.reward import pack_reward_rows, packed_scores, padded_scores, reward_model_reason
+from ..core.layers.install import install
+from ..core.layers.recurrent import has_recurrent_layers
+from ..core.tree.rows import group_ids_for
 from .hydra import HydraReward
 
 

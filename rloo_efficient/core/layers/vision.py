@@ -2,7 +2,7 @@
 Image prompts once per group: each distinct image encoded once per group, its features placed into the packed prompt
 body once.
 
-In the packed prefix tree ([`packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`).
+In the packed prefix tree ([`forward.packing`]) every token is gathered from stock's `(B, P + C)` batch (`source_index`).
 Rows group by their prompt tokens and their images' pixels; in an image batch the rows of other groups share nothing,
 and each group's prompt is one node, holding the tokens of the group's first row (`first_rows`). So the model gets the
 images of each group's first row, in the order of the groups' nodes ([`select_images`]): their features fill the
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .tree import ranges
+from ..tree.radix import ranges
 
 
 # Per multimodal family (the checkpoint's `model_type`), how its images and their tokens differ from text:
@@ -163,16 +163,3 @@ def token_blocks(token_types: torch.Tensor, image_types: tuple[int, ...], source
     starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
     blocks = torch.where(image, torch.cumsum(starts.long(), dim=1) - 1, -1)
     return blocks.view(-1).index_select(0, source_index)
-
-
-def block_bias(blocks: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
-    """`(n, 1, L, L)` additive, from each block's tokens' image blocks `(n, L)` (-1 for text): token i sees token j when
-    j <= i or both are in one image, and under a sliding `window` only when j is also within it (stock's mask: (causal
-    or same image) and window)."""
-    length = blocks.shape[1]
-    i = torch.arange(length, device=blocks.device).view(-1, 1)
-    allowed = (torch.arange(length, device=blocks.device) <= i) | (
-        (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))  # fmt: skip
-    if window is not None:
-        allowed &= torch.arange(length, device=blocks.device) > i - window
-    return torch.zeros((), dtype=dtype, device=blocks.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,5 +1,5 @@
 """
-A [`tree.Tree`] as the index tensors the layers of a packed forward read: the attention's parts and the recurrent
+A [`tree.radix.Tree`] as the index tensors the layers of a packed forward read: the attention's parts and the recurrent
 layers' levels. Built on the host in NumPy, sent to the device in one copy, passed in the model call's keyword
 arguments (`rloo_prefix_layout=`), which transformers hands to every attention and recurrent layer and which gradient
 checkpointing's recomputation receives again.
@@ -17,10 +17,10 @@ On a device with a variable-length kernel (CUDA: [`VARLEN_DEVICES`]) the layout 
 variable-length calls ([`Packed`]): the nodes as the flat sequence's sequences, and per level the nodes' subtrees and
 tokens gathered without padding, with their offsets.
 
-The parts are merged by log-sum-exp ([`tree_attention`]). The number of kernel calls per layer is the number of
+The parts are merged by log-sum-exp ([`attention.tree`]). The number of kernel calls per layer is the number of
 buckets, a few per level: it does not grow with the number of rows or nodes. A recurrent layer runs level by level,
 each level's nodes bucketed by length: each node starts from its parent's final state and convolution tail
-([`recurrent`]).
+([`layers.recurrent`]).
 """
 
 from dataclasses import dataclass, field
@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .tree import Tree
+from .radix import Tree
+
+
+# The model call's keyword that carries the layout to every attention and recurrent layer (transformers passes its
+# keyword arguments down, and gradient checkpointing's recomputation receives them again)
+LAYOUT_KWARG = "rloo_prefix_layout"
+# A 4-D attention mask is returned as-is by transformers' mask builders: the packed forward needs none, so it passes
+# this empty placeholder and no (L, L) mask is ever built
+NO_MASK = torch.empty(1, 1, 0, 0)
 
 
 # Nodes in one call are at least 1 / BUCKET_RATIO as long as its longest (measured on CPU: experiments/bench_tree.py
@@ -40,7 +48,7 @@ from .tree import Tree
 BUCKET_RATIO = 2.0
 SMALL_PADDING = 256
 # Devices whose layouts also carry the variable-length calls ([`Packed`]): flash's on CUDA, where it runs
-# ([`kernel_checks.varlen_config`]); elsewhere the length buckets, which the CPU kernel needs
+# ([`attention.checks.varlen_config`]); elsewhere the length buckets, which the CPU kernel needs
 VARLEN_DEVICES = ("cuda",)
 
 
@@ -83,7 +91,7 @@ class Part:
 
 @dataclass(frozen=True)
 class HistoryPart:
-    """A length bucket of nodes whose rows continue a cache held from an earlier call ([`turn_cache`]): their tokens
+    """A length bucket of nodes whose rows continue a cache held from an earlier call ([`generation.turn_cache`]): their tokens
     (queries, `(n, L)`) read their row's held keys, in row `rows` (n,) of the layer's cache: its columns `[first,
     first + count)` (each (n,)), all within the columns `span` = `(lo, hi)` the part reads; the held keys of every row
     end at `first_end` or after (a window of `w` reads from `first_end - (w - 1)` on: the queries all follow them)."""
@@ -107,7 +115,7 @@ class Rows:
 
 @dataclass(frozen=True)
 class Packed:
-    """One variable-length kernel call ([`attention_kernels.varlen_forward`]): sequence `i` reads the keys `[cu_k[i],
+    """One variable-length kernel call ([`attention.kernels.varlen_forward`]): sequence `i` reads the keys `[cu_k[i],
     cu_k[i + 1])` of `keys` from the queries `[cu_q[i], cu_q[i + 1])` of `queries`; `cu_q`/`cu_k` (n + 1,) int32;
     `max_q`/`max_k` the longest sequence's."""
 
@@ -122,7 +130,7 @@ class Packed:
 
 @dataclass(frozen=True)
 class HeldPart:
-    """Held nodes of one depth read by one length bucket of a forward's tokens ([`hold_plan`]): like a [`Part`], with
+    """Held nodes of one depth read by one length bucket of a forward's tokens ([`tree.holds`]): like a [`Part`], with
     the keys in slot `slot` of the held state the forward reads (`tokens` long: the keys' dump row)."""
 
     slot: int
@@ -161,7 +169,7 @@ class TreeLayout:
     span: int  # the longest row: a sliding window at least this long masks nothing
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     # Gemma's image prompts: each token's image block (N,) (-1 for text), whose tokens attend to each other both ways
-    # on "all" layers or the "sliding" ones ([`vision.block_bias`])
+    # on "all" layers or the "sliding" ones ([`attention.windows.block_bias`])
     token_blocks: torch.Tensor | None = None
     blocks_on: str = "all"
     # A continued prefill's nodes reading their rows' held keys (no gradient), merged after the parts
@@ -171,8 +179,8 @@ class TreeLayout:
     # level's part, its nodes' subtrees reading their tokens; no padding, no gather of the nodes
     packed_nodes: Packed | None = None
     packed_parts: tuple[Packed, ...] = ()
-    # Nodes held by an earlier forward and read here ([`hold_plan`]): their parts, the held state they read
-    # ([`held_state.HeldReads`], set by the caller), and per root bucket of the levels the row of each root's held
+    # Nodes held by an earlier forward and read here ([`tree.holds`]): their parts, the held state they read
+    # ([`attention.held.HeldReads`], set by the caller), and per root bucket of the levels the row of each root's held
     # parent's state in the slots' concatenated states (its last row, zeros, for a root without one)
     held_parts: tuple[HeldPart, ...] = ()
     # Where every node is a root and the variable-length kernel runs: each node's own causal call with its held
@@ -243,7 +251,7 @@ def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
 
 
 def level_order(tree: Tree, ratio: float = BUCKET_RATIO) -> tuple[list[list[np.ndarray]], np.ndarray]:
-    """The recurrent layers' levels of `tree`: per depth its nodes' length buckets, and each node's row in the final
+    """The recurrent layers' levels of `tree.radix`: per depth its nodes' length buckets, and each node's row in the final
     states of every depth's buckets concatenated (the order a recurrent layer's forward leaves them in)."""
     all_nodes = np.arange(len(tree.start))
     runs_by_depth, order, offset = [], np.zeros(len(all_nodes), dtype=np.int64), 0
@@ -261,8 +269,8 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
                 held_reads: list[tuple] = (), held_roots: np.ndarray | None = None,
                 held_states: int = 0) -> tuple[TreeLayout, list[torch.Tensor]]:  # fmt: skip
     """
-    The [`TreeLayout`] of `tree` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
-    `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `recurrent`: whether the
+    The [`TreeLayout`] of `tree.radix` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
+    `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `layers.recurrent`: whether the
     recurrent layers' levels are needed (a model with recurrent layers). `held_reads`: the held nodes this forward
     reads, `(slot, slot tokens, depth, first query, query count, first key, key count, key end position)` each (the
     queries a run of the flat sequence, the keys a run of the slot's); `held_roots`: per node, its held parent's row

@@ -1,11 +1,11 @@
 """
 One attention backend for training, scoring and decoding, registered in transformers' attention interface.
 
-- The packed forwards (policy and reference log-probs, training, reward models) hand it a [`tree_layout.TreeLayout`]
+- The packed forwards (policy and reference log-probs, training, reward models) hand it a [`tree.layout.TreeLayout`]
   in the model call's keyword arguments (`rloo_prefix_layout=`), which transformers passes down to every attention call
   and which gradient checkpointing's recomputation receives again: each token attends to its ancestors in the prefix
-  tree and causally within its node ([`tree_attention`]).
-- Decoding reads the [`prefix_cache.PrefixCache`] handed to `generate`, through [`decoding_with`], scoped to that call:
+  tree and causally within its node ([`attention.tree`]).
+- Decoding reads the [`generation.prompt_cache.PrefixCache`] handed to `generate`, through [`decoding_with`], scoped to that call:
   each row's query over its prompt's keys, stored once per group, and over its own decoded keys, merged by
   log-sum-exp (Hydragen, arXiv 2402.05099):
 
@@ -13,7 +13,7 @@ One attention backend for training, scoring and decoding, registered in transfor
       suffix:  each row's query against its own keys                                      (B, H, 1, D) x (B, Hkv, t, D)
       merge:   out = lerp(out_s, out_p, sigmoid(lse_p - lse_s)),  lse = logaddexp(lse_p, lse_s)
 
-  Each part is one fused-kernel call over all rows ([`kernel_checks`]). Where the rows of every group are consecutive
+  Each part is one fused-kernel call over all rows ([`attention.checks`]). Where the rows of every group are consecutive
   and equally many, the prefix layout of the queries is a view of their row layout; otherwise one gather maps between
   them.
 
@@ -34,17 +34,14 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .held_state import capturing
-from .kernel_checks import attention_forward
-from .tree_attention import TreeAttention
-from .window_attention import apply_sinks, decode_window_biases
+from ..tree.layout import LAYOUT_KWARG
+from .checks import attention_forward
+from .held import capturing
+from .tree import TreeAttention
+from .windows import apply_sinks, decode_window_biases
 
 
 ATTENTION_NAME = "rloo_prefix"
-LAYOUT_KWARG = "rloo_prefix_layout"
-# A 4-D attention mask is returned as-is by transformers' mask builders: the packed forward needs none, so it passes
-# this empty placeholder and no (L, L) mask is ever built
-NO_MASK = torch.empty(1, 1, 0, 0)
 
 _decoding: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_decoding", default=None)
 _capturing: contextvars.ContextVar = contextvars.ContextVar("rloo_prefix_capturing", default=None)
@@ -236,7 +233,7 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
                                  "grad.")  # fmt: skip
             history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
         capture = capturing()
-        if capture is not None:  # a source forward: these keys are held for later micro-batches ([`hold_plan`])
+        if capture is not None:  # a source forward: these keys are held for later micro-batches ([`tree.holds`])
             capture.attention(module.layer_idx, key, value)
         held = _compute_dtype(query, *layout.held.attention(module.layer_idx))[1:] if layout.held_parts else ()
         query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
@@ -273,19 +270,13 @@ def _attention_modules(model: nn.Module):
             yield module
 
 
-def install(model: nn.Module) -> int:
+def install_attention(model: nn.Module) -> int:
     """
-    Points every attention module of `model` at [`prefix_attention`] (idempotent, and free once done) and returns
-    how many there are; a hybrid model's recurrent layers are routed to their forks too ([`recurrent.install`]). The
-    modules get a copy of the config naming it; `model.config` is untouched, and calls without a layout run the
-    model's own implementation, so nothing changes for code that does not pass one.
+    Points every attention module of `model` at [`prefix_attention`] (idempotent) and returns how many there are (see
+    [`layers.install.install`], which routes a hybrid's recurrent layers too). The modules get a copy of the config
+    naming it; `model.config` is untouched, and calls without a layout run the model's own implementation, so nothing
+    changes for code that does not pass one.
     """
-    count = getattr(model, "_rloo_prefix_attention_modules", None)
-    if count is not None:
-        return count
-    from .recurrent import install as install_forks  # here: recurrent.py imports this module
-
-    install_forks(model)
     count = 0
     for module in _attention_modules(model):
         if not hasattr(module, "_rloo_base_config"):
@@ -293,17 +284,12 @@ def install(model: nn.Module) -> int:
             proxy._attn_implementation_internal = ATTENTION_NAME
             module._rloo_base_config, module.config = module.config, proxy
         count += 1
-    model._rloo_prefix_attention_modules = count
     return count
-
-
-def installed(model: nn.Module) -> bool:
-    return any(hasattr(module, "_rloo_base_config") for module in model.modules())
 
 
 @contextlib.contextmanager
 def decoding_with(cache):
-    """Within the block, installed attention modules decode from `cache` (a [`prefix_cache.PrefixCache`])."""
+    """Within the block, installed attention modules decode from `cache` (a [`generation.prompt_cache.PrefixCache`])."""
     token = _decoding.set(cache)
     try:
         yield
@@ -325,7 +311,7 @@ def capturing_keys(capture):
 @contextlib.contextmanager
 def continuing_with(held):
     """Within the block, a continued prefill's attention reads each layer's held keys and values from `held(layer_idx)`
-    (`(B, Hkv, T, D)` each: the new batch's cache, held tokens in place; see [`turn_cache`])."""
+    (`(B, Hkv, T, D)` each: the new batch's cache, held tokens in place; see [`generation.turn_cache`])."""
     token = _continuing.set(held)
     try:
         yield

@@ -8,18 +8,18 @@ inside one optimizer step) are planned together, on the host, from their rows' t
 
 - the *held nodes*: the radix tree of the rows' prompts (a system prompt shared across groups, each group's prompt),
   keeping a node where rows of at least two chunks pass through it and it saves at least `min_saved` tokens (a node
-  not kept is copied into its branches, as [`tree.build_tree`] copies one). A held node never holds a completion
+  not kept is copied into its branches, as [`tree.radix.build_tree`] copies one). A held node never holds a completion
   token: the position that predicts a completion's first token is its prompt's last token, the first input of the
   row's own tokens;
 - the *sources*: the chunk where a held node's rows first appear forwards it (with the other nodes first needed there,
-  in one packed forward whose keys and values, recurrent states and router logits are held: [`held_state`]); every
+  in one packed forward whose keys and values, recurrent states and router logits are held: [`attention.held`]); every
   later chunk holding one of its rows reads them;
-- each chunk's own part: each row's inputs after its deepest held node, packed as their prefix tree ([`packing`]).
+- each chunk's own part: each row's inputs after its deepest held node, packed as their prefix tree ([`forward.packing`]).
 
 In training a node's gradient reaches it from every chunk that reads it, and its source's one backward must come last:
 the *backprop chunk* of a source is the last chunk that reads it, directly or through a later source that reads it.
 A reader whose own backward runs in that chunk reads the source's attached tensors; every earlier one reads detached
-copies whose gradient is banked and added in that backward ([`held_state.HeldSource`]).
+copies whose gradient is banked and added in that backward ([`attention.held.HeldSource`]).
 
 Over the held-state budget, nodes first needed later are not held (their rows' chunks forward them, as without this
 module); a node whose parent is not held is not held either.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tree import MIN_SAVED_TOKENS, Tree, _radix
+from .radix import MIN_SAVED_TOKENS, Tree, _radix
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ChunkHold:
 @dataclass(frozen=True)
 class Reads:
     """What one packed forward reads of held sources: the `sources` (slot `i` is `sources[i]`), its held parts
-    ([`tree_layout.tree_layout`]'s `held_reads`), the roots' held parents' rows in the slots' concatenated recurrent
+    ([`tree.layout.tree_layout`]'s `held_reads`), the roots' held parents' rows in the slots' concatenated recurrent
     states (`held_roots`, per node of the forward's tree; -1: none) of `states` rows, and the `(node, first, count)`
     runs of readers."""
 
@@ -142,14 +142,14 @@ class HoldPlan:
         return int(self.nodes.length[self.nodes.source == source].sum())
 
     def state_rows(self, source: int) -> np.ndarray:
-        """Each node of `source`'s row in the final states its recurrent layers hold ([`tree_layout.level_order`])."""
-        from .tree_layout import level_order
+        """Each node of `source`'s row in the final states its recurrent layers hold ([`tree.layout.level_order`])."""
+        from .layout import level_order
 
         return level_order(self.source_tree(source)[0])[1]
 
     def reads_of(self, reads: np.ndarray, tree: Tree, root_keys: np.ndarray, root_parents: np.ndarray,
                  recurrent: bool) -> "Reads":  # fmt: skip
-        """What a packed forward over `tree` reads of the held nodes `reads`: its roots, in depth-first order of the held
+        """What a packed forward over `tree.radix` reads of the held nodes `reads`: its roots, in depth-first order of the held
         tree, are read by the held nodes whose subtree holds `root_keys` and start from the state of `root_parents`
         (-1: none). [`Reads`]."""
         root_nodes = np.flatnonzero(tree.parent < 0)
@@ -182,8 +182,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
                min_saved: int = MIN_SAVED_TOKENS) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
-    [`packing.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
-    chunk's tree (a loss over every token, [`packing.pack_rows`]'s `token_weights`); else the rows with something
+    [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
+    chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
     scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
     bytes held at once (None: no limit).
     """
@@ -211,7 +211,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         inputs = node.end - 1 - max(start - 1, 0)  # its run's inputs: [max(start - 1, 0), end - 1)
         readers = np.unique(chunk_of[node.rows])
         # Rows ending here, not held: each chunk's own tree forwards the run, once for its rows where it keeps it
-        # as a node ([`tree.build_tree`]'s rule), else once per row
+        # as a node ([`tree.radix.build_tree`]'s rule), else once per row
         counts = np.unique(chunk_of[node.ended], return_counts=True)[1] if node.ended else np.zeros(0, dtype=np.int64)
         ended = int(np.where((counts - 1) * inputs >= min_saved, inputs, counts * inputs).sum())
         costs = [best(child, start, under_held) for child in node.children]

@@ -1,5 +1,5 @@
 """
-Attention over a packed prefix tree ([`tree_layout.TreeLayout`]): each token attends to its ancestors' tokens and
+Attention over a packed prefix tree ([`tree.layout.TreeLayout`]): each token attends to its ancestors' tokens and
 causally within its own node.
 
 The attention is computed in parts and merged exactly by log-sum-exp (Hydragen, arXiv 2402.05099; ring attention
@@ -16,12 +16,12 @@ writes the flat `(N, h, D)` sequence through one gather and one scatter of its b
 run of it (a padding slot reads a real token of its block, writes to a dump row and gets no output gradient, so it
 adds nothing to any key's): no `(N, N)` mask exists.
 
-Where a variable-length kernel runs (flash's on CUDA in half precision, [`kernel_checks.varlen_config`]) the same
+Where a variable-length kernel runs (flash's on CUDA in half precision, [`attention.checks.varlen_config`]) the same
 parts need no padding and no blocks: every node's own tokens are one causal call over the flat sequence itself (its
 nodes are its sequences, one after another), and each level's part one call whose sequences are each node's subtree
-reading the node's tokens, both gathered unpadded ([`tree_layout.Packed`]). The merge and the backward are the same.
+reading the node's tokens, both gathered unpadded ([`tree.layout.Packed`]). The merge and the backward are the same.
 
-Under a sliding window `w` a node's own tokens go through [`window_attention.band_forward`] (or flash's variable-length
+Under a sliding window `w` a node's own tokens go through [`attention.windows.band_forward`] (or flash's variable-length
 call with its window); a level's part reads only each node's last `w - 1` tokens, masked by the distance of each
 query's position to theirs (in padded buckets: the mask depends on each query's position). Attention sinks (GPT-OSS)
 are applied once, to the merged output. Gemma's image blocks (an image's tokens attend to each other both ways) apply
@@ -30,16 +30,15 @@ to the nodes holding them, on the layers they apply to (in padded buckets, with 
 
 import torch
 
-from .kernel_checks import (
+from ..tree.layout import Blocks, HeldPart, Part, Rows, TreeLayout
+from .checks import (
     attention_backward,
     attention_forward,
     varlen_attention_backward,
     varlen_attention_forward,
     varlen_config,
 )
-from .tree_layout import Blocks, HeldPart, Part, Rows, TreeLayout
-from .vision import block_bias
-from .window_attention import apply_sinks, band_backward, band_forward, sink_gradient
+from .windows import apply_sinks, band_backward, band_forward, block_bias, sink_gradient
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -200,7 +199,7 @@ class TreeAttention(torch.autograd.Function):
         out = q.new_empty(tokens + 1, heads, dim, dtype=work)
         lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
         states = []
-        # On a device with a variable-length kernel ([`kernel_checks.varlen_config`]): the nodes as one causal call
+        # On a device with a variable-length kernel ([`attention.checks.varlen_config`]): the nodes as one causal call
         # over the flat sequence, and each level's part without its key padding (under a window a level's mask depends
         # on each query's position: its padded buckets)
         nodes, parts = layout.packed_nodes, layout.packed_parts
@@ -208,7 +207,7 @@ class TreeAttention(torch.autograd.Function):
         nodes_config = varlen_config(q, k, True, node_window) if nodes is not None else None
         parts_config = varlen_config(q, k, False) if parts and window is None else None
         packed_nodes = None  # the nodes' variable-length call (None: its kernel is not used or raised: the buckets)
-        folded = False  # whether it read the held parts' keys too (every node a root: [`tree_layout.TreeLayout`])
+        folded = False  # whether it read the held parts' keys too (every node a root: [`tree.layout.TreeLayout`])
         fold = layout.held_nodes if layout.held_parts else None
         if fold is not None:
             fold_window = window if window is not None and fold.max_k > window else None

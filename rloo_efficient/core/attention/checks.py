@@ -15,22 +15,8 @@ import warnings
 
 import torch
 
-from .attention_kernels import (
-    KernelState,
-    backward,
-    choose_kernel,
-    forward,
-    math_attention,
-    math_backward,
-    window_bias,
-)
-from .varlen_attention import (
-    math_varlen_backward,
-    math_varlen_forward,
-    varlen_backward,
-    varlen_forward,
-    varlen_kernel,
-)
+from .kernels import KernelState, backward, choose_kernel, forward, math_attention, math_backward, window_bias
+from .varlen import math_varlen_backward, math_varlen_forward, varlen_backward, varlen_forward, varlen_kernel
 
 
 # -- first-use check and fallback ------------------------------------------------------------------------------------
@@ -265,7 +251,7 @@ def windowed_forward(query, key, value, scale: float, window: int):
     """
     `(output, lse, state)` of causal blocks under a sliding `window` from a kernel that applies the window itself
     (flash on CUDA), or None where there is none, or it failed its check or raises (then disabled, with one warning):
-    the caller splits the blocks into chunks with a mask instead ([`window_attention.band_forward`]), never the math
+    the caller splits the blocks into chunks with a mask instead ([`attention.windows.band_forward`]), never the math
     path's (L, L) scores.
     """
     kernel = choose_kernel(query, None)
@@ -314,7 +300,7 @@ def attention_backward(state: KernelState, grad_out, query, key, value, bias, ou
 
 def varlen_config(query: torch.Tensor, key: torch.Tensor, causal: bool, window: int | None = None) -> tuple | None:
     """
-    The configuration of variable-length calls ([`attention_kernels.varlen_forward`]) on packed `query` (Tq, H, D) and
+    The configuration of variable-length calls ([`attention.kernels.varlen_forward`]) on packed `query` (Tq, H, D) and
     `key` (Tk, Hkv, D), where a kernel runs them and passed its first-use check; None where none does or it failed (the
     caller pads its sequences into length buckets instead). `window`: a causal call's sliding window.
     """

@@ -1,7 +1,7 @@
 """
 Attention that also returns its log-sum-exp, forward and backward, on the fused kernel each device has.
 
-[`tree_attention`] and [`prefix_attention`]'s decoding split attention into parts (a node's own tokens, each ancestor
+[`attention.tree`] and [`attention.backend`]'s decoding split attention into parts (a node's own tokens, each ancestor
 read by its subtree; a prompt stored once per group and a row's own tokens) and merge them by log-sum-exp. The merge
 needs each part's log-sum-exp, which `scaled_dot_product_attention` does not return, so the parts call the kernels
 underneath it ([`choose_kernel`], after PyTorch's own `sdp_utils.cpp`):
@@ -17,9 +17,9 @@ underneath it ([`choose_kernel`], after PyTorch's own `sdp_utils.cpp`):
 - anywhere else: [`math_attention`], which materializes the scores.
 
 Sequences of several lengths packed one after another (the prefix tree's nodes; each tree level's keys read by their
-subtrees) go to flash's variable-length entry point on CUDA ([`varlen_attention`]), with no padding.
+subtrees) go to flash's variable-length entry point on CUDA ([`attention.varlen`]), with no padding.
 
-[`kernel_checks`] checks each configuration at its first use and falls back to the math path where a kernel fails.
+[`attention.checks`] checks each configuration at its first use and falls back to the math path where a kernel fails.
 
 The backward is the kernels' own, called with the MERGED output and log-sum-exp (as ring attention does): then each
 part's gradients are exactly its share of the gradients of attention over the concatenated keys, and the sum over the

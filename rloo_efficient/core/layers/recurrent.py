@@ -4,7 +4,7 @@ Recurrent layers over the prefix tree: Gated DeltaNet, Mamba2 and gated short co
 Hybrid models interleave attention with layers that carry a state along the sequence: a causal depthwise convolution
 over the last `K` inputs and, for Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Mamba2 (Nemotron-H,
 Granite 4-H, Falcon-H1), a recurrent state. On stock's padded rows each row runs them over [prompt, completion] from a
-zero state. In the packed prefix tree ([`tree_layout`]) a layer runs level by level, from the roots down, each level
+zero state. In the packed prefix tree ([`tree.layout`]) a layer runs level by level, from the roots down, each level
 one batched call over its nodes (padded to the level's longest, gathered from the flat sequence):
 
 - each node starts from its parent's final state (a gather: its backward sums the children's gradients into their
@@ -29,10 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.accelerate import force_accelerate_hooks
 
-from .held_state import capturing
-from .prefix_attention import LAYOUT_KWARG
+from ..attention.held import capturing
+from ..tree.layout import LAYOUT_KWARG, Level, TreeLayout
 from .recurrent_checks import trusted
-from .tree_layout import Level, TreeLayout
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class Fork:
 
     levels: tuple[tuple[Level, ...], ...]
     assemble: torch.Tensor  # (N,) each token's slot in the levels' blocks, flattened and concatenated
-    # Nodes held by an earlier forward ([`hold_plan`]): what this forward reads of them ([`held_state.HeldReads`]), and
+    # Nodes held by an earlier forward ([`tree.holds`]): what this forward reads of them ([`attention.held.HeldReads`]), and
     # per root bucket each root's held parent's row in their concatenated states (its last, zeros: none)
     held: object = None
     held_roots: tuple[torch.Tensor, ...] = ()
@@ -103,7 +102,7 @@ class Fork:
         """
         A causal depthwise convolution `conv_fn((batch, channels, length)) -> same` over each bucket's nodes
         `(n, L, C)`, each with its parent's tail as left context (zeros at the roots, or a held parent's tail).
-        Returns the outputs, token-major. In a source forward ([`held_state.capturing`]), every node's tail is held
+        Returns the outputs, token-major. In a source forward ([`attention.held.capturing`]), every node's tail is held
         for `layer`.
         """
         outs, tails, every = [], None, []
@@ -142,7 +141,7 @@ class Fork:
     def scan(self, run, parts: list[tuple], layer=None) -> list[torch.Tensor]:
         """`run(*inputs, initial) -> (out, final)` over each bucket's `inputs`, each node from its parent's final state
         (None at the roots: zero; a held parent's final state where there is one). Returns each bucket's outputs. In a
-        source forward ([`held_state.capturing`]), every node's final state is held for `layer`."""
+        source forward ([`attention.held.capturing`]), every node's final state is held for `layer`."""
         outs, states, every = [], None, []
         held = self._held(layer)
         for depth, (level, inputs_of) in enumerate(zip(self.levels, self._depths(parts), strict=True)):
@@ -165,7 +164,7 @@ class Fork:
 
 def _kernels(layer, hidden_states: torch.Tensor, scan: str, scan_name: str):
     """The scan kernel named `scan` and the causal convolution that `layer`'s own module calls (fused where
-    transformers found the packages), each checked at its first use with an initial state ([`recurrent_checks`])."""
+    transformers found the packages), each checked at its first use with an initial state ([`layers.recurrent_checks`])."""
     module = sys.modules[type(layer).__module__]
     device, dtype = hidden_states.device, hidden_states.dtype
     return (trusted(scan_name, getattr(module, scan), device, dtype),

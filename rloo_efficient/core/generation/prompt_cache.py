@@ -1,10 +1,10 @@
 """
 The prompt's KV cache once per group during decoding.
 
-After the shared prefill, [`shared_generation.fan_out`] would copy each prompt's keys and values to its `k` rows, and
+After the shared prefill, [`generation.generate.fan_out`] would copy each prompt's keys and values to its `k` rows, and
 every decoding step would attend `k` times over the same prompt. [`PrefixCache`] keeps the prompt's keys and values once
 per distinct prompt row (`G` of them) and only the decoded tokens per row (`B` rows). Each step, every layer's
-attention is [`prefix_attention.split_attention`]: one kernel call for all rows' queries against their prompts, one for
+attention is [`attention.backend.split_attention`]: one kernel call for all rows' queries against their prompts, one for
 all rows against their own decoded keys, merged by log-sum-exp. The structure (which rows share which prompt, which
 prompt positions are padding) is computed on the host once, when the cache is built: nothing in a decoding step reads
 a device value back.
@@ -16,8 +16,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from .families import attention_reason
-from .prefix_attention import SplitLayout
+from ..attention.backend import SplitLayout
+from ..layers.families import attention_reason
 
 
 class PrefixLayer(DynamicLayer):
@@ -96,7 +96,7 @@ def decode_split(inverse: list[int], prompt_lengths: list[int], prefix_width: in
 
 class PrefixCache(DynamicCache):
     """
-    The cache [`prefix_attention`] decodes from: a filled cache of `G` distinct prompt rows, and `split`, the
+    The cache [`attention.backend`] decodes from: a filled cache of `G` distinct prompt rows, and `split`, the
     [`SplitLayout`] of the `B` decoded rows over them.
 
     Args:

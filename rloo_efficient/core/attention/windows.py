@@ -1,16 +1,16 @@
 """
-Sliding windows and attention sinks in the prefix-attention backend ([`prefix_attention`]).
+Sliding windows and attention sinks in the prefix-attention backend ([`attention.backend`]).
 
 A sliding window `w` lets the token at position p attend to the keys at positions (p - w, p] (transformers'
 `sliding_window_overlay`). Every part of the attention keeps its shape:
 
-- causal blocks (a prefix tree's nodes, [`tree_attention`]) longer than the window: flash applies the window itself
+- causal blocks (a prefix tree's nodes, [`attention.tree`]) longer than the window: flash applies the window itself
   on CUDA (its variable-length entry point, the blocks as sequences); elsewhere [`band_forward`] splits the run of
   blocks into chunks of `w` queries, each reading the `2w - 1` keys that can reach it as an overlapping view of a
   copy of the keys, with one (chunks, 1, w, 2w - 1) mask for the band and the block boundaries: memory linear in the
   run, no (L, L) mask;
 - a node read by its subtree: only its last `w - 1` tokens can be in any descendant's window, gathered once per node
-  and masked per query by position ([`tree_attention`]);
+  and masked per query by position ([`attention.tree`]);
 - decoding from the prompt stored once per group: one mask per step over the stored prompt and one over the row's own
   tokens ([`decode_window_biases`]).
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_kernels import KernelState
-from .kernel_checks import attention_backward, attention_forward, windowed_backward, windowed_forward
+from .checks import attention_backward, attention_forward, windowed_backward, windowed_forward
+from .kernels import KernelState
 
 
 # -- causal blocks under a window --------------------------------------------------------------------------------------
@@ -173,3 +173,16 @@ def sink_gradient(grad: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink
     delta = (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
     share = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # the sink's probability
     return -(share * delta).sum(dim=(0, 2))
+
+
+def block_bias(blocks: torch.Tensor, window: int | None, dtype) -> torch.Tensor:
+    """`(n, 1, L, L)` additive, from each block's tokens' image blocks `(n, L)` (-1 for text): token i sees token j when
+    j <= i or both are in one image, and under a sliding `window` only when j is also within it (stock's mask: (causal
+    or same image) and window)."""
+    length = blocks.shape[1]
+    i = torch.arange(length, device=blocks.device).view(-1, 1)
+    allowed = (torch.arange(length, device=blocks.device) <= i) | (
+        (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))  # fmt: skip
+    if window is not None:
+        allowed &= torch.arange(length, device=blocks.device) > i - window
+    return torch.zeros((), dtype=dtype, device=blocks.device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

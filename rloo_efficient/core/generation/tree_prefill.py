@@ -2,12 +2,12 @@
 Generation's prefill over the prompts' prefix tree.
 
 Stock `generate` prefills its `B` left-padded rows, each prompt `k` times and padded to the longest. The shared prefill
-([`shared_generation`]) forwards each distinct prompt once; here the distinct prompts are forwarded as their radix tree
-([`tree`]), through the packed forward and tree attention the log-prob and training forwards use: a system prompt that
+([`generation.generate`]) forwards each distinct prompt once; here the distinct prompts are forwarded as their radix tree
+([`tree.radix`]), through the packed forward and tree attention the log-prob and training forwards use: a system prompt that
 opens every prompt once per call, each task once, the histories of a tool turn's rows sharing their system prompt and
 task, none of it padded. Each attention layer's keys and values, as the module hands them to its attention call (what
 its cache would store), are laid out as the cache of the padded batch would hold them, and `generate` continues from
-that cache exactly as from [`shared_generation.prefill_prompts`]'s.
+that cache exactly as from [`generation.generate.prefill_prompts`]'s.
 
 Positions are what `generate` computes for the padded batch (`cumsum(mask) - 1`): each token's position in its own
 prompt, the same in every prompt through a node. The left padding's keys and values are zeros, masked wherever read.
@@ -22,10 +22,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .prefix_attention import LAYOUT_KWARG, NO_MASK, capturing_keys, install
-from .prefix_cache import prefix_cache_unsupported_reason
-from .tree import MIN_SAVED_TOKENS, Tree, build_tree, ranges
-from .tree_layout import tree_layout
+from ..attention.backend import capturing_keys
+from ..layers.install import install
+from ..tree.layout import LAYOUT_KWARG, NO_MASK, tree_layout
+from ..tree.radix import MIN_SAVED_TOKENS, Tree, build_tree, ranges
+from .prompt_cache import prefix_cache_unsupported_reason
 
 
 # Cache layers filled from the keys and values the attention calls see: per-row keys and values (a sliding layer keeps
@@ -88,7 +89,7 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, layers: set[int], what: str) -> None:
     """
-    One packed forward of `tokens` `(N,)` over `layout` ([`tree_layout.TreeLayout`]), the model called at its top as
+    One packed forward of `tokens` `(N,)` over `layout` ([`tree.layout.TreeLayout`]), the model called at its top as
     `generate` calls it (a mixed-precision wrapper on its `forward` applies), its head on one position only, each
     attention layer handing its keys and values to `capture(layer_idx, key, value)` ([`capturing_keys`]). Raises
     where a cache layer of `layers` handed none (its attention did not go through ours); `what` names the caller.
@@ -116,7 +117,7 @@ def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, l
 @torch.no_grad()
 def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = None) -> DynamicCache:
     """
-    The cache [`shared_generation.prefill_prompts`] returns for the distinct prompts of `plan`, from one packed
+    The cache [`generation.generate.prefill_prompts`] returns for the distinct prompts of `plan`, from one packed
     forward over their prefix tree. The model is called at its top, as `generate` calls it (a mixed-precision wrapper
     on its `forward` applies: the keys are computed in the precision stock's are), its head on one position only.
     Each layer's keys and values are laid out as they arrive, so that no more than one layer's packed copy is alive.

@@ -6,7 +6,7 @@ coefficient (`output_router_logits` among its attributes, a non-zero coefficient
 head with Mixtral's `load_balancing_loss_func` over every layer's router logits and every token its 2-D attention mask
 holds: each prompt token once per row of its group. Routing is a function of each token's own hidden state, so a
 packed token routes as each of its copies in stock's rows does; the loss only counts tokens, so weighting each packed
-token by how many times stock's batch holds it ([`packing.pack_rows`] with `token_weights`) gives stock's loss. The
+token by how many times stock's batch holds it ([`forward.packing.pack_rows`] with `token_weights`) gives stock's loss. The
 router logits are captured where transformers records them (the model's `_can_record_outputs["router_logits"]`: a
 module class and an output index), by our own forward hooks, active only during the packed forward (not during
 gradient checkpointing's recomputation).
@@ -34,7 +34,7 @@ def aux_loss_reason(model: nn.Module) -> str | None:
         return f"{type(model).__name__} records no router logits for the MoE load-balancing loss"
     if getattr(text_config, "num_experts", None) is None or getattr(text_config, "num_experts_per_tok", None) is None:
         return "its config names no num_experts / num_experts_per_tok, which TRL's load-balancing loss reads"
-    return None  # (router jitter: [`families.jitter_reason`], checked for every packed forward)
+    return None  # (router jitter: [`layers.families.jitter_reason`], checked for every packed forward)
 
 
 @contextlib.contextmanager
@@ -61,7 +61,7 @@ def weighted_aux_loss(router_logits: list[torch.Tensor], token_weights: torch.Te
     """
     TRL's load-balancing loss (Mixtral's `load_balancing_loss_func`, TRL 1.16's fused head) over the packed tokens'
     `router_logits` (one `(N, E)` per layer), each token weighted by `token_weights` `(1, N)` (the count of its
-    copies in stock's batch) where stock's attention mask weights it 0 or 1. Held tokens ([`hold_plan`]) count too:
+    copies in stock's batch) where stock's attention mask weights it 0 or 1. Held tokens ([`tree.holds`]) count too:
     per slot, each layer's router logits `held_logits` `(Ns, E)` and the micro-batch's rows holding each token
     `held_weights` `(Ns,)`.
     """

@@ -1,6 +1,6 @@
 """
-A [`hold_plan.HoldPlan`] as it runs: each chunk forwards the source first needed there, reads the sources it needs in
-the version its backward calls for ([`held_state`]), and releases those whose last use it was.
+A [`tree.holds.HoldPlan`] as it runs: each chunk forwards the source first needed there, reads the sources it needs in
+the version its backward calls for ([`attention.held`]), and releases those whose last use it was.
 
 The model call is the caller's (`call(**inputs)`: a trainer's wrapped model under its autocast, with TRL's fused head):
 this module packs, holds and releases; it never calls the model any other way than the caller does.
@@ -12,9 +12,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .held_state import Capture, HeldReads, HeldSource, holding
-from .hold_plan import HoldPlan
-from .packing import PackedBatch, pack_rows, pack_source, row_tokens
+from ..attention.held import Capture, HeldReads, HeldSource, holding
+from ..tree.holds import HoldPlan
+from ..tree.rows import row_tokens
+from .packing import PackedBatch, pack_rows, pack_source
 
 
 class HeldScope:
@@ -78,11 +79,11 @@ class HeldScope:
 
 def held_router_terms(packed: PackedBatch) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
     """Per slot, each MoE layer's held router logits, and the rows of `packed` holding each held token (the weights
-    of the load-balancing loss): what [`moe.weighted_aux_loss`] adds to the packed tokens'."""
+    of the load-balancing loss): what [`layers.moe.weighted_aux_loss`] adds to the packed tokens'."""
     reads: HeldReads = packed.layout.held
     return (reads.routers() if reads is not None else []), list(packed.held_weights)
 
 
 def chunk_tables(rows: torch.Tensor, chunks: list[np.ndarray]) -> list[tuple]:
-    """[`packing.row_tokens`] of each chunk's rows (`chunks`: row indices into `rows`)."""
+    """[`tree.rows.row_tokens`] of each chunk's rows (`chunks`: row indices into `rows`)."""
     return [row_tokens(rows[torch.from_numpy(chunk)]) for chunk in chunks]

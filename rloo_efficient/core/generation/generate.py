@@ -21,14 +21,21 @@ import warnings
 import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
-from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
-from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
-from .families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
-from .packing import prompt_key
-from .prefix_attention import decoding_with, install
-from .prefix_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
-from .transformers_compat import CACHE_KWARG
+from ..attention.backend import decoding_with
+from ..layers.families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
+from ..layers.install import install
+from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
+from ..transformers_compat import CACHE_KWARG
+from ..tree.rows import prompt_key
+from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
     TurnCaches,
@@ -39,7 +46,6 @@ from .turn_cache import (
     turn_cache,
     windows_over_budget,
 )
-from .vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
 
 
 # Cache layers whose per-row contents an index over the rows fans out exactly (`reorder_cache`): keys and values,
@@ -78,7 +84,7 @@ def unique_rows(prompt_ids: list[list[int]], images: list | None = None) -> tupl
     """
     `(first, inverse)` from the prompts' token lists (and each row's images, or None), on the host: `first` (U,)
     indexes one row per distinct prompt, in order of first appearance, and `inverse` (B,) gives each row's position in
-    `first`. Rows are one prompt when their tokens and their images' pixels are the same ([`packing.prompt_key`]).
+    `first`. Rows are one prompt when their tokens and their images' pixels are the same ([`tree.rows.prompt_key`]).
     """
     index: dict = {}
     first, inverse = [], []
@@ -119,7 +125,7 @@ def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: l
     """
     Splits `generate`'s multimodal kwargs for a shared prefill of the rows `first`: `(prefill's, the continuation's)`.
     The prefill gets the images of those rows alone, laid out as the processor lays out a batch of them
-    ([`vision.select_images`]), and their token types over the first `width - 1` columns; the continuation keeps the
+    ([`layers.vision.select_images`]), and their token types over the first `width - 1` columns; the continuation keeps the
     token types (which `generate` reads for the last column) and no image (its features are in the cache).
     """
     images = {key: kwargs[key] for key in IMAGE_KWARGS if kwargs.get(key) is not None}
@@ -189,10 +195,10 @@ def generate_with_shared_prefill(
 ):
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
-    prefilled once, and with `tree` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
-    the distinct prompts prefilled as their prefix tree ([`tree_prefill`]: a system prompt once per call, no padding).
+    prefilled once, and with `tree.radix` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
+    the distinct prompts prefilled as their prefix tree ([`generation.tree_prefill`]: a system prompt once per call, no padding).
     `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds them; read back
-    from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see [`prefix_cache`];
+    from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see [`generation.prompt_cache`];
     the caller checks [`prefix_cache_unsupported_reason`]) the prompt's keys and values also stay once per distinct
     row during decoding (sliding windows included), unless `generate` would drop its cache midway ([`cache_limit`]);
     otherwise they are fanned out to every row (rows all distinct keep their own). `prompt_cache_once=None` chooses
@@ -206,9 +212,9 @@ def generate_with_shared_prefill(
     this function in its place. `images`: each row's images (TRL's lists, None for a row without), whose inputs are
     in `kwargs` as the processor returned them: rows group by their images too, and each distinct prompt's images go
     through the vision tower once, in the prefill ([`image_inputs`]). `turns`: a tool loop's caches carried between
-    its calls ([`turn_cache.TurnCaches`]): rows that extend a row of the previous call continue its keys and values
+    its calls ([`generation.turn_cache.TurnCaches`]): rows that extend a row of the previous call continue its keys and values
     (only their new tokens are forwarded), and this call's are held for the next, where the model's cache allows it
-    ([`turn_cache.continue_reason`]), for text prompts, not under `synced`.
+    ([`generation.turn_cache.continue_reason`]), for text prompts, not under `synced`.
     """
     generate = generate or model.generate
     if prompt_ids is None:

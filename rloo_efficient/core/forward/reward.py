@@ -3,10 +3,10 @@ Reward models scored over the prefix tree of their rows, in their own tokenizati
 
 Stock TRL scores completions with a reward model by rendering prompt + completion as text, tokenizing it with the
 reward model's tokenizer and running the model on the `B` rows, right-padded: `k` copies of each prompt. Here the rows
-are tokenized as stock tokenizes them and packed as their prefix tree ([`tree`], without the shift a predicting forward
+are tokenized as stock tokenizes them and packed as their prefix tree ([`tree.radix`], without the shift a predicting forward
 needs: a reward model reads hidden states): every run of tokens rows share once, found in the reward tokenization
 (never assumed to be the prompt: a tokenizer may merge tokens across the prompt/completion boundary), attending through
-[`prefix_attention`]. Each row's score is read where stock's sequence-classification pooling reads it, at the row's
+[`attention.backend`]. Each row's score is read where stock's sequence-classification pooling reads it, at the row's
 last non-padding token, and the model's score head is applied there.
 """
 
@@ -17,10 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .families import attention_reason, rope_reason
-from .prefix_attention import LAYOUT_KWARG, NO_MASK
-from .tree import MIN_SAVED_TOKENS, build_tree
-from .tree_layout import TreeLayout, tree_layout
+from ..layers.families import attention_reason, rope_reason
+from ..tree.layout import LAYOUT_KWARG, NO_MASK, TreeLayout, tree_layout
+from ..tree.radix import MIN_SAVED_TOKENS, build_tree
 
 
 # -- packing the reward batch ----------------------------------------------------------------------------------------
@@ -57,7 +56,7 @@ def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_
     """
     Packs reward rows (each one's unpadded tokens) as their prefix tree, or returns why the batch cannot be packed.
     `prompt_groups` (which rows share a prompt) only names what is reported; the tree finds what the rows share.
-    `recurrent`: whether the reward model has recurrent layers.
+    `layers.recurrent`: whether the reward model has recurrent layers.
     """
     if any(len(row) == 0 for row in rows):
         return "a reward text has no token"

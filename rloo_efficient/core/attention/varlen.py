@@ -1,20 +1,20 @@
 """
 Attention over sequences of several lengths packed one after another, each with its own number of queries and keys:
 the packed forward's nodes (causal, queries = keys) and each tree level's keys read by the subtrees below them
-([`tree_attention`]), without the padding of length buckets.
+([`attention.tree`]), without the padding of length buckets.
 
 Shapes: `query` (Tq, H, D), `key`/`value` (Tk, Hkv, D); `cu_q`/`cu_k` (n + 1,) int32 offsets of each sequence's queries
 and keys; `max_q`/`max_k` the longest (host ints); output (Tq, H, D), `lse` (H, Tq) float32 (flash's layout). On CUDA
 flash's variable-length entry point (`aten._flash_attention_forward` with `cum_seq_q`/`cum_seq_k`: grouped-query heads
 native, a causal call aligned at each sequence's last query and key (its first where they are as many: a sequence
 whose keys open with a held prompt's reads all of it), a sliding window); the math reference
-("math_varlen", sequence by sequence) is the first-use check's reference ([`kernel_checks.check_varlen`]) and the
+("math_varlen", sequence by sequence) is the first-use check's reference ([`attention.checks.check_varlen`]) and the
 backward's fallback. The backward, as the dense kernels', takes the merged output and log-sum-exp.
 """
 
 import torch
 
-from .attention_kernels import KernelState, choose_kernel, math_attention, math_backward, window_bias
+from .kernels import KernelState, choose_kernel, math_attention, math_backward, window_bias
 
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ one pass: they agree to the floating-point rounding of those different matmul sh
 What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
 held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no recurrent
 state: it went on past the row's end; no latents; Gemma 4's layers reading another's read its). A sliding-window layer
-keeps its whole history in a tool loop ([`turn_cache`]): the batch's last positions it would keep are padding for a
+keeps its whole history in a tool loop ([`generation.turn_cache`]): the batch's last positions it would keep are padding for a
 row that finished early.
 """
 
@@ -30,10 +30,10 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .prefix_attention import continuing_with
-from .prefix_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
-from .tree import Tree, ranges
-from .tree_layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
+from ..attention.backend import continuing_with
+from ..tree.layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
+from ..tree.radix import Tree, ranges
+from .prompt_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
 from .tree_prefill import forward_capturing, tree_prefill_reason
 
 
@@ -61,7 +61,7 @@ def turn_cache(model: nn.Module) -> DynamicCache:
     An empty cache for a call of a tool loop whose cache is held: a sliding-window layer keeps all its keys (a plain
     layer), not the batch's last `w - 1` positions, which for a row that finished early are `generate`'s padding, not
     its window. Its attention still reads the window only: the model's sliding mask (sized from a full layer) and our
-    decoding ([`window_attention.decode_window_biases`]) mask the rest; the keys it keeps cost memory and, while
+    decoding ([`attention.windows.decode_window_biases`]) mask the rest; the keys it keeps cost memory and, while
     decoding, reads.
     """
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
@@ -70,7 +70,7 @@ def turn_cache(model: nn.Module) -> DynamicCache:
 
 
 def windows_over_budget(model: nn.Module, rows: int, longest: int, budget: int) -> bool:
-    """Whether [`turn_cache`]'s layers for `rows` rows of `longest` tokens would take more than `budget` bytes, for a
+    """Whether [`generation.turn_cache`]'s layers for `rows` rows of `longest` tokens would take more than `budget` bytes, for a
     model with sliding windows (whose cache would otherwise keep only the windows: the call then uses it). Estimated
     from the config, before the call."""
     if "_rloo_whole_token_bytes" not in vars(model):
@@ -79,7 +79,7 @@ def windows_over_budget(model: nn.Module, rows: int, longest: int, budget: int) 
 
 
 def _whole_token_bytes(model: nn.Module) -> int:
-    """The bytes of one row's token in [`turn_cache`]'s layers (keys and values, every layer storing them), from the
+    """The bytes of one row's token in [`generation.turn_cache`]'s layers (keys and values, every layer storing them), from the
     config; 0 for a model without sliding windows (nothing beyond stock's cache)."""
     config = model.config.get_text_config(decoder=True)
     layers = DynamicCache(config=config).layers
@@ -148,7 +148,7 @@ def hold(cache: DynamicCache, prompt_ids: list[list[int]], sequences: torch.Tens
          eos: list[int]) -> HeldCache | None:  # fmt: skip
     """The [`HeldCache`] of a `generate` call that decoded the left-padded `(B, width)` prompts `prompt_ids` into
     `sequences` from `cache` (a [`PrefixCache`], or a cache of the rows' own keys and values), or None where a layer
-    kept only the batch's last positions (a cache not made by [`turn_cache`])."""
+    kept only the batch's last positions (a cache not made by [`generation.turn_cache`])."""
     if any(getattr(layer, "is_sliding", False) or getattr(layer, "window", None) for layer in cache.layers):
         return None
     rows = len(prompt_ids)

@@ -1,12 +1,12 @@
 """
-The state a source forward holds for later micro-batches ([`hold_plan`]), and how they read it with or without grad.
+The state a source forward holds for later micro-batches ([`tree.holds`]), and how they read it with or without grad.
 
 A source is one packed forward over held nodes. What later tokens read of it is held, per layer: the attention keys and
 values as the attention function reads them, a recurrent layer's final states and convolution tails at each node's
 end, and the router logits of a MoE layer (for the load-balancing loss, which counts every token stock's micro-batch
 holds). Each is a tensor of the forward, attached to its graph when it runs with grad.
 
-In training a source's graph is backpropagated once, in its backprop chunk ([`hold_plan.HoldPlan.backprop_chunk`]), and
+In training a source's graph is backpropagated once, in its backprop chunk ([`tree.holds.HoldPlan.backprop_chunk`]), and
 every reader contributes to its gradient:
 
 - a reader whose backward runs before it reads `detached` copies: leaves sharing the tensors' storage, whose gradient
@@ -18,7 +18,7 @@ every reader contributes to its gradient:
 
 Reading the attached tensors from a micro-batch whose backward runs earlier would backpropagate the source twice (and a
 second time through a graph already freed); reading detached ones in the backprop chunk would leave the bank unused.
-[`hold_plan.HoldPlan.attached`] decides which, per reader.
+[`tree.holds.HoldPlan.attached`] decides which, per reader.
 """
 
 import contextlib
@@ -146,7 +146,7 @@ class Capture:
         self.tensors[("key", layer)], self.tensors[("value", layer)] = key, value
 
     def recurrent(self, layer, kind: str, value: torch.Tensor) -> None:
-        """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree_layout.level_order`]."""
+        """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree.layout.level_order`]."""
         self.tensors[(kind, id(layer))] = value
 
     def routers(self, logits: list[torch.Tensor]) -> None:

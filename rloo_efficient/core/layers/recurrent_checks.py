@@ -1,5 +1,5 @@
 """
-The recurrent kernels the forks ([`recurrent`]) call, trusted only once checked. transformers binds each model's
+The recurrent kernels the forks ([`layers.recurrent`]) call, trusted only once checked. transformers binds each model's
 `torch_chunk_gated_delta_rule`, `mamba2_chunk_scan` and `causal_conv1d_fn` to the fused kernels where
 flash-linear-attention, mamba-ssm or causal-conv1d are installed, and to its torch reference otherwise. A fork relies on
 what its stock use never exercises in training: an initial state, and the gradient flowing back into it. So at its first
@@ -14,7 +14,7 @@ import warnings
 
 import torch
 
-from .kernel_checks import NOT_RECOVERABLE, apart
+from ..attention.checks import NOT_RECOVERABLE, apart
 
 
 # Largest error allowed against the reference, relative to the reference's largest value: the fused kernels compute in

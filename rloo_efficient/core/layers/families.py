@@ -5,7 +5,7 @@ Which models each phase can share exactly, and why the others cannot: the one li
 
 from torch import nn
 
-from .prefix_attention import _attention_modules
+from ..attention.backend import _attention_modules
 from .recurrent import recurrent_layers
 
 
@@ -42,7 +42,7 @@ def family_reason(model: nn.Module) -> str | None:
 
 def forward_unsupported_reason(model: nn.Module) -> str | None:
     """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. A multimodal
-    checkpoint's language model shares text batches, and image batches where [`vision.vision_reason`] allows. (A
+    checkpoint's language model shares text batches, and image batches where [`layers.vision.vision_reason`] allows. (A
     family with absolute positions, whose left padding shifts every token's position in stock's rows, is not on the
     list; listed families have rotary positions or none at all.)"""
     return (attention_reason(model) or rope_reason(model) or dropout_reason(model) or recurrent_reason(model)
@@ -115,13 +115,13 @@ def is_multimodal(model: nn.Module) -> bool:
 
 
 def attention_reason(model: nn.Module) -> str | None:
-    """Why [`prefix_attention.prefix_attention`] cannot stand in for `model`'s attention, or None when it can."""
+    """Why [`attention.backend.prefix_attention`] cannot stand in for `model`'s attention, or None when it can."""
     reason = family_reason(model)
     if reason is not None:
         return reason
     text_config = model.config.get_text_config()
     # Gemma 3's embedding variants attend both ways everywhere; Gemma 4's "vision" does so among image tokens only,
-    # which the bodies' image blocks give the packed attention ([`vision.body_blocks`])
+    # which the bodies' image blocks give the packed attention ([`layers.vision.body_blocks`])
     if getattr(text_config, "use_bidirectional_attention", None) in (True, "all"):
         return f"its attention is bidirectional (use_bidirectional_attention={text_config.use_bidirectional_attention!r}), not causal"
     if not any(True for _ in _attention_modules(model)):

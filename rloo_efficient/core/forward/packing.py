@@ -3,12 +3,12 @@ Every real token once: the batch's rows, and the packed forward of a micro-batch
 
 Stock TRL scores a micro-batch as `B` rows `[left-padded prompt | completion | right padding]`: every prompt once per
 row, every completion padded to the longest. Here the micro-batch becomes one flat sequence holding each node of its
-prefix tree ([`tree`]) once, every completion at its own length: no padding. Every token keeps its position in its rows
+prefix tree ([`tree.radix`]) once, every completion at its own length: no padding. Every token keeps its position in its rows
 (its column in stock's rows, or where a node is shared across groups whose prompts are of other lengths, a constant
 shift of it: rotary embeddings see the distances stock's rows give them), predicts the next
 token of its rows through `shift_labels` (a node opens with a copy of its parent's last token, so that no position
 predicts two labels), and attends to its ancestors and causally within its node through the layout
-([`tree_layout.TreeLayout`]) the model call carries. Rows with nothing to score (a masked truncated completion) are left
+([`tree.layout.TreeLayout`]) the model call carries. Rows with nothing to score (a masked truncated completion) are left
 out: stock TRL's log-probs for them are all zero, and so are ours.
 
 The structure comes from the token lists TRL holds, once per generation batch ([`row_groups`]): a small CPU tensor of
@@ -17,101 +17,15 @@ it). Each micro-batch's tree and index tensors are built from it in NumPy and se
 tokens themselves are gathered from stock's batch on the device. Nothing reads a device value back.
 """
 
-import hashlib
-import json
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from .hold_plan import ChunkHold, HoldPlan
-from .prefix_attention import LAYOUT_KWARG, NO_MASK
-from .tree import MIN_SAVED_TOKENS, Tree, build_tree
-from .tree_layout import TreeLayout, tree_layout
-
-
-ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3 + W) CPU tensor of [group id, prompt length, scored length, tokens]
-PAD = -1  # after a row's tokens in that tensor
-
-
-def prompt_key(prompt) -> str:
-    """A hashable key for a prompt: the string itself, or the JSON of a conversation, its images by their content
-    (two images of the same size with other pixels are other prompts; the same pixels in two objects are one)."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=_content_key)
-
-
-def _content_key(value) -> str:
-    """What stands for a non-JSON value in a prompt's key: an image (PIL, or an array) by its mode, size and a digest
-    of its pixels; anything else by its text."""
-    if hasattr(value, "tobytes") and hasattr(value, "size"):
-        mode, size = getattr(value, "mode", getattr(value, "dtype", "")), getattr(value, "shape", value.size)
-        return f"<image {mode} {tuple(size) if not isinstance(size, int) else size} {hashlib.sha1(value.tobytes()).hexdigest()}>"
-    return str(value)
-
-
-def prompt_images(prompts: list) -> list | None:
-    """Each conversational prompt's images (its content blocks of type "image"), or None when no prompt has one."""
-    images = [[part.get("image") for message in prompt if isinstance(message.get("content"), list)
-               for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
-              if isinstance(prompt, list) else [] for prompt in prompts]  # fmt: skip
-    return images if any(images) else None
-
-
-def group_ids_for(prompts: list) -> torch.Tensor:
-    """`(B,)` long tensor: rows with the same prompt (string, or token list) get the same id, by first appearance."""
-    index: dict = {}
-    keys = [tuple(p) if isinstance(p, list) and all(isinstance(t, int) for t in p) else prompt_key(p) for p in prompts]
-    return torch.tensor([index.setdefault(key, len(index)) for key in keys], dtype=torch.long)
-
-
-def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: list | None = None,
-               completion_ids: list[list[int]] | None = None) -> torch.Tensor:  # fmt: skip
-    """
-    The `(B, 3 + W)` CPU tensor of [group id, prompt length, scored completion length, the row's tokens] per row: its
-    prompt and the scored part of its completion, then [`PAD`]. Rows with the same prompt tokens share a group, and
-    with `images` (each row's, or None) the same images too: an image's tokens are the same placeholders whatever its
-    pixels ([`prompt_key`] tells images apart by their content). Without `completion_ids`, no two rows' completions
-    are taken to agree (nothing after the prompts is shared). Built once per generation batch from TRL's token lists;
-    it is shuffled and split with the batch like any other field.
-    """
-    keys = [list(ids) for ids in prompt_ids]
-    if images is not None:
-        keys = [prompt_key([ids, image]) for ids, image in zip(keys, images, strict=True)]
-    groups = group_ids_for(keys).numpy()
-    count = len(prompt_ids)
-    if completion_ids is None:  # a token no other row has: each completion its own
-        completion_ids = [[-2 - row] * n for row, n in enumerate(scored_lengths)]
-    rows = [list(ids) + list(completion)[:n] for ids, completion, n in
-            zip(prompt_ids, completion_ids, scored_lengths, strict=True)]  # fmt: skip
-    width = max((len(row) for row in rows), default=0)
-    table = np.full((count, 3 + width), PAD, dtype=np.int64)
-    table[:, 0] = groups
-    table[:, 1] = [len(ids) for ids in prompt_ids]
-    table[:, 2] = scored_lengths
-    for row, tokens in enumerate(rows):
-        table[row, 3 : 3 + len(tokens)] = tokens
-    return torch.from_numpy(table)
-
-
-def row_tokens(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
-    """`(group, prompt length, scored length, each row's tokens)` of a [`row_groups`] tensor, on the host."""
-    table = rows.numpy()
-    group, plen, scored = table[:, 0], table[:, 1], table[:, 2]
-    return group, plen, scored, [table[row, 3 : 3 + plen[row] + scored[row]] for row in range(len(table))]
-
-
-def group_shuffle_order(group_ids: torch.Tensor, permutation: torch.Tensor) -> np.ndarray:
-    """
-    `(B,)` row order that keeps each group's rows together while following a row shuffle `permutation` (the one TRL's
-    `shuffle_sequence_dict` draws): groups ordered by their first row in the permutation, rows within a group by their
-    order in it.
-    """
-    group_ids, permutation = group_ids.numpy(), permutation.numpy()
-    rank = np.empty_like(permutation)
-    rank[permutation] = np.arange(len(permutation))  # rank[row] = where the row lands in the row shuffle
-    first = np.full(int(group_ids.max()) + 1, len(permutation))
-    np.minimum.at(first, group_ids, rank)  # each group's first place in the shuffle
-    return np.lexsort((rank, first[group_ids]))
+from ..tree.holds import ChunkHold, HoldPlan
+from ..tree.layout import LAYOUT_KWARG, NO_MASK, TreeLayout, tree_layout
+from ..tree.radix import MIN_SAVED_TOKENS, Tree, build_tree
+from ..tree.rows import row_tokens
 
 
 @dataclass
@@ -130,7 +44,7 @@ class PackedBatch:
     source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
     first_rows: np.ndarray | None = None  # (G,) host: one row per group, groups in the order their tokens come
     group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array, one row per group
-    # Held nodes read ([`hold_plan`]): the sources of the layout's slots, and with `token_weights`, per slot how many
+    # Held nodes read ([`tree.holds`]): the sources of the layout's slots, and with `token_weights`, per slot how many
     # of this micro-batch's rows hold each of the source's tokens `(Ns,)` (0 where none)
     held_sources: tuple[int, ...] = ()
     held_weights: tuple[torch.Tensor, ...] = ()
@@ -182,12 +96,12 @@ def pack_rows(
     differ where their placeholders agree), each group's prompt stays one node (its images encoded once), and
     [`PackedBatch.first_rows`] gives one row per group in the order their images come. With `group_sources`,
     [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)` array of those rows
-    (for what is the same for every row of a group: Qwen's 3-D positions). `recurrent`: whether the model has
+    (for what is the same for every row of a group: Qwen's 3-D positions). `layers.recurrent`: whether the model has
     recurrent layers (the layout then holds their levels).
 
-    With `hold` (a scope's plan and this chunk's part of it, [`hold_plan`]), each row's inputs its held nodes cover are
+    With `hold` (a scope's plan and this chunk's part of it, [`tree.holds`]), each row's inputs its held nodes cover are
     not packed: its own start after them, at their positions, and its tokens read the held nodes' keys from the held
-    state ([`held_state.HeldReads`], which the caller sets on the layout: its slots are `held_sources`).
+    state ([`attention.held.HeldReads`], which the caller sets on the layout: its slots are `held_sources`).
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
@@ -292,7 +206,7 @@ def pack_rows(
 
 @dataclass
 class SourceBatch:
-    """A source forward's packed inputs ([`hold_plan`]): its held nodes once, nothing scored."""
+    """A source forward's packed inputs ([`tree.holds`]): its held nodes once, nothing scored."""
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N)

@@ -1,0 +1,25 @@
+"""Installing rloo_efficient's layers on a model: its attention modules on our backend, its recurrent layers on their
+forks; calls without a packed layout or a decoding cache still run the model's own."""
+
+from torch import nn
+
+from ..attention.backend import install_attention
+from .recurrent import install as install_forks
+
+
+def install(model: nn.Module) -> int:
+    """
+    Points every attention module of `model` at our attention function ([`attention.backend`]) and routes a hybrid's
+    recurrent layers to their forks ([`layers.recurrent`]); idempotent, and free once done. Returns the number of
+    attention modules.
+    """
+    count = getattr(model, "_rloo_prefix_attention_modules", None)
+    if count is not None:
+        return count
+    install_forks(model)
+    model._rloo_prefix_attention_modules = install_attention(model)
+    return model._rloo_prefix_attention_modules
+
+
+def installed(model: nn.Module) -> bool:
+    return any(hasattr(module, "_rloo_base_config") for module in model.modules())
