@@ -460,6 +460,28 @@ def test_active_dropout_falls_back(model_cache, tmp_path):
     assert not trainer._share_prefix
 
 
+@pytest.mark.parametrize("disable_dropout", [False, True])
+def test_lora_dropout_says_what_to_set_and_disable_dropout_shares(model_cache, tmp_path, disable_dropout):
+    """TRL's `ModelConfig.lora_dropout` defaults to 0.05, so `--use_peft` trains with dropout unless told otherwise:
+    the one warning names the two settings that share; with TRL's `disable_dropout=True` every path shares."""
+    from peft import LoraConfig
+
+    cfg = tiny_workload(model_cache)
+    args = training_args(tmp_path, disable_dropout=disable_dropout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RLOOTrainer(model=build_model_dir(cfg), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                              args=args, train_dataset=build_dataset(cfg), processing_class=build_tokenizer(),
+                              peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05,
+                                                     target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    messages = [str(w.message) for w in caught if "dropout is active" in str(w.message)]
+    if disable_dropout:
+        assert not messages and trainer._share_prefix and trainer._share_prefill
+    else:
+        assert messages and all("LoRA's dropout" in m and "lora_dropout=0" in m and "disable_dropout=True" in m
+                                for m in messages) and not trainer._share_prefix  # fmt: skip
+
+
 def test_functional_residual_dropout_counts_as_dropout(model_cache):
     """Seed-OSS applies residual dropout as a function call with a rate its modules copied from the config when built
     (no nn.Dropout, and TRL's disable_dropout leaves it on): it is active dropout, named."""

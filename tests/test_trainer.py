@@ -214,3 +214,45 @@ def test_with_vllm_generation_the_other_phases_still_share_each_prompt(workload,
     assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-9, 1e-12, per_micro_batch(ours))
     assert ours.shared_prefill_tokens == 0  # generation is not ours
     assert ours.packed_forward_tokens > 0 and ours.reward_forward_tokens > 0
+
+
+# TRL settings users switch on, each run through ours and stock TRL the same way (float64, exact head): GRPO's head in
+# float32 outside autocast (TRL's own fused head, which our packed forward calls too), the reference re-synced from
+# the policy every step (its weights copied in place: our attention stays installed on it), the completions table
+SETTINGS = {"cast_lm_head_to_fp32": ("grpo", dict(cast_lm_head_to_fp32=True)),
+            "sync_ref_model": ("rloo", dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)),
+            "log_completions": ("rloo", dict(log_completions=True))}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_trl_settings_users_switch_on_share_and_match_stock(workload, tmp_path, exact_head, setting):
+    cfg, path, dataset = workload
+    trainer, overrides = SETTINGS[setting]
+    stock_class, ours_class = ((trl.GRPOTrainer, rloo_efficient.GRPOTrainer) if trainer == "grpo"
+                               else (trl.RLOOTrainer, RLOOTrainer))  # fmt: skip
+    stock_config, ours_config = ((trl.GRPOConfig, rloo_efficient.GRPOConfig) if trainer == "grpo"
+                                 else (trl.RLOOConfig, RLOOConfig))  # fmt: skip
+    common = dict(max_steps=2, beta=0.1, **overrides)
+    stock = run(stock_class, path, training_args(tmp_path / "s", config_class=stock_config, **common), dataset)
+    ours = run(ours_class, path, training_args(tmp_path / "o", config_class=ours_config, **common), dataset)
+    assert ours._share_prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    # The float32 head rounds the log-probs to float32 in both: float32's resolution there
+    rtol, atol = (1e-6, 1e-7) if setting == "cast_lm_head_to_fp32" else (1e-9, 1e-12)
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol, atol, per_micro_batch(ours))
+
+
+def test_torch_compile_shares_and_matches_stock(workload, tmp_path, exact_head):
+    """`torch_compile=True` (dynamo's eager backend: the compiled wrapper and its tracing, without inductor's code
+    generation, which on CPU takes minutes), two generations: the model TRL generates with is the compiled wrapper,
+    whose `generate` is the inner module's, where ours is set for each call and removed after it (left there, the next
+    call's prefill ran inside the last one's decoding). Each prompt prefilled once, every forward packed, stock's run."""
+    cfg, path, dataset = workload
+    common = dict(max_steps=2, steps_per_generation=1, beta=0.1, torch_compile=True, torch_compile_backend="eager")
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "o", **common), dataset)
+    assert type(ours.model_wrapped).__name__ == "OptimizedModule"  # the compiled wrapper really ran
+    assert "generate" not in vars(ours._generating_model())
+    assert ours._share_prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-9, 1e-12, per_micro_batch(ours))

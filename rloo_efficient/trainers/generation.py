@@ -48,7 +48,7 @@ class SharedGenerationMixin:
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         if not self._share_prefill:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        if "generate" in vars(self.accelerator.unwrap_model(self.model_wrapped)):
+        if "generate" in vars(self._generating_model()):
             # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
             # is called as stock calls it, with stock's arguments
             self._warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
@@ -62,6 +62,12 @@ class SharedGenerationMixin:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         with self._shared_prefill(prompt_ids, images if with_images else None):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+
+    def _generating_model(self):
+        """The module whose `generate` TRL's generation calls: what `unwrap_model_for_generation` yields, or under
+        `torch_compile` the module inside the compiled wrapper (whose `generate` is that module's: an attribute set on
+        the wrapper lands there, and must be found and removed there)."""
+        return self.accelerator.unwrap_model(self.model_wrapped, keep_torch_compile=False)
 
     def _image_prefill_reason(self, prompt_ids, images, multimodal_fields) -> str | None:
         """Why prompts with images cannot be prefilled once per group, or None when they can."""
@@ -95,7 +101,7 @@ class SharedGenerationMixin:
         each distinct prompt prefilled once, its images encoded once, decoding continued from that cache, sampling
         exactly as the stock call.
         """
-        model = self.accelerator.unwrap_model(self.model_wrapped)  # what TRL's unwrap_model_for_generation yields
+        model = self._generating_model()
         stock_generate = model.generate
 
         def generate(input_ids, attention_mask, **kwargs):

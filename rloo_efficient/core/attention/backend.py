@@ -256,7 +256,10 @@ def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(tensor if tensor.dtype == dtype else tensor.to(dtype) for tensor in tensors)
 
 
-AttentionInterface.register(ATTENTION_NAME, prefix_attention)
+# Under `torch.compile` the function runs as Python, outside the graph (a graph break per attention call): what it
+# does depends on host structure (the layout's buckets, the decoding cache in its context) that a compiled graph would
+# freeze at its first trace; the rest of each layer stays compiled
+AttentionInterface.register(ATTENTION_NAME, torch._dynamo.disable(prefix_attention, recursive=True))
 
 
 def _attention_modules(model: nn.Module):

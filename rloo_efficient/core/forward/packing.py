@@ -96,7 +96,7 @@ def pack_rows(
     differ where their placeholders agree), each group's prompt stays one node (its images encoded once), and
     [`PackedBatch.first_rows`] gives one row per group in the order their images come. With `group_sources`,
     [`PackedBatch.group_source_index`] gives each packed token's (group, column) in a `(G, P + C)` array of those rows
-    (for what is the same for every row of a group: Qwen's 3-D positions). `layers.recurrent`: whether the model has
+    (for what is the same for every row of a group: Qwen's 3-D positions). `recurrent`: whether the model has
     recurrent layers (the layout then holds their levels).
 
     With `hold` (a scope's plan and this chunk's part of it, [`tree.holds`]), each row's inputs its held nodes cover are

@@ -56,7 +56,7 @@ def pack_reward_rows(rows: list[list[int]], prompt_groups: list[int], pad_token_
     """
     Packs reward rows (each one's unpadded tokens) as their prefix tree, or returns why the batch cannot be packed.
     `prompt_groups` (which rows share a prompt) only names what is reported; the tree finds what the rows share.
-    `layers.recurrent`: whether the reward model has recurrent layers.
+    `recurrent`: whether the reward model has recurrent layers.
     """
     if any(len(row) == 0 for row in rows):
         return "a reward text has no token"

@@ -195,7 +195,7 @@ def generate_with_shared_prefill(
 ):
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
-    prefilled once, and with `tree.radix` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
+    prefilled once, and with `tree` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
     the distinct prompts prefilled as their prefix tree ([`generation.tree_prefill`]: a system prompt once per call, no padding).
     `prompt_ids` are the unpadded prompts' token lists behind the left-padded `(B, W)` batch (TRL holds them; read back
     from the batch when not given): the rows are grouped on the host. With `prompt_cache_once` (see [`generation.prompt_cache`];

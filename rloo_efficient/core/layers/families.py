@@ -92,6 +92,9 @@ def dropout_reason(model: nn.Module) -> str | None:
     """Active dropout draws a mask per token: a shared forward would draw different ones than stock TRL."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
+            if ".lora_dropout." in f".{name}.":  # PEFT's LoRA: TRL's ModelConfig gives it 0.05 unless told otherwise
+                return (f"LoRA's dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
+                        "(set disable_dropout=True, or lora_dropout=0 in the LoRA config: --lora_dropout 0)")  # fmt: skip
             return (
                 f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
                 f"(set disable_dropout=True)"

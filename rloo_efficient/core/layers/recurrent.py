@@ -320,7 +320,8 @@ def install(model: nn.Module) -> int:
         # layer's own forward does (an offloaded child's weights are on the meta device until then)
         target = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
         own_forward = getattr(module, target)
-        fork = force_accelerate_hooks(FORKS[type(module).__name__][1])(fork)
+        # Outside a compiled graph, as our attention function ([`attention.backend`]): the fork reads host structure
+        fork = torch._dynamo.disable(force_accelerate_hooks(FORKS[type(module).__name__][1])(fork), recursive=True)
 
         def forward(*args, _own=own_forward, _module=module, _fork=fork, **kwargs):
             layout = kwargs.pop(LAYOUT_KWARG, None)

@@ -149,7 +149,7 @@ class HoldPlan:
 
     def reads_of(self, reads: np.ndarray, tree: Tree, root_keys: np.ndarray, root_parents: np.ndarray,
                  recurrent: bool) -> "Reads":  # fmt: skip
-        """What a packed forward over `tree.radix` reads of the held nodes `reads`: its roots, in depth-first order of the held
+        """What a packed forward over `tree` reads of the held nodes `reads`: its roots, in depth-first order of the held
         tree, are read by the held nodes whose subtree holds `root_keys` and start from the state of `root_parents`
         (-1: none). [`Reads`]."""
         root_nodes = np.flatnonzero(tree.parent < 0)

@@ -251,7 +251,7 @@ def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
 
 
 def level_order(tree: Tree, ratio: float = BUCKET_RATIO) -> tuple[list[list[np.ndarray]], np.ndarray]:
-    """The recurrent layers' levels of `tree.radix`: per depth its nodes' length buckets, and each node's row in the final
+    """The recurrent layers' levels of `tree`: per depth its nodes' length buckets, and each node's row in the final
     states of every depth's buckets concatenated (the order a recurrent layer's forward leaves them in)."""
     all_nodes = np.arange(len(tree.start))
     runs_by_depth, order, offset = [], np.zeros(len(all_nodes), dtype=np.int64), 0
@@ -269,8 +269,8 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
                 held_reads: list[tuple] = (), held_roots: np.ndarray | None = None,
                 held_states: int = 0) -> tuple[TreeLayout, list[torch.Tensor]]:  # fmt: skip
     """
-    The [`TreeLayout`] of `tree.radix` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
-    `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `layers.recurrent`: whether the
+    The [`TreeLayout`] of `tree` on `device`, with the integer arrays `parts` sent in the same copy (returned there).
+    `image_nodes`: the nodes holding an image's tokens (their own self-attention calls). `recurrent`: whether the
     recurrent layers' levels are needed (a model with recurrent layers). `held_reads`: the held nodes this forward
     reads, `(slot, slot tokens, depth, first query, query count, first key, key count, key end position)` each (the
     queries a run of the flat sequence, the keys a run of the slot's); `held_roots`: per node, its held parent's row
