@@ -18,7 +18,7 @@ ARCHITECTURES = {
     "granite": "GraniteConfig", "qwen3_moe": "Qwen3MoeConfig", "gpt_oss": "GptOssConfig",
     "glm4_moe": "Glm4MoeConfig", "cohere2": "Cohere2Config", "olmo3": "Olmo3Config",
     "ernie4_5_moe": "Ernie4_5_MoeConfig", "minimax_m2": "MiniMaxM2Config", "seed_oss": "SeedOssConfig",
-    "deepseek_v3": "DeepseekV3Config",
+    "deepseek_v3": "DeepseekV3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
     # Hybrids: recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers
     "qwen3_next": "Qwen3NextConfig", "olmo_hybrid": "OlmoHybridConfig", "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
@@ -30,7 +30,7 @@ ARCHITECTURES = {
 MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "llava", "llava_next",
               "idefics3", "smolvlm")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
-       "nemotron_h")
+       "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
 # Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
 # processor reads them from (None: a token the processor finds by its text)
 _GEMMA_IMAGE = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
@@ -98,6 +98,13 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
                         num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=max(cfg.max_position_embeddings, 131072)),
         "qwen3_moe": dict(head_dim=head_dim, num_experts=4, **experts),
+        # experts routed per token (softmax), a window on every layer where the workload gives one; router jitter off
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, **({"sliding_window": window} if window else {})),
+        # experts and a sigmoid-gated shared expert on every layer, biased q/k/v
+        "qwen2_moe": dict(num_experts=4, decoder_sparse_step=1, shared_expert_intermediate_size=cfg.intermediate_size // 2,
+                          **experts),
+        # q/k norms over the whole projection, experts on every layer
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
         "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),  # every other layer without rotary
         # the multipliers that scale the scores, embeddings, residuals and logits
         "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),

@@ -92,6 +92,9 @@ FAMILIES = {
     "smollm3": {},
     "granite": {},
     "qwen3_moe": dict(model_dtype="float32"),
+    "mixtral": dict(sliding_window=16, model_dtype="float32"),  # a window on every layer, experts
+    "qwen2_moe": dict(model_dtype="float32"),  # experts and a gated shared expert
+    "olmoe": dict(model_dtype="float32"),  # q/k norms over the projection, experts
     "cohere2": dict(sliding_window=16),  # rotary on the sliding layers only
     "olmo3": dict(sliding_window=16),
     "seed_oss": {},
@@ -114,7 +117,7 @@ FAMILIES = {
     "qwen3_5": dict(model_dtype="float32"),
     "qwen3_5_moe": dict(model_dtype="float32"),
 }
-MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe")  # TRL's default: the loss on
+MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "mixtral", "qwen2_moe", "olmoe")  # TRL's default: the loss on
 
 
 # The family test's micro-batches: each prompt's group (prompts of other lengths: left padding), or a prefix tree

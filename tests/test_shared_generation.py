@@ -57,10 +57,11 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      "qwen2_vl": {}, "qwen2_5_vl": {}, "gemma4": dict(sliding_window=8),
                      # Hybrids: each recurrent and convolution state fanned out to the rows, attention's prompt once
                      "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3), "granitemoehybrid": {},
-                     "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {}}  # fmt: skip
+                     "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {},
+                     "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
-           "qwen3_5_moe", "nemotron_h")
+           "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
 # The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
 TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
                "gemma4": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids", "qwen3_5_moe": "mm_token_type_ids"}

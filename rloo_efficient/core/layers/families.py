@@ -20,6 +20,7 @@ MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "gpt_oss",
     "gemma4_text",  # Gemma 4: layers reusing another layer's keys and values, k = v, a 512-dim global head
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
+    "mixtral", "qwen2_moe", "olmoe",  # experts per token (softmax routers; Qwen2-MoE's shared expert), Mixtral's windows
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
     # Hybrids: recurrent layers forked along the prefix tree (recurrent.py) among attention layers
