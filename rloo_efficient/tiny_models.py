@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "glm4_moe": "Glm4MoeConfig", "cohere2": "Cohere2Config", "olmo3": "Olmo3Config",
     "ernie4_5_moe": "Ernie4_5_MoeConfig", "minimax_m2": "MiniMaxM2Config", "seed_oss": "SeedOssConfig",
     "deepseek_v3": "DeepseekV3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
+    "exaone4": "Exaone4Config", "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
     # Hybrids: recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers
     "qwen3_next": "Qwen3NextConfig", "olmo_hybrid": "OlmoHybridConfig", "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
@@ -105,6 +106,16 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
                           **experts),
         # q/k norms over the whole projection, experts on every layer
         "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+        # q/k norms, post-norms, three sliding layers to one full layer without rotary (every other one here)
+        "exaone4": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
+        # Ministral 8B: Mistral with windows on every other layer
+        "ministral": dict(head_dim=head_dim, sliding_window=window or 4096, layer_types=alternating(layers)),
+        # Ministral 3 (Mistral 3's language model): YaRN, and queries scaled by log(1 + floor(position / original
+        # length)) (Llama 4's scaling); the original length shrunk to 16 so that the scale changes inside a row
+        "ministral3": dict(head_dim=head_dim, **({"sliding_window": window} if window else {}),
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 32.0,
+                                            "beta_slow": 1.0, "original_max_position_embeddings": 16,
+                                            "llama_4_scaling_beta": 0.1}),
         "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),  # every other layer without rotary
         # the multipliers that scale the scores, embeddings, residuals and logits
         "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),

@@ -198,7 +198,8 @@ RMS_NORMS = [
         ("granite", "GraniteRMSNorm"), ("qwen3_moe", "Qwen3MoeRMSNorm"), ("gpt_oss", "GptOssRMSNorm"),
         ("olmo3", "Olmo3RMSNorm"), ("seed_oss", "SeedOssRMSNorm"), ("qwen2_vl", "Qwen2VLRMSNorm"),
         ("qwen2_5_vl", "Qwen2_5_VLRMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
-        ("lfm2", "Lfm2RMSNorm"))),
+        ("lfm2", "Lfm2RMSNorm"), ("exaone4", "Exaone4RMSNorm"), ("ministral", "MinistralRMSNorm"),
+        ("ministral3", "Ministral3RMSNorm"))),
     ("gemma3", "Gemma3RMSNorm", _exact_gemma_rms_norm),  # a weight of 1 + w
     ("gemma4", "Gemma4RMSNorm", _exact_gemma4_rms_norm),
     ("cohere2", "Cohere2LayerNorm", _exact_layer_norm),

@@ -58,7 +58,8 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      # Hybrids: each recurrent and convolution state fanned out to the rows, attention's prompt once
                      "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3), "granitemoehybrid": {},
                      "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {},
-                     "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {}}  # fmt: skip
+                     "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
+                     "exaone4": dict(sliding_window=8), "ministral3": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
            "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
@@ -157,7 +158,7 @@ def stock_and_ours(model, ids, mask, config, once=False, before_ours=None, **ext
 CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("qwen3_next", False), ("llama", True),
          ("qwen3", True), ("mistral", True), ("mistral_sliding", True),
          *((family, family not in FANNED_OUT) for family in [*FAMILIES, *WORKLOAD_FAMILIES])]
-SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4")
+SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4", "exaone4")
 
 
 # Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)

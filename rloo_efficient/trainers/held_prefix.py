@@ -23,6 +23,7 @@ import torch
 from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
+from ..core.layers.families import position_period
 from ..core.tree.holds import plan_holds
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
@@ -106,7 +107,11 @@ class HeldPrefixMixin:
             return None
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
         held = None
-        if all(ROWS_KEY in batch and batch.get("pixel_values") is None for batch in batches):
+        period = position_period(self.accelerator.unwrap_model(self.model))
+        width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
+        # Within Llama 4's scaling period every position scales alike: a held node may sit at other rows' columns
+        if all(ROWS_KEY in batch and batch.get("pixel_values") is None for batch in batches) and (
+                period is None or width <= period):  # fmt: skip
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget)  # fmt: skip
             if plan is not None:
@@ -119,11 +124,13 @@ class HeldPrefixMixin:
             self._train_scope.close()
         self._train_scope = self._active_scope = None
 
-    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool):
+    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool,
+                     within_period: bool = True):  # fmt: skip
         """`(scope, chunk indices, closes)` for a packed forward over `chunks` (`(start, end)` row ranges of `rows`):
         the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
-        where nothing is held. `closes`: the caller closes the scope when done."""
-        if self._hold_budget is None or images:
+        where nothing is held. `closes`: the caller closes the scope when done. `within_period`: whether the batch
+        is shorter than the model's position period ([`core.layers.families.position_period`]), or it has none."""
+        if self._hold_budget is None or images or not within_period:
             return None, range(len(chunks)), False
         if torch.is_grad_enabled():
             scope = self._active_scope

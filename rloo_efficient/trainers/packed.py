@@ -14,6 +14,7 @@ from trl.extras.profiling import profiling_context
 
 from ..core.forward.packing import pack_rows
 from ..core.generation.generate import TOKEN_TYPE_FIELDS
+from ..core.layers.families import position_period
 from ..core.layers.install import install
 from ..core.layers.moe import recording_router_logits, weighted_aux_loss
 from ..core.layers.recurrent import has_recurrent_layers
@@ -81,7 +82,9 @@ class PackedForwardMixin:
         recurrent = has_recurrent_layers(unwrapped)
         chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
         # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]
-        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images))
+        period = position_period(unwrapped)
+        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images),
+                                                   within_period=period is None or input_ids.size(1) <= period)  # fmt: skip
 
         def call(**inputs):
             with self.accelerator.autocast():
@@ -90,7 +93,8 @@ class PackedForwardMixin:
         try:
             for index, (start, end) in zip(indices, chunks, strict=True):
                 pack = dict(token_weights=compute_aux_loss, group_sources=with_positions,
-                            image_tokens=self._image_tokens if images else None, recurrent=recurrent)  # fmt: skip
+                            image_tokens=self._image_tokens if images else None, recurrent=recurrent,
+                            position_period=period)  # fmt: skip
                 if scope is not None:
                     source = scope.plan.chunks[index].source
                     if source is not None:  # the prompts first held here: forwarded once, for every later chunk

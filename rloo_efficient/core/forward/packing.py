@@ -81,6 +81,7 @@ def pack_rows(
     min_saved: int = MIN_SAVED_TOKENS,
     recurrent: bool = True,
     hold: tuple[HoldPlan, ChunkHold] | None = None,
+    position_period: int | None = None,
 ) -> PackedBatch | str:
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
@@ -102,6 +103,9 @@ def pack_rows(
     With `hold` (a scope's plan and this chunk's part of it, [`tree.holds`]), each row's inputs its held nodes cover are
     not packed: its own start after them, at their positions, and its tokens read the held nodes' keys from the held
     state ([`attention.held.HeldReads`], which the caller sets on the layout: its slots are `held_sources`).
+
+    `position_period` ([`layers.families.position_period`]): queries scaled by `floor(position / period)`; a batch
+    where a shared node's shifted positions would fall in another period than stock's columns is not packed.
     """
     device = input_ids.device
     num_rows, width = input_ids.shape
@@ -132,6 +136,10 @@ def pack_rows(
     # a held node, those of its top held node's row
     root_rows = members[tree.row[tree.root]]
     position_ids = np.repeat((prompt_width - position_plen)[root_rows], tree.length) + positions
+    if position_period is not None and width > position_period and (
+            position_ids // position_period != (offset[member_rows] + positions) // position_period).any():  # fmt: skip
+        return (f"its queries are scaled by absolute position (Llama 4's scaling, period {position_period}): a node "
+                "shared by rows of other prompt lengths would sit in another period than in stock's rows")  # fmt: skip
     # Labels and the unpacking: position j of row r predicts its token j + 1, a completion token where j + 1 >= plen
     labels = np.full(total, num_rows * width, dtype=np.int64)  # the -100 sentinel after stock's flat batch
     unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)

@@ -21,6 +21,8 @@ MODEL_TYPES = (
     "gemma4_text",  # Gemma 4: layers reusing another layer's keys and values, k = v, a 512-dim global head
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
     "mixtral", "qwen2_moe", "olmoe",  # experts per token (softmax routers; Qwen2-MoE's shared expert), Mixtral's windows
+    "exaone4", "ministral",  # windows on some layers (EXAONE 4's full layers without rotary)
+    "ministral3",  # queries scaled by their position (Llama 4's scaling), from position_ids like the rotary
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
     # Hybrids: recurrent layers forked along the prefix tree (recurrent.py) among attention layers
@@ -86,6 +88,15 @@ def rope_reason(model: nn.Module) -> str | None:
         rope_type = params.get("rope_type") or params.get("type") or ""
         if "dynamic" in rope_type or rope_type == "longrope":
             return f"its rotary embedding ({rope_type!r}) changes with the longest position in each forward"
+    return None
+
+
+def position_period(model: nn.Module) -> int | None:
+    """Llama 4's attention scaling (Ministral 3): queries scaled by `1 + beta * log(1 + floor(position / period))`, so
+    that a position counts beyond its differences with the others once a row reaches `period`. The period, or None."""
+    parameters = getattr(model.config.get_text_config(), "rope_parameters", None) or {}
+    if parameters.get("llama_4_scaling_beta"):
+        return int(parameters["original_max_position_embeddings"])
     return None
 
 
