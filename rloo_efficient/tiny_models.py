@@ -20,6 +20,8 @@ ARCHITECTURES = {
     "ernie4_5_moe": "Ernie4_5_MoeConfig", "minimax_m2": "MiniMaxM2Config", "seed_oss": "SeedOssConfig",
     "deepseek_v3": "DeepseekV3Config", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "olmoe": "OlmoeConfig",
     "exaone4": "Exaone4Config", "ministral": "MinistralConfig", "ministral3": "Ministral3Config",
+    "phi4_mini": "Phi3Config",  # Phi-3 with LongRoPE (Phi-3.5-mini, Phi-4-mini)
+    "gemma2": "Gemma2Config",
     # Hybrids: recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers
     "qwen3_next": "Qwen3NextConfig", "olmo_hybrid": "OlmoHybridConfig", "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
@@ -86,6 +88,14 @@ _GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_di
 _MAMBA = dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16)
 
 
+def _longrope(head_dim: int, partial: float, original: int) -> dict:
+    """LongRoPE's parameters: a short and a long factor per rotary frequency (rising as Phi-4-mini's do)."""
+    count = int(head_dim * partial) // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "original_max_position_embeddings": original, "short_factor": [1.0 + 0.05 * i for i in range(count)],
+            "long_factor": [1.0 + 0.5 * i for i in range(count)]}  # fmt: skip
+
+
 def _family_kwargs(cfg, head_dim: int) -> dict:
     """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
     arch, layers, window = cfg.arch, cfg.num_hidden_layers, cfg.sliding_window
@@ -94,6 +104,10 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         # query_pre_attn_scalar scales the scores, embeddings are scaled, every other layer slides
         "gemma3": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=window or 512,
                        layer_types=alternating(layers)),
+        # Gemma 2: Gemma 3's scaling and windows, and attention and final logits capped (c tanh(x / c)); the caps
+        # shrunk from 50 and 30 so that they bend a tiny model's logits
+        "gemma2": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=window or 512,
+                       layer_types=alternating(layers), attn_logit_softcapping=0.5, final_logit_softcapping=3.0),
         # attention sinks, every other layer slides, mixture of experts
         "gpt_oss": dict(head_dim=head_dim, sliding_window=window or 128, layer_types=alternating(layers),
                         num_local_experts=4, num_experts_per_tok=2,
@@ -120,6 +134,10 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         # the multipliers that scale the scores, embeddings, residuals and logits
         "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
         "phi3": dict(partial_rotary_factor=0.5, **({"sliding_window": window} if window else {})),  # fused qkv
+        # Phi-4-mini: LongRoPE on three quarters of each head, its long factors once a call's longest position passes
+        # the original length (64 here: prompts are shorter, prompts with completions longer)
+        "phi4_mini": dict(partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                          rope_parameters=_longrope(cfg.hidden_size // cfg.num_attention_heads, 0.75, 64)),
         "mistral": {"sliding_window": window} if window else {},
         "qwen3": dict(head_dim=head_dim),
         # sigmoid router with a correction bias and group-limited selection, shared experts, per-head q/k norms, rotary

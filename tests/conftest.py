@@ -201,6 +201,7 @@ RMS_NORMS = [
         ("lfm2", "Lfm2RMSNorm"), ("exaone4", "Exaone4RMSNorm"), ("ministral", "MinistralRMSNorm"),
         ("ministral3", "Ministral3RMSNorm"))),
     ("gemma3", "Gemma3RMSNorm", _exact_gemma_rms_norm),  # a weight of 1 + w
+    ("gemma2", "Gemma2RMSNorm", _exact_gemma_rms_norm),
     ("gemma4", "Gemma4RMSNorm", _exact_gemma4_rms_norm),
     ("cohere2", "Cohere2LayerNorm", _exact_layer_norm),
 ]

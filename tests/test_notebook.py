@@ -19,10 +19,11 @@ import sweep  # noqa: E402
 def sweep_csv(tmp_path_factory, model_cache):
     out = tmp_path_factory.mktemp("sweep")
     csv_path = out / "sweep.csv"
-    # Two prompt lengths and k = 2, 4 so every plot has more than one point; a tiny model so it takes seconds
+    # k = 2, 4 so every plot has more than one point (one prompt length: the plots take the longest, or one line per
+    # length); a tiny model so that each of the 4 runs takes seconds
     tiny = ["--hidden_size", "32", "--intermediate_size", "64", "--max_position_embeddings", "256",
             "--model_cache_dir", str(model_cache)]  # fmt: skip
-    argv = ["--ks", "2", "4", "--prompt_lengths", "40", "64", "--completion_length", "8", "--max_steps", "2",
+    argv = ["--ks", "2", "4", "--prompt_lengths", "64", "--completion_length", "8", "--max_steps", "2",
             "--csv", str(csv_path), "--", *tiny]  # fmt: skip
     assert sweep.main(argv) == 0
     return csv_path, argv
@@ -34,12 +35,12 @@ def test_sweep_writes_tidy_rows_and_skips_finished_runs(sweep_csv, capsys):
     csv_path, argv = sweep_csv
     df = pd.read_csv(csv_path)
     assert list(df.columns) == sweep.COLUMNS
-    assert df["run_id"].nunique() == 8 and set(df["method"]) == {"stock", "ours"}
+    assert df["run_id"].nunique() == 4 and set(df["method"]) == {"stock", "ours"}
     assert {"peak_rss_gib", "time_s", "step_time_s", "working_gib"} <= set(df["metric"])
     # The headline peak of the run and of each of its phases
     assert {"run", "generation", "train", "optimizer"} <= set(df[df["metric"] == "peak_gib"]["phase"])
     assert sweep.main(argv) == 0  # everything finished: nothing runs again
-    assert capsys.readouterr().out.count("skipped") == 8
+    assert capsys.readouterr().out.count("skipped") == 4
 
 
 def test_notebook_runs_and_draws(sweep_csv):

@@ -16,6 +16,7 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.families import forward_unsupported_reason as unsupported_reason
 from rloo_efficient.core.layers.families import position_period
 from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.layers.rope import rope_length
 from rloo_efficient.core.tree.rows import ROWS_KEY, group_ids_for, prompt_images, row_groups
 from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
@@ -99,6 +100,8 @@ FAMILIES = {
     "exaone4": dict(sliding_window=16),  # full layers without rotary
     "ministral": dict(sliding_window=16),
     "ministral3": {},  # queries scaled by position (past 16: the tiny model's original length)
+    "gemma2": dict(sliding_window=16, model_dtype="float32"),  # logits capped; stock eager: NaN in float64
+    "phi4_mini": {},  # LongRoPE: short factors to 64 positions (the prompts), long past them (with completions)
     "cohere2": dict(sliding_window=16),  # rotary on the sliding layers only
     "olmo3": dict(sliding_window=16),
     "seed_oss": {},
@@ -171,6 +174,8 @@ def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
     depths, pack = [], mixin.pack_rows
     monkeypatch.setattr(mixin, "pack_rows", lambda *args, **kwargs: (lambda packed: depths.append(
         int(packed.tree.depth.max())) or packed)(pack(*args, **kwargs)))  # fmt: skip
+    pinned, pin = [], mixin.rope_length  # LongRoPE: each packed call chooses as stock's padded chunk (its width)
+    monkeypatch.setattr(mixin, "rope_length", lambda model, length: pinned.append(length) or pin(model, length))
     if cfg.model_dtype == "float32":
         # torch._grouped_mm (the experts) has no float64: float32, where packing regroups the tokens of each expert's
         # GEMM and so its summation order (2e-7 relative per product), grown through 2 layers and 3 steps
@@ -183,6 +188,8 @@ def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
         assert any("aux_loss" in entry for entry in stock.state.log_history)  # TRL's default turned the loss on
     # Groups: each prompt a node above its completions; the tree: the system prompt a node above the tasks
     assert max(depths) == (2 if layout == "tree" else 1)
+    if arch == "phi4_mini":  # each packed call pinned; the tree's chunks (prompts of 144) past the original length
+        assert pinned and (layout == "groups" or min(pinned) > 64)
     if layout == "tree":
         lengths = [e["completions/min_length"] for e in stock.state.log_history if "completions/min_length" in e]
         assert min(lengths) < 24, "every completion ran to the end: lengths do not differ"
@@ -226,6 +233,36 @@ def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_ro
     scored = labels[:, -width:] != -100
     tolerance = 1e-7 if cfg.model_dtype == "float64" else 1e-4  # float32: the experts' other summation orders
     torch.testing.assert_close(ours[scored], stock.log_probs[:, -width:][scored], rtol=tolerance, atol=tolerance)
+
+
+def test_longrope_chooses_its_factors_as_stocks_padded_forward(model_cache, exact_head):
+    """LongRoPE (Phi-4-mini) takes its long factors for a whole call when its longest position reaches the original
+    length (64 here). Stock's padded batch of width 65 does; our packed rows, which leave out every row's last token,
+    reach position 63 only: the call must still choose as stock's (a wrong choice moves the log-probs by 1e-2)."""
+    import transformers
+
+    cfg = tiny_workload(model_cache, arch="phi4_mini")
+    path = build_model_dir(cfg)
+    model = transformers.Phi3ForCausalLM.from_pretrained(path, dtype=torch.float64)
+    add_fused_lm_head(model, outputs=("log_probs",))
+    install(model)
+    assert unsupported_reason(model) is None
+    generator = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(5, 120, (n,), generator=generator).tolist()  # noqa: E731
+    prompts = [draw(45)] * 3 + [draw(30)] * 3
+    completions = [draw(n) for n in (20, 7, 3, 12, 20, 1)]
+    input_ids, attention_mask, width, rows = stock_batch(prompts, completions)
+    assert input_ids.shape[1] == 65
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :-width] = -100
+    with torch.no_grad():
+        stock = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        packed = pack_rows(input_ids, width, rows, min_saved=0)
+        assert int(packed.position_ids.max()) + 1 == 64  # on its own, the packed call would choose the short factors
+        with rope_length(model, input_ids.shape[1]):
+            ours = packed.unpack(model(**packed.model_inputs(), fused_lm_head=True).log_probs)
+    scored = labels[:, -width:] != -100
+    torch.testing.assert_close(ours[scored], stock.log_probs[:, -width:][scored], rtol=1e-7, atol=1e-7)
 
 
 # eager attention is tested in float32 only: transformers' eager path returns NaN logits for float64 models with

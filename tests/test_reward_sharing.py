@@ -96,7 +96,8 @@ REWARD_FAMILIES = {
     "gpt_oss": dict(sliding_window=16, model_dtype="float32"),
     "olmo3": dict(sliding_window=16), "seed_oss": {}, "deepseek_v3": dict(model_dtype="float32"),
     "mixtral": dict(sliding_window=16, model_dtype="float32"), "qwen2_moe": dict(model_dtype="float32"),
-    "exaone4": dict(sliding_window=16), "ministral3": {},
+    "exaone4": dict(sliding_window=16), "ministral3": {}, "phi4_mini": {},
+    "gemma2": dict(sliding_window=16, model_dtype="float32"),  # stock's eager attention: NaN in float64 with padding
     # Hybrids (Gated DeltaNet forked after the common prefix); Qwen3.5's as its multimodal checkpoint's classifier
     "qwen3_next": dict(model_dtype="float32"), "qwen3_5": dict(model_dtype="float32"),
 }  # fmt: skip

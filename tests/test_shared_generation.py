@@ -59,15 +59,18 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3), "granitemoehybrid": {},
                      "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {},
                      "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
-                     "exaone4": dict(sliding_window=8), "ministral3": {}}  # fmt: skip
+                     "exaone4": dict(sliding_window=8), "ministral3": {}, "phi4_mini": {},
+                     "gemma2": dict(sliding_window=8)}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
-           "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
+           "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe",
+           "gemma2")  # Gemma 2: stock's eager attention gives NaN for float64 rows with left padding
 # The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
 TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
                "gemma4": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids", "qwen3_5_moe": "mm_token_type_ids"}
-# Falcon-H1 keeps keys and recurrent states in one cache layer: its prompt's cache is fanned out, not kept once
-FANNED_OUT = ("falcon_h1",)
+# Falcon-H1 keeps keys and recurrent states in one cache layer: its prompt's cache is fanned out, not kept once;
+# Phi-4-mini's `generate` drops its cache past 64 positions here (the system prompt's rows reach 96)
+FANNED_OUT = ("falcon_h1", "phi4_mini")
 
 
 def build(arch: str, dtype=torch.float64, attention="sdpa"):
@@ -158,7 +161,8 @@ def stock_and_ours(model, ids, mask, config, once=False, before_ours=None, **ext
 CASES = [("llama", False), ("mistral_sliding", False), ("gemma4", False), ("qwen3_next", False), ("llama", True),
          ("qwen3", True), ("mistral", True), ("mistral_sliding", True),
          *((family, family not in FANNED_OUT) for family in [*FAMILIES, *WORKLOAD_FAMILIES])]
-SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4", "exaone4")
+SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4", "exaone4",
+           "gemma2")
 
 
 # Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
@@ -202,6 +206,25 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     elif layout == "system_prompt":  # the system prompt once, each task but its last token (generate's first input)
         assert tree_prefill_reason(model) is None and prefill_tokens == SYSTEM + (20 - 1) + (13 - 1) + 0
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
+
+
+@pytest.mark.parametrize("lengths, new_tokens", [((65, 40), 4), ((60, 30), 10)])
+def test_longrope_prefill_chooses_its_factors_as_generates(lengths, new_tokens):
+    """LongRoPE (Phi-4-mini, long factors past 64 positions): stock's prefill of a 65-wide batch takes the long
+    factors, where a prefill of its first 64 columns would take the short ones; Phi-3's `generate` would drop such a
+    cache when the sequence reaches 65 and forward every row again, so none is prefilled. A 60-wide batch decoding 10
+    tokens crosses 64, where `generate` drops the cache too (the prompt's cache fanned out: kept once, it could not
+    serve that)."""
+    model = build("phi4_mini")
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    ids, mask = left_pad([prompts[0]] * 3 + [prompts[1]] * 3)
+    config = generation_config(max_new_tokens=new_tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fanned-out cache's warning
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once=True)
+    assert prefill_tokens == (0 if ids.shape[1] == 65 else 2 * (ids.shape[1] - 1))
+    assert_same_generation(stock, ours, "phi4_mini", new_tokens)
 
 
 TOOL_TURN_FAMILIES = ("llama", "qwen3", "mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "gemma4",

@@ -14,8 +14,9 @@ from rloo_efficient.core.tree.layout import NO_MASK
 
 
 def tiny():
+    torch.manual_seed(0)
     config = LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)  # fmt: skip  (never stops early)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
 

@@ -18,6 +18,7 @@ from ..core.layers.families import position_period
 from ..core.layers.install import install
 from ..core.layers.moe import recording_router_logits, weighted_aux_loss
 from ..core.layers.recurrent import has_recurrent_layers
+from ..core.layers.rope import rope_length
 from ..core.layers.vision import (
     image_blocks,
     layout_reason,
@@ -86,8 +87,8 @@ class PackedForwardMixin:
         scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images),
                                                    within_period=period is None or input_ids.size(1) <= period)  # fmt: skip
 
-        def call(**inputs):
-            with self.accelerator.autocast():
+        def call(**inputs):  # LongRoPE's factors as stock's forward of the padded chunk chooses them
+            with self.accelerator.autocast(), rope_length(unwrapped, input_ids.size(1)):
                 return model(**inputs, fused_lm_head=True, **extra)
 
         try:

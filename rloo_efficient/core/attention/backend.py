@@ -35,7 +35,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..tree.layout import LAYOUT_KWARG
-from .checks import attention_forward
+from .checks import attention_forward, softcapped
 from .held import capturing
 from .tree import TreeAttention
 from .windows import apply_sinks, decode_window_biases
@@ -215,8 +215,6 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         return _base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if dropout:
         raise ValueError(f"{ATTENTION_NAME!r} attention has no dropout: disable it (disable_dropout=True).")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{ATTENTION_NAME!r} attention cannot apply softcap: this model needs its own attention.")
     sinks = kwargs.get("s_aux")  # GPT-OSS: one logit per head
     window = kwargs.get("sliding_window")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -238,10 +236,12 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         held = _compute_dtype(query, *layout.held.attention(module.layer_idx))[1:] if layout.held_parts else ()
         query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
         history, held = rest[: len(history)], rest[len(history) :]
-        out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, tuple(history) or None,
-                                  *held)  # fmt: skip
+        with softcapped(kwargs.get("softcap")):  # Gemma 2's attention-logit cap: the math path's
+            out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding,
+                                      tuple(history) or None, *held)  # fmt: skip
     else:
-        out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
+        with softcapped(kwargs.get("softcap")):
+            out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
 
 

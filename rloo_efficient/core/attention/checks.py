@@ -11,6 +11,7 @@ defaults: no scoring pass, so the first forward is the checkpointed training one
 """
 
 import contextlib
+import contextvars
 import warnings
 
 import torch
@@ -59,6 +60,20 @@ CHECK_WINDOW = 7  # the window of the "causal window" problems: shorter than bot
 NOT_RECOVERABLE = (torch.OutOfMemoryError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
 # configuration -> None when its kernel is used, else why the math path runs instead
 _status: dict[tuple, str | None] = {}
+# The attention-logit cap of the layer being run (Gemma 2), or None: no fused kernel of PyTorch's applies one
+_softcap: contextvars.ContextVar = contextvars.ContextVar("rloo_softcap", default=None)
+
+
+@contextlib.contextmanager
+def softcapped(softcap: float | None):
+    """Within the block, every attention call caps its scores at `softcap` (`c tanh(s / c)`, before the mask) on the
+    math path, the exact one for it (eager attention, which stock's Gemma 2 runs, computes the same): the fused and
+    variable-length kernels step aside. A call's state keeps its cap for the backward, which runs outside."""
+    token = _softcap.set(softcap)
+    try:
+        yield
+    finally:
+        _softcap.reset(token)
 
 
 def _configuration(kernel: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, causal: bool,
@@ -256,7 +271,7 @@ def windowed_forward(query, key, value, scale: float, window: int):
     """
     kernel = choose_kernel(query, None)
     config = _configuration(kernel, query, key, None, True, window)
-    if kernel != "cuda_flash" or not _usable(config):
+    if kernel != "cuda_flash" or _softcap.get() is not None or not _usable(config):
         return None
     try:
         return forward(kernel, query, key, value, None, True, scale, config, window)
@@ -277,6 +292,9 @@ def windowed_backward(state: KernelState, grad_out, query, key, value, out, lse,
 def attention_forward(query, key, value, bias, causal: bool, scale: float):
     """`(output, lse, state)`: attention of `query` over `key`/`value` (see the module docstring for shapes)."""
     bias = _bias_in(bias, query.dtype)
+    softcap = _softcap.get()
+    if softcap is not None:
+        return forward("math", query, key, value, bias, causal, scale, softcap=softcap)
     kernel = choose_kernel(query, bias)
     config = _configuration(kernel, query, key, bias, causal)
     if _usable(config):
@@ -295,7 +313,7 @@ def attention_backward(state: KernelState, grad_out, query, key, value, bias, ou
             return backward(state, grad_out, query, key, value, bias, out, lse, causal, scale)
         except Exception as error:  # noqa: BLE001  (the math backward is exact for any forward's output)
             _disable(state.config, _failure(error))
-    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
+    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale, state.softcap)
 
 
 def varlen_config(query: torch.Tensor, key: torch.Tensor, causal: bool, window: int | None = None) -> tuple | None:
@@ -305,7 +323,7 @@ def varlen_config(query: torch.Tensor, key: torch.Tensor, causal: bool, window: 
     caller pads its sequences into length buckets instead). `window`: a causal call's sliding window.
     """
     kernel = varlen_kernel(query)
-    if kernel is None:
+    if kernel is None or _softcap.get() is not None:
         return None
     use = ("varlen causal window" if window else "varlen causal") if causal else "varlen"
     config = (kernel, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[-1], None, use)

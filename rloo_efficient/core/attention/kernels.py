@@ -42,36 +42,46 @@ def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _scores(query, key, bias, causal, scale):
+def _scores(query, key, bias, causal, scale, softcap=None):
+    """The scores, and with `softcap` (Gemma 2: `c tanh(s / c)` before the mask) their slope `1 - tanh^2` (else
+    None)."""
     scores = torch.matmul(query, _expand_heads(key, query.shape[1]).transpose(-1, -2)).mul_(scale)
+    slope = None
+    if softcap is not None:
+        capped = torch.tanh(scores / softcap)
+        slope = 1 - capped * capped
+        scores = capped * softcap
     if bias is not None:
         scores = scores + bias
     if causal:  # aligned at the last query and key, as flash's (the same as the first where lq == lk)
         lq, lk = scores.shape[-2:]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril(lk - lq)
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return scores
+    return scores, slope
 
 
-def math_attention(query, key, value, bias, causal, scale):
-    """(output, lse) with materialized scores, in float32 at least: the reference the kernels are checked against."""
+def math_attention(query, key, value, bias, causal, scale, softcap=None):
+    """(output, lse) with materialized scores, in float32 at least: the reference the kernels are checked against, and
+    the one path with a `softcap` (no fused kernel of PyTorch's applies one)."""
     work = torch.promote_types(query.dtype, torch.float32)
     q, k, v = query.to(work), key.to(work), value.to(work)
-    scores = _scores(q, k, None if bias is None else bias.to(work), causal, scale)
+    scores, _ = _scores(q, k, None if bias is None else bias.to(work), causal, scale, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), _expand_heads(v, q.shape[1]))
     return out.to(query.dtype), lse
 
 
-def math_backward(grad_out, query, key, value, bias, out, lse, causal, scale):
+def math_backward(grad_out, query, key, value, bias, out, lse, causal, scale, softcap=None):
     work = torch.promote_types(query.dtype, torch.float32)
     q, k, v, g, o = (x.to(work) for x in (query, key, value, grad_out, out))
     heads, kv_heads = q.shape[1], k.shape[1]
-    scores = _scores(q, k, None if bias is None else bias.to(work), causal, scale)
+    scores, slope = _scores(q, k, None if bias is None else bias.to(work), causal, scale, softcap)
     probs = torch.exp(scores - lse.to(work).unsqueeze(-1))
     grad_v = torch.matmul(probs.transpose(-1, -2), g)
     grad_p = torch.matmul(g, _expand_heads(v, heads).transpose(-1, -2))
     grad_s = probs * (grad_p - (g * o).sum(-1, keepdim=True))
+    if slope is not None:  # through the cap: d(c tanh(s / c)) / ds
+        grad_s = grad_s * slope
     grad_q = torch.matmul(grad_s, _expand_heads(k, heads)) * scale
     grad_k = torch.matmul(grad_s.transpose(-1, -2), q) * scale
     if heads != kv_heads:  # sum the query heads that share a key/value head
@@ -128,6 +138,7 @@ class KernelState:
     extra: tuple = field(default_factory=tuple)
     folded: bool = False  # grouped-query heads folded into the query length (see [`_fold`])
     window: int | None = None  # a causal call under a sliding window (keys in (i - w, i])
+    softcap: float | None = None  # the math path's scores capped (Gemma 2)
 
 
 # Kernels without grouped-query heads that get them folded (non-causal calls; tests add the CPU kernel to run the fold)
@@ -193,7 +204,7 @@ def _flash_window_backward(extra, grad_out, query, key, value, out, lse, scale, 
     return tuple(x.view(blocks, length, -1, dim).transpose(1, 2) for x in (grad_q, grad_k, grad_v))
 
 
-def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None):
+def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None, softcap=None):
     if window is not None:  # a causal call under a window: flash's own (elsewhere the caller splits it into chunks)
         if kernel != "cuda_flash":
             raise ValueError(f"{kernel} applies no sliding window: only cuda_flash does.")
@@ -218,8 +229,8 @@ def _kernel_forward(kernel, query, key, value, bias, causal, scale, window=None)
         )
         # Its log-sum-exp is padded along the queries (to a multiple of 32): the backward wants it back in that shape
         return out, lse[..., : query.shape[2]], KernelState(kernel, extra=(lse.shape[-1], seed, offset))
-    out, lse = math_attention(query, key, value, bias, causal, scale)
-    return out, lse, KernelState("math")
+    out, lse = math_attention(query, key, value, bias, causal, scale, softcap)
+    return out, lse, KernelState("math", softcap=softcap)
 
 
 def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal, scale):
@@ -254,7 +265,7 @@ def _kernel_backward(state, grad_out, query, key, value, bias, out, lse, causal,
             grad_k = grad_k.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
             grad_v = grad_v.unflatten(1, (kv_heads, heads // kv_heads)).sum(2)
         return grad_q, grad_k, grad_v
-    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale)
+    return math_backward(grad_out, query, key, value, bias, out, lse, causal, scale, state.softcap)
 
 
 def _token_major_dense(x: torch.Tensor) -> torch.Tensor:
@@ -276,8 +287,13 @@ def window_bias(length: int, window: int | None, dtype, device, keys: int | None
     return torch.zeros((), dtype=dtype, device=device).masked_fill(distance >= window, torch.finfo(dtype).min)
 
 
-def forward(kernel, query, key, value, bias, causal, scale, config=(), window=None):
-    """`(out, lse, state)` from `kernel`, grouped-query heads folded into the query length where it needs them."""
+def forward(kernel, query, key, value, bias, causal, scale, config=(), window=None, softcap=None):
+    """`(out, lse, state)` from `kernel`, grouped-query heads folded into the query length where it needs them; a
+    `softcap` on the math path only."""
+    if softcap is not None:
+        if kernel != "math":
+            raise ValueError(f"{kernel} applies no softcap: only the math path does.")
+        return _kernel_forward(kernel, query, key, value, bias, causal, scale, softcap=softcap)
     if _folds(kernel, query, key, bias, causal):
         heads, kv_heads = query.shape[1], key.shape[1]
         out, lse, state = _kernel_forward(kernel, _fold(query, kv_heads), key, value, bias, causal, scale)

@@ -240,6 +240,10 @@ def generate_with_shared_prefill(
         _hold(turns, cache, prompt_ids, output, width, config)
         return output, tokens
     del held
+    limit = cache_limit(model)
+    # Phi-3's `generate` drops a cache of `limit` positions when its sequence reaches `limit + 1` and forwards every
+    # row again: a prefill of a batch that wide would be thrown away
+    dropped = limit is not None and width == limit + 1
     first, inverse = unique_rows(prompt_ids, images)
     # The prompts' prefix tree (a system prompt once per call, no padding), text only; not where every forward gathers
     # sharded parameters: a rank's decoder-only forward and another's padded one would gather different modules
@@ -249,11 +253,11 @@ def generate_with_shared_prefill(
     if synced:
         import torch.distributed as dist
 
-        can = torch.tensor([int(width >= 2)], device=input_ids.device)
+        can = torch.tensor([int(width >= 2 and not dropped)], device=input_ids.device)
         dist.all_reduce(can, op=dist.ReduceOp.MIN)
         share = bool(can.item())
     else:
-        share = width >= 2 and (len(first) < len(inverse) or plan is not None)  # rows alike, or opening alike
+        share = width >= 2 and not dropped and (len(first) < len(inverse) or plan is not None)  # rows or openings alike
     if not share:
         if turns is None:
             return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
@@ -271,7 +275,6 @@ def generate_with_shared_prefill(
     else:
         prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images, empty)
         tokens = len(first) * (width - 1)
-    limit = cache_limit(model)
     if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes
         prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
     if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..attention.backend import _attention_modules
 from .recurrent import recurrent_layers
+from .rope import longrope_modules, pinnable
 
 
 # The one list every sharing path follows (the packed forwards, the shared prefill, the once-per-group prompt cache,
@@ -22,6 +23,7 @@ MODEL_TYPES = (
     "glm4_moe", "cohere2", "olmo3", "ernie4_5_moe", "minimax_m2", "seed_oss",
     "mixtral", "qwen2_moe", "olmoe",  # experts per token (softmax routers; Qwen2-MoE's shared expert), Mixtral's windows
     "exaone4", "ministral",  # windows on some layers (EXAONE 4's full layers without rotary)
+    "gemma2",  # attention logits capped (kwarg `softcap`: the math path, as stock's eager attention)
     "ministral3",  # queries scaled by their position (Llama 4's scaling), from position_ids like the rotary
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
@@ -78,15 +80,18 @@ def jitter_reason(model: nn.Module) -> str | None:
 
 def rope_reason(model: nn.Module) -> str | None:
     """
-    Rotary embeddings whose frequencies depend on the longest position in the call ("dynamic" NTK scaling, "longrope")
-    are not the same for a packed sequence (or a prefill one token shorter) as for stock TRL's padded rows.
+    Rotary embeddings whose frequencies depend on the longest position in the call ("dynamic" NTK scaling, which also
+    keeps the longest it has seen) are not the same for a packed sequence (or a prefill one token shorter) as for stock
+    TRL's padded rows. LongRoPE's choice each of our calls makes as its stock call does ([`rope.rope_length`]), where
+    one rope type serves every layer.
     """
     text_config = model.config.get_text_config()
     parameters = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None) or {}
     found = [parameters] if "rope_type" in parameters else [p for p in parameters.values() if isinstance(p, dict)]
     for params in found:
         rope_type = params.get("rope_type") or params.get("type") or ""
-        if "dynamic" in rope_type or rope_type == "longrope":
+        pinned = rope_type == "longrope" and "rope_type" in parameters and longrope_modules(model) and pinnable(model)
+        if "dynamic" in rope_type or (rope_type == "longrope" and not pinned):
             return f"its rotary embedding ({rope_type!r}) changes with the longest position in each forward"
     return None
 
