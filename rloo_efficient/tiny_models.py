@@ -27,10 +27,12 @@ ARCHITECTURES = {
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
-    "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "llava": "LlavaConfig",
+    "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "qwen3_vl": "Qwen3VLConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeConfig", "llava": "LlavaConfig",
     "llava_next": "LlavaNextConfig", "idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig",
 }  # fmt: skip
-MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "llava", "llava_next",
+MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
+              "llava", "llava_next",
               "idefics3", "smolvlm")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
@@ -44,6 +46,8 @@ IMAGE_TOKENS = {
     "qwen2_5_vl": _QWEN,
     "qwen3_5": _QWEN,
     "qwen3_5_moe": _QWEN,
+    "qwen3_vl": _QWEN,
+    "qwen3_vl_moe": _QWEN,
     "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
     "llava": {"image_token": "<image>"},
@@ -56,7 +60,7 @@ IMAGE_TOKENS = {
 # What a family's chat template writes for an image (its processor expands it into the image's tokens)
 IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
                      "idefics3": "<image>", "smolvlm": "<image>",
-                     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"),
+                     **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"),
                                      "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
 LLAVA_TILE = 8  # LLaVA's tiny CLIP tower: 8x8 images in patches of 2 (16 tokens); LLaVA-Next's tiles of that size
 LLAVA_PINPOINTS = [[8, 8], [8, 16], [16, 8], [16, 16]]
@@ -260,6 +264,21 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                     vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                        out_hidden_size=cfg.hidden_size, patch_size=2, spatial_merge_size=2,
                                        temporal_patch_size=2))  # fmt: skip
+    if cfg.arch in ("qwen3_vl", "qwen3_vl_moe"):  # Qwen3-VL: Qwen3's language model (q/k norms), 3-D rotary positions
+        # interleaved over the head (sections [2, 1, 1] of a 16-dim head's 8 frequencies: real [24, 20, 20] of 64), and
+        # DeepStack: the vision tower's features after each of its 2 layers added to the first 2 layers' hidden states
+        # at the image tokens
+        text.update(head_dim=max(head_dim, 16), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+        if cfg.arch == "qwen3_vl_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2,
+                        decoder_sparse_step=1)  # fmt: skip
+        return dict(text_config=text, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                    vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                    vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                                       out_hidden_size=cfg.hidden_size, patch_size=2, spatial_merge_size=2,
+                                       temporal_patch_size=2, num_position_embeddings=64,
+                                       deepstack_visual_indexes=[0, 1]))  # fmt: skip
     # Gemma 4: the last layers read the keys and values of the last layer of their type before them, full layers have
     # a wider head (global_head_dim, 512 in the real models) with keys as values (attention_k_eq_v), per-layer token
     # embeddings, and image tokens that attend both ways (use_bidirectional_attention="vision"), text causal
@@ -296,7 +315,7 @@ def build_processor(cfg, tokenizer):
     if cfg.arch == "gemma3_vlm":  # 16x16 images: 16 patches of 4, pooled to 4 tokens
         return transformers.Gemma3Processor(image_processor=transformers.Gemma3ImageProcessorPil(
             size={"height": 16, "width": 16}), tokenizer=tokenizer, image_seq_length=4, **template)  # fmt: skip
-    if cfg.arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"):
+    if cfg.arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"):
         processor = _without_video({"qwen2_vl": transformers.Qwen2VLProcessor,
                                     "qwen2_5_vl": transformers.Qwen2_5_VLProcessor}.get(cfg.arch,
                                                                                         transformers.Qwen3VLProcessor))

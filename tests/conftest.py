@@ -190,6 +190,18 @@ def _exact_layer_norm(self, x):
     return self.weight * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def _exact_vision_rotary(q, k, cos, sin):
+    """Qwen3-VL's vision rotary in the queries' dtype."""
+    import torch
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 # Every family's norm: (module, class, exact forward)
 RMS_NORMS = [
     *((family, name, _exact_rms_norm) for family, name in (
@@ -199,7 +211,7 @@ RMS_NORMS = [
         ("olmo3", "Olmo3RMSNorm"), ("seed_oss", "SeedOssRMSNorm"), ("qwen2_vl", "Qwen2VLRMSNorm"),
         ("qwen2_5_vl", "Qwen2_5_VLRMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
         ("lfm2", "Lfm2RMSNorm"), ("exaone4", "Exaone4RMSNorm"), ("ministral", "MinistralRMSNorm"),
-        ("ministral3", "Ministral3RMSNorm"))),
+        ("ministral3", "Ministral3RMSNorm"), ("qwen3_vl", "Qwen3VLTextRMSNorm"))),
     ("gemma3", "Gemma3RMSNorm", _exact_gemma_rms_norm),  # a weight of 1 + w
     ("gemma2", "Gemma2RMSNorm", _exact_gemma_rms_norm),
     ("gemma4", "Gemma4RMSNorm", _exact_gemma4_rms_norm),
@@ -219,3 +231,8 @@ def exact_head(monkeypatch):
     for family, name, exact in RMS_NORMS:
         norm = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
         monkeypatch.setattr(norm, "forward", exact)
+    # Qwen3-VL's vision tower applies its rotary in float32: stock's k copies of an image round their gradients there
+    # one by one, ours the group's sum once (1e-9 apart after a step)
+    for family in ("qwen3_vl", "qwen3_vl_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        monkeypatch.setattr(module, "apply_rotary_pos_emb_vision", _exact_vision_rotary)

@@ -113,6 +113,7 @@ FAMILIES = {
     "gemma3_vlm": dict(sliding_window=16),
     "qwen2_vl": {},
     "qwen2_5_vl": {},
+    "qwen3_vl": {},  # interleaved 3-D rotary, DeepStack (image batches: test_vision.py)
     "gemma4": dict(sliding_window=16),  # keys and values shared across layers, k = v, a wider global head
     # Hybrids: recurrent layers forked after the prompt (their torch kernels compute in float32: float32 for all)
     "qwen3_next": dict(model_dtype="float32"),

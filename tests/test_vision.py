@@ -25,6 +25,8 @@ VISION = {
     "qwen2_5_vl": {},
     "qwen3_5": dict(model_dtype="float32"),
     "qwen3_5_moe": dict(model_dtype="float32"),  # and experts (no float64), the load-balancing loss on: TRL's default
+    "qwen3_vl": {},  # DeepStack: the tower's features after each of its layers added at the image tokens
+    "qwen3_vl_moe": dict(model_dtype="float32"),
     "gemma3_vlm": dict(sliding_window=16),
     "gemma4": dict(sliding_window=16, num_hidden_layers=6),  # a full layer's image tokens reach a later layer's keys
     "llava": {},
@@ -158,7 +160,7 @@ def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_h
         assert any("aux_loss" in entry for entry in stock.state.log_history)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm", "llava_next", "idefics3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "gemma3_vlm", "llava_next", "idefics3"])
 def test_prompts_with_two_images(model_cache, tmp_path, exact_head, arch):
     _compare(model_cache, tmp_path, arch, images="two")
 
