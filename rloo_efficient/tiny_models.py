@@ -28,11 +28,12 @@ ARCHITECTURES = {
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
     "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "qwen3_vl": "Qwen3VLConfig",
-    "qwen3_vl_moe": "Qwen3VLMoeConfig", "llava": "LlavaConfig",
+    "qwen3_vl_moe": "Qwen3VLMoeConfig", "glm4v": "Glm4vConfig",
+    "glm4v_moe": "Glm4vMoeConfig", "llava": "LlavaConfig",
     "llava_next": "LlavaNextConfig", "idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig",
 }  # fmt: skip
 MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
-              "llava", "llava_next",
+              "glm4v", "glm4v_moe", "llava", "llava_next",
               "idefics3", "smolvlm")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
@@ -40,6 +41,8 @@ MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepse
 # processor reads them from (None: a token the processor finds by its text)
 _GEMMA_IMAGE = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
 _QWEN = {None: ("<|vision_start|>", "<|vision_end|>"), "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+_GLM = {None: ("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>"),
+        "image_token": "<|image|>", "video_token": "<|video|>"}
 IMAGE_TOKENS = {
     "gemma3_vlm": {**_GEMMA_IMAGE, "image_token": "<image_soft_token>"},
     "qwen2_vl": _QWEN,
@@ -48,6 +51,8 @@ IMAGE_TOKENS = {
     "qwen3_5_moe": _QWEN,
     "qwen3_vl": _QWEN,
     "qwen3_vl_moe": _QWEN,
+    "glm4v": _GLM,
+    "glm4v_moe": _GLM,
     "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
     "llava": {"image_token": "<image>"},
@@ -59,6 +64,7 @@ IMAGE_TOKENS = {
 }
 # What a family's chat template writes for an image (its processor expands it into the image's tokens)
 IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
+                     **dict.fromkeys(("glm4v", "glm4v_moe"), "<|begin_of_image|><|image|><|end_of_image|>"),
                      "idefics3": "<image>", "smolvlm": "<image>",
                      **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"),
                                      "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
@@ -279,6 +285,25 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                                        out_hidden_size=cfg.hidden_size, patch_size=2, spatial_merge_size=2,
                                        temporal_patch_size=2, num_position_embeddings=64,
                                        deepstack_visual_indexes=[0, 1]))  # fmt: skip
+    if cfg.arch == "glm4v":  # GLM-4.1V: 3-D rotary positions (GLM's own index), post-norms, a tower with learned
+        # positions interpolated to each image's grid
+        text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                                     "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]})  # fmt: skip
+    if cfg.arch == "glm4v_moe":  # GLM-4.5V: GLM-4.5's experts (sigmoid router, a shared expert), rotary on half of a
+        # 16-dim head; no load-balancing loss (with the config's 1e-4, TRL's head reads a `num_experts` the config
+        # lacks: stock crashes)
+        text.update(head_dim=max(head_dim, 16), n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                    router_aux_loss_coef=0.0,
+                    moe_intermediate_size=cfg.intermediate_size // 2, first_k_dense_replace=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                     "mrope_section": [2, 1, 1]})  # fmt: skip
+    if cfg.arch in ("glm4v", "glm4v_moe"):
+        return dict(text_config=text, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                    image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+                    video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+                    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, image_size=8,
+                                       patch_size=2, spatial_merge_size=2, temporal_patch_size=2,
+                                       out_hidden_size=cfg.hidden_size))  # fmt: skip
     # Gemma 4: the last layers read the keys and values of the last layer of their type before them, full layers have
     # a wider head (global_head_dim, 512 in the real models) with keys as values (attention_k_eq_v), per-layer token
     # embeddings, and image tokens that attend both ways (use_bidirectional_attention="vision"), text causal
@@ -324,6 +349,11 @@ def build_processor(cfg, tokenizer):
         image_processor = transformers.Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
                                                                 size={"shortest_edge": 16, "longest_edge": 1 << 22})
         return processor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, **template)
+    if cfg.arch in ("glm4v", "glm4v_moe"):  # the tiny tower's patches of 2, merged 2x2, as Qwen's above
+        image_processor = transformers.Glm4vImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                                              size={"shortest_edge": 16, "longest_edge": 1 << 22})
+        return _without_video(transformers.Glm4vProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                          video_processor=None, **template)  # fmt: skip
     if cfg.arch in ("llava", "llava_next"):  # CLS dropped ("default"): (8 / 2)^2 = 16 tokens per image or tile
         size = dict(size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})
         if cfg.arch == "llava":

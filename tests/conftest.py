@@ -211,7 +211,8 @@ RMS_NORMS = [
         ("olmo3", "Olmo3RMSNorm"), ("seed_oss", "SeedOssRMSNorm"), ("qwen2_vl", "Qwen2VLRMSNorm"),
         ("qwen2_5_vl", "Qwen2_5_VLRMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"), ("deepseek_v3", "DeepseekV3RMSNorm"),
         ("lfm2", "Lfm2RMSNorm"), ("exaone4", "Exaone4RMSNorm"), ("ministral", "MinistralRMSNorm"),
-        ("ministral3", "Ministral3RMSNorm"), ("qwen3_vl", "Qwen3VLTextRMSNorm"))),
+        ("ministral3", "Ministral3RMSNorm"), ("qwen3_vl", "Qwen3VLTextRMSNorm"),
+        ("glm4v", "Glm4vRMSNorm"))),
     ("gemma3", "Gemma3RMSNorm", _exact_gemma_rms_norm),  # a weight of 1 + w
     ("gemma2", "Gemma2RMSNorm", _exact_gemma_rms_norm),
     ("gemma4", "Gemma4RMSNorm", _exact_gemma4_rms_norm),

@@ -60,15 +60,18 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {},
                      "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
                      "exaone4": dict(sliding_window=8), "ministral3": {}, "phi4_mini": {},
-                     "gemma2": dict(sliding_window=8), "qwen3_vl": {}}  # fmt: skip
+                     "gemma2": dict(sliding_window=8), "qwen3_vl": {}, "glm4v": {},
+                     "glm4v_moe": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
            "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe",
+           "glm4v_moe",
            "gemma2")  # Gemma 2: stock's eager attention gives NaN for float64 rows with left padding
 # The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
 TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
                "gemma4": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids", "qwen3_5_moe": "mm_token_type_ids",
-               "qwen3_vl": "mm_token_type_ids"}
+               "qwen3_vl": "mm_token_type_ids", "glm4v": "mm_token_type_ids",
+               "glm4v_moe": "mm_token_type_ids"}
 # Falcon-H1 keeps keys and recurrent states in one cache layer: its prompt's cache is fanned out, not kept once;
 # Phi-4-mini's `generate` drops its cache past 64 positions here (the system prompt's rows reach 96)
 FANNED_OUT = ("falcon_h1", "phi4_mini")
@@ -195,7 +198,7 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     # A multimodal family's processor returns all-zero token types with text prompts, which TRL passes to generate
     extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
     before_ours = None
-    if arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_vl"):  # an earlier generate (of other rows) leaves its rope offsets
+    if arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_vl", "glm4v"):  # an earlier generate (of other rows) leaves its rope offsets
         before_ours = lambda: model.generate(input_ids=ids[:2], attention_mask=mask[:2], generation_config=config,  # noqa: E731
                                              **extra_rows(extra, 2))  # fmt: skip
     with warnings.catch_warnings():

@@ -27,6 +27,8 @@ VISION = {
     "qwen3_5_moe": dict(model_dtype="float32"),  # and experts (no float64), the load-balancing loss on: TRL's default
     "qwen3_vl": {},  # DeepStack: the tower's features after each of its layers added at the image tokens
     "qwen3_vl_moe": dict(model_dtype="float32"),
+    "glm4v": {},  # GLM's own 3-D position index, a tower with learned positions interpolated per image
+    "glm4v_moe": dict(model_dtype="float32"),
     "gemma3_vlm": dict(sliding_window=16),
     "gemma4": dict(sliding_window=16, num_hidden_layers=6),  # a full layer's image tokens reach a later layer's keys
     "llava": {},

@@ -28,6 +28,7 @@ MODEL_TYPES = (
     "deepseek_v3",  # multi-head latent attention: value heads narrower than key heads; latents cached
     "qwen2_vl_text", "qwen2_5_vl_text",  # Qwen2-VL and Qwen2.5-VL's language models (image batches: vision.py)
     "qwen3_vl_text", "qwen3_vl_moe_text",  # Qwen3-VL's: interleaved 3-D rotary, DeepStack features at image tokens
+    "glm4v_text", "glm4v_moe_text",  # GLM-4.1V and GLM-4.5V's: 3-D rotary (GLM's own index), post-norms
     # Hybrids: recurrent layers forked along the prefix tree (recurrent.py) among attention layers
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",  # Gated DeltaNet
     "nemotron_h", "granitemoehybrid", "falcon_h1",  # Mamba2 (Nemotron-H and Granite 4-H: attention without positions)

@@ -45,6 +45,8 @@ VISION_FAMILIES = {
     "qwen3_5_moe": _QWEN,
     "qwen3_vl": _QWEN,  # and DeepStack: the tower's features added at the image tokens of the first layers
     "qwen3_vl_moe": _QWEN,
+    "glm4v": _QWEN,  # its own position index, the same call
+    "glm4v_moe": _QWEN,
     "gemma3": dict(pixels="images", positions="columns", blocks=("token_type_ids", (1,), "all")),
     # Only with use_bidirectional_attention="vision" ([`image_blocks`]); images and videos, not audio
     "gemma4": dict(pixels="images", positions="columns", blocks=("mm_token_type_ids", (1, 2), "sliding")),
