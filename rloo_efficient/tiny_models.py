@@ -25,6 +25,7 @@ ARCHITECTURES = {
     # Hybrids: recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers
     "qwen3_next": "Qwen3NextConfig", "olmo_hybrid": "OlmoHybridConfig", "nemotron_h": "NemotronHConfig",
     "granitemoehybrid": "GraniteMoeHybridConfig", "falcon_h1": "FalconH1Config", "lfm2": "Lfm2Config",
+    "kimi_linear": "KimiLinearConfig",
     # Multimodal checkpoints, as TRL loads them (`config.architectures[0]`: `*ForConditionalGeneration`)
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
     "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "qwen3_vl": "Qwen3VLConfig",
@@ -193,6 +194,13 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
                           mamba_d_head=cfg.hidden_size // 4,
                           mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=16,
                           ssm_in_multiplier=0.7, ssm_multipliers=[0.8, 1.3, 0.7, 1.1, 0.9]),
+        # Kimi-Linear: Kimi Delta Attention (Gated DeltaNet with a decay per channel) and latent attention without
+        # positions, one of each; experts (sigmoid-routed, a shared expert) on the second layer
+        "kimi_linear": dict(num_key_value_heads=cfg.num_attention_heads, layer_types=hybrid(layers), linear_num_heads=2,
+                            linear_head_dim=8, linear_conv_kernel_dim=4, kv_lora_rank=16, q_lora_rank=None,
+                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_local_experts=4,
+                            num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=cfg.intermediate_size // 2,
+                            mlp_layer_types=["dense"] + ["sparse"] * (layers - 1)),
         # LFM2: gated short convolutions (3 taps) among attention layers
         "lfm2": dict(layer_types=hybrid(layers, "conv"), conv_L_cache=3),
     }.get(arch, {})

@@ -125,7 +125,8 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
 # alternating layers), sinks and MoE routers (GPT-OSS), latent attention with narrower values (DeepSeek-V3), layers
 # reading another's keys (Gemma 4), recurrent states and convolution tails (Gated DeltaNet: Qwen3-Next, also MoE;
 # Mamba2: Nemotron-H; a short convolution: LFM2)
-HELD_FAMILIES = ("mistral", "gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next", "nemotron_h", "lfm2")
+HELD_FAMILIES = ("mistral", "gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3_next", "nemotron_h", "lfm2",
+                 "kimi_linear", "gemma2")
 
 
 # As on CUDA (flash's variable-length calls, emulated): a row's node reads its held keys in its own call, under a

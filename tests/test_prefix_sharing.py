@@ -124,6 +124,7 @@ FAMILIES = {
     "granitemoehybrid": dict(model_dtype="float32"),
     "falcon_h1": dict(model_dtype="float32"),  # keys and states in one cache layer: the prompt's cache fanned out
     "lfm2": {},  # a convolution: float64
+    "kimi_linear": dict(model_dtype="float32"),  # Kimi Delta Attention, latent attention, experts
     "qwen3_5": dict(model_dtype="float32"),
     "qwen3_5_moe": dict(model_dtype="float32"),
 }

@@ -19,8 +19,9 @@ from .conftest import tiny_workload
 from .trees import random_rows
 
 
-# Gated DeltaNet (three projection layouts), Mamba2 (three families' mixers), a gated short convolution
-KINDS = ("qwen3_next", "qwen3_5", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2")
+# Gated DeltaNet (three projection layouts), Kimi Delta Attention, Mamba2 (three families' mixers), a gated short
+# convolution
+KINDS = ("qwen3_next", "qwen3_5", "olmo_hybrid", "kimi_linear", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2")
 # Rows of a random tree: (seed, longest run); long runs pass Gated DeltaNet's 64-token chunks (Mamba2's are 16)
 TREES = {"short_runs": (25, 3), "ragged": (16, 9), "deep": (13, 6), "long_runs": (47, 70)}
 

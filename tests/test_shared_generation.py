@@ -61,11 +61,11 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
                      "exaone4": dict(sliding_window=8), "ministral3": {}, "phi4_mini": {},
                      "gemma2": dict(sliding_window=8), "qwen3_vl": {}, "glm4v": {},
-                     "glm4v_moe": {}}  # fmt: skip
+                     "glm4v_moe": {}, "kimi_linear": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
            "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe",
-           "glm4v_moe",
+           "glm4v_moe", "kimi_linear",
            "gemma2")  # Gemma 2: stock's eager attention gives NaN for float64 rows with left padding
 # The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
 TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
@@ -171,7 +171,7 @@ SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "o
 
 # Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
 NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
-                   "qwen3_5", "qwen3_5_moe")
+                   "qwen3_5", "qwen3_5_moe", "kimi_linear")
 
 
 def assert_same_generation(stock, ours, arch: str, steps: int) -> None:

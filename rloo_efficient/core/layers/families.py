@@ -33,6 +33,7 @@ MODEL_TYPES = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid",  # Gated DeltaNet
     "nemotron_h", "granitemoehybrid", "falcon_h1",  # Mamba2 (Nemotron-H and Granite 4-H: attention without positions)
     "lfm2",  # gated short convolutions
+    "kimi_linear",  # Kimi Delta Attention (a decay per channel) and latent attention
 )  # fmt: skip
 # Module attributes through which modeling code applies dropout as a function call (Seed-OSS's residual dropout is
 # read from the config into each module when it is built: neither an nn.Dropout nor undone by TRL's disable_dropout)

@@ -1,5 +1,6 @@
 """
-Recurrent layers over the prefix tree: Gated DeltaNet, Mamba2 and gated short convolutions in the packed forward.
+Recurrent layers over the prefix tree: Gated DeltaNet (and Kimi's, with a decay per channel), Mamba2 and gated short
+convolutions in the packed forward.
 
 Hybrid models interleave attention with layers that carry a state along the sequence: a causal depthwise convolution
 over the last `K` inputs and, for Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Mamba2 (Nemotron-H,
@@ -222,6 +223,34 @@ def gated_delta_net(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> t
     return out_proj(core.reshape(*hidden_states.shape[:2], -1))
 
 
+# -- Kimi Delta Attention (Kimi-Linear) -------------------------------------------------------------------------------
+def kimi_delta_attention(layer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
+    """A Kimi Delta Attention layer over the packed tree `(1, N, D)`: Gated DeltaNet with a decay per channel, each
+    node from its parent's final state (its padding neither writes (beta 0) nor decays (log-decay 0) the state), its
+    convolution's left context its parent's tail."""
+    fork = Fork.of(layout)
+    chunk, causal_conv = _kernels(layer, hidden_states, "chunk_kimi_delta_attention", "kimi delta rule")
+    mixed = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)], -1)
+    g = layer.forget_gate(hidden_states)  # (1, N, H, dk) log-decay, float32 as the layer's
+    beta = torch.sigmoid(layer.b_proj(hidden_states))
+    weight = layer.conv1d.weight.squeeze(1)
+
+    def conv(x):
+        return causal_conv(x, weight, layer.conv1d.bias, activation=layer.activation)
+
+    def run(x, g, beta, initial):
+        query, key, value = (part.unflatten(-1, (-1, layer.head_dim)) for part in x.split([layer.qkv_dim] * 3, -1))
+        return chunk(query, key, value, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+    conv_out = fork.conv(conv, fork.split(mixed), layer.conv_kernel_size, layer)
+    outs = fork.scan(run, list(zip(conv_out, fork.frozen(fork.split(g)), fork.frozen(fork.split(beta)), strict=True)),
+                     layer)  # fmt: skip
+    core = fork.join(outs)  # (1, N, H, dk)
+    gate = layer.g_b_proj(layer.g_a_proj(hidden_states)).unflatten(-1, (-1, layer.head_dim))
+    return layer.o_proj(layer.o_norm(core, gate).reshape(*hidden_states.shape[:2], -1))
+
+
 # -- Mamba2 (Nemotron-H, Granite 4-H, Falcon-H1) ----------------------------------------------------------------------
 def mamba2(mixer, hidden_states: torch.Tensor, layout: TreeLayout) -> torch.Tensor:
     """A Mamba2 mixer over the packed tree `(1, N, D)`, as its own torch path computes it (the fused training path,
@@ -286,6 +315,7 @@ FORKS = {
     "Qwen3_5GatedDeltaNet": (gated_delta_net, "conv1d"),
     "Qwen3_5MoeGatedDeltaNet": (gated_delta_net, "conv1d"),
     "OlmoHybridGatedDeltaNet": (gated_delta_net, "conv1d"),
+    "KimiLinearDeltaAttention": (kimi_delta_attention, "conv1d"),
     "NemotronHMamba2Mixer": (mamba2, "conv1d"),
     "GraniteMoeHybridMambaLayer": (mamba2, "conv1d"),
     "FalconH1Mixer": (mamba2, "conv1d"),

@@ -40,6 +40,12 @@ def _problem(name: str, device, dtype) -> tuple[tuple, dict, dict[str, torch.Ten
             rand(2, 4, 8, 8, dtype=torch.float32))  # fmt: skip
         kwargs = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
         return (q, k, v), kwargs, dict(query=q, key=k, value=v, g=g, beta=beta, initial_state=state)
+    if name == "kimi delta rule":  # Gated DeltaNet with a log-decay per channel: 2 rows of 70 tokens, 2 heads of 8
+        q, k, v = rand(2, 70, 2, 8), rand(2, 70, 2, 8), rand(2, 70, 2, 8)
+        g, beta, state = rand(2, 70, 2, 8, low=-0.5, high=0.0, dtype=torch.float32), rand(2, 70, 2, low=0.0, high=1.0), (
+            rand(2, 2, 8, 8, dtype=torch.float32))  # fmt: skip
+        kwargs = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return (q, k, v), kwargs, dict(query=q, key=k, value=v, g=g, beta=beta, initial_state=state)
     if name == "mamba2 scan":  # 2 rows of 40 tokens in chunks of 16, 4 heads of 8 in 2 groups, a state of 8
         x, dt, B, C = rand(2, 40, 4, 8), rand(2, 40, 4, low=0.0, high=0.2), rand(2, 40, 2, 8), rand(2, 40, 2, 8)
         A, D, state = rand(4, low=-1.0, high=-0.1, dtype=torch.float32), rand(4, dtype=torch.float32), rand(
