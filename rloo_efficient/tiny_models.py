@@ -30,11 +30,11 @@ ARCHITECTURES = {
     "gemma3_vlm": "Gemma3Config", "qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "gemma4": "Gemma4Config",
     "qwen3_5": "Qwen3_5Config", "qwen3_5_moe": "Qwen3_5MoeConfig", "qwen3_vl": "Qwen3VLConfig",
     "qwen3_vl_moe": "Qwen3VLMoeConfig", "glm4v": "Glm4vConfig",
-    "glm4v_moe": "Glm4vMoeConfig", "llava": "LlavaConfig",
+    "glm4v_moe": "Glm4vMoeConfig", "internvl": "InternVLConfig", "llava": "LlavaConfig",
     "llava_next": "LlavaNextConfig", "idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig",
 }  # fmt: skip
 MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
-              "glm4v", "glm4v_moe", "llava", "llava_next",
+              "glm4v", "glm4v_moe", "internvl", "llava", "llava_next",
               "idefics3", "smolvlm")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
@@ -54,6 +54,8 @@ IMAGE_TOKENS = {
     "qwen3_vl_moe": _QWEN,
     "glm4v": _GLM,
     "glm4v_moe": _GLM,
+    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                 "video_token": "<video>"},
     "gemma4": {**_GEMMA_IMAGE, "image_token": "<|image|>", "video_token": "<|video|>", "audio_token": "<|audio|>",
                "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"},
     "llava": {"image_token": "<image>"},
@@ -66,6 +68,7 @@ IMAGE_TOKENS = {
 # What a family's chat template writes for an image (its processor expands it into the image's tokens)
 IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
                      **dict.fromkeys(("glm4v", "glm4v_moe"), "<|begin_of_image|><|image|><|end_of_image|>"),
+                     "internvl": "<IMG_CONTEXT>",
                      "idefics3": "<image>", "smolvlm": "<image>",
                      **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"),
                                      "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
@@ -253,6 +256,13 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
                     video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
                     vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    if cfg.arch == "internvl":  # InternVL3: InternViT on 8x8 tiles in patches of 2 (16), pixel-shuffled by half: 4 tokens
+        # per tile; Qwen2's language model
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=[8, 8], patch_size=[2, 2])  # fmt: skip
+        return dict(text_config={**text, "model_type": "qwen2"}, vision_config=vision,
+                    image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4, downsample_ratio=0.5,
+                    tie_word_embeddings=False)  # fmt: skip
     if cfg.arch in ("llava", "llava_next"):  # a CLIP tower, a projector and a Llama; LLaVA-Next: tiles per image
         vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, image_size=LLAVA_TILE, patch_size=2, projection_dim=16)  # fmt: skip
@@ -362,6 +372,11 @@ def build_processor(cfg, tokenizer):
                                                               size={"shortest_edge": 16, "longest_edge": 1 << 22})
         return _without_video(transformers.Glm4vProcessor)(image_processor=image_processor, tokenizer=tokenizer,
                                                           video_processor=None, **template)  # fmt: skip
+    if cfg.arch == "internvl":  # each image cropped to tiles of 8 (a 16x8 image: 2 and a thumbnail), 4 tokens a tile
+        image_processor = transformers.GotOcr2ImageProcessorPil(size={"height": 8, "width": 8}, crop_to_patches=True,
+                                                                min_patches=1, max_patches=4)  # fmt: skip
+        return _without_video(transformers.InternVLProcessor)(image_processor=image_processor, tokenizer=tokenizer,
+                                                             video_processor=None, image_seq_length=4, **template)
     if cfg.arch in ("llava", "llava_next"):  # CLS dropped ("default"): (8 / 2)^2 = 16 tokens per image or tile
         size = dict(size={"shortest_edge": LLAVA_TILE}, crop_size={"height": LLAVA_TILE, "width": LLAVA_TILE})
         if cfg.arch == "llava":

@@ -116,6 +116,7 @@ FAMILIES = {
     "qwen3_vl": {},  # interleaved 3-D rotary, DeepStack (image batches: test_vision.py)
     "glm4v": {},  # GLM's 3-D rotary, post-norms
     "glm4v_moe": dict(model_dtype="float32"),
+    "internvl": {},  # Qwen2's language model under InternVL's checkpoint
     "gemma4": dict(sliding_window=16),  # keys and values shared across layers, k = v, a wider global head
     # Hybrids: recurrent layers forked after the prompt (their torch kernels compute in float32: float32 for all)
     "qwen3_next": dict(model_dtype="float32"),

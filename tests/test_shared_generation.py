@@ -61,7 +61,7 @@ WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_wi
                      "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
                      "exaone4": dict(sliding_window=8), "ministral3": {}, "phi4_mini": {},
                      "gemma2": dict(sliding_window=8), "qwen3_vl": {}, "glm4v": {},
-                     "glm4v_moe": {}, "kimi_linear": {}}  # fmt: skip
+                     "glm4v_moe": {}, "kimi_linear": {}, "internvl": {}}  # fmt: skip
 # Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
 FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
            "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe",

@@ -29,6 +29,7 @@ VISION = {
     "qwen3_vl_moe": dict(model_dtype="float32"),
     "glm4v": {},  # GLM's own 3-D position index, a tower with learned positions interpolated per image
     "glm4v_moe": dict(model_dtype="float32"),
+    "internvl": {},  # each image's tiles (a 16x8 image: 2 and a thumbnail), counted per row
     "gemma3_vlm": dict(sliding_window=16),
     "gemma4": dict(sliding_window=16, num_hidden_layers=6),  # a full layer's image tokens reach a later layer's keys
     "llava": {},
@@ -382,8 +383,10 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, arch, once)
     ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids, prompt_cache_once=once,
                                                         images=[[image] for image in images], **kwargs)  # fmt: skip
     assert prefill_tokens == 3 * (ids.shape[1] - 1)  # three distinct prompts of six rows
-    assert len(stock_encoded) == len(encoded) == 1 and len(stock_encoded[0]) == 6
-    assert encoded[0] == stock_encoded[0][:3]  # each distinct prompt's image once (rows 0, 1, 2 are the three)
+    per_image = 3 if arch == "internvl" else 1  # the tower's inputs per image: itself, or InternVL's 2 tiles and thumbnail
+    assert len(stock_encoded) == len(encoded) == 1 and len(stock_encoded[0]) == 6 * per_image
+    # each distinct prompt's image once (rows 0, 1, 2 are the three)
+    assert encoded[0] == stock_encoded[0][: 3 * per_image]
     assert torch.equal(ours.sequences, stock.sequences)
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4  # generate's logits are float32
     for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):

@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from ..core.generation.generate import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, text_only
+from ..core.generation.generate import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, row_tiles, text_only
 from ..core.layers.vision import IMAGE_KWARGS, layout_reason
 from ..core.tree.rows import prompt_key
 
@@ -79,7 +79,11 @@ class SharedGenerationMixin:
         if any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
             return "a prompt ends with an image's token"  # the prefill stops one token short of it
         if "pixel_values" in multimodal_fields:
-            return layout_reason(multimodal_fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
+            fields = multimodal_fields
+            if self._vision["pixels"] == "tiles":  # InternVL: each row's tiles, from its image tokens
+                model = self.accelerator.unwrap_model(self.model)
+                fields = {**fields, "num_tiles": row_tiles(model, prompt_ids, len(fields["pixel_values"]))}
+            return layout_reason(fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
                                  self._vision["pixels"])  # fmt: skip
         return None
 

@@ -178,6 +178,8 @@ class PackedForwardMixin:
         rows = np.arange(start, end)
         out = select_images(images, images["num_images"], rows, self._vision["pixels"])
         out["num_images"] = images["num_images"][start:end]
+        if images.get("num_tiles") is not None:  # InternVL's: TRL slices the tiles by them
+            out["num_tiles"] = images["num_tiles"][start:end]
         for key in TOKEN_TYPE_FIELDS:
             if images.get(key) is not None:
                 out[key] = images[key][start:end]

@@ -32,7 +32,7 @@ from transformers.cache_utils import (
 from ..attention.backend import decoding_with
 from ..layers.families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
 from ..layers.install import install
-from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, select_images
+from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, select_images, tiles_per_row
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
@@ -120,8 +120,8 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
-def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: list[int],
-                 width: int) -> tuple[dict, dict]:  # fmt: skip
+def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: list[int], width: int,
+                 prompt_ids: list[list[int]]) -> tuple[dict, dict]:  # fmt: skip
     """
     Splits `generate`'s multimodal kwargs for a shared prefill of the rows `first`: `(prefill's, the continuation's)`.
     The prefill gets the images of those rows alone, laid out as the processor lays out a batch of them
@@ -129,12 +129,21 @@ def image_inputs(model: nn.Module, kwargs: dict, num_images: list[int], first: l
     token types (which `generate` reads for the last column) and no image (its features are in the cache).
     """
     images = {key: kwargs[key] for key in IMAGE_KWARGS if kwargs.get(key) is not None}
-    prefill = select_images(images, num_images, first, VISION_FAMILIES[model.config.model_type]["pixels"])
+    pixels = VISION_FAMILIES[model.config.model_type]["pixels"]
+    if pixels == "tiles":  # each row's tiles, from its image tokens (the processor's count is not passed on)
+        images["num_tiles"] = row_tiles(model, prompt_ids, len(images["pixel_values"]))
+    prefill = select_images(images, num_images, first, pixels)
     index = torch.tensor(first)
     for key in TOKEN_TYPE_FIELDS:
         if kwargs.get(key) is not None:
             prefill[key] = kwargs[key].index_select(0, index.to(kwargs[key].device))[:, : width - 1]
     return prefill, {key: value for key, value in kwargs.items() if key not in IMAGE_KWARGS}
+
+
+def row_tiles(model: nn.Module, prompt_ids: list[list[int]], tiles: int) -> list[int]:
+    """Each row's image tiles (InternVL), from its image tokens on the host: `tiles` in all."""
+    placeholders = image_token_ids(model)
+    return tiles_per_row([sum(token in placeholders for token in ids) for ids in prompt_ids], tiles)
 
 
 @torch.no_grad()
@@ -268,7 +277,8 @@ def generate_with_shared_prefill(
     padded = any(len(ids) < width for ids in prompt_ids)
     prefill_images = None
     if images is not None:
-        prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width)
+        prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width,
+                                              prompt_ids)  # fmt: skip
     empty = turn_cache(model) if turns is not None else None  # held: windows kept whole
     if plan is not None:
         prefilled, tokens = tree_prefill(model, plan, empty), plan.tree.num_tokens

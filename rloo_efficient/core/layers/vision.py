@@ -51,6 +51,8 @@ VISION_FAMILIES = {
     # Only with use_bidirectional_attention="vision" ([`image_blocks`]); images and videos, not audio
     "gemma4": dict(pixels="images", positions="columns", blocks=("mm_token_type_ids", (1, 2), "sliding")),
     "llava": dict(pixels="images", **_COLUMNS),
+    # InternVL: each image cropped to tiles (and a thumbnail), pixel values one entry per tile; TRL counts each row's
+    "internvl": dict(pixels="tiles", **_COLUMNS),
     "llava_next": dict(pixels="images", **_COLUMNS),
     "idefics3": dict(pixels="rows", **_COLUMNS),
     "smolvlm": dict(pixels="rows", **_COLUMNS),
@@ -91,7 +93,18 @@ def layout_reason(kwargs: dict, num_images: list[int], pixels: str) -> str | Non
         return "the pixel values are not one entry per image (crops?)"
     elif pixels == "rows" and entries != len(num_images):
         return "the pixel values are not one entry per row"
+    elif pixels == "tiles":
+        tiles = kwargs.get("num_tiles")
+        if tiles is None or len(tiles) != len(num_images) or sum(tiles) != entries:
+            return "the pixel values are not the rows' tiles"
     return None
+
+
+def tiles_per_row(image_tokens: list[int], tiles: int) -> list[int]:
+    """Each row's tiles (InternVL: `generate`'s inputs do not count them), from its image tokens: every tile has as
+    many, `tiles` of them in all."""
+    total = sum(image_tokens)
+    return [count * tiles // total for count in image_tokens] if total else [0] * len(image_tokens)
 
 
 def image_token_ids(model: nn.Module) -> set[int]:
@@ -113,7 +126,8 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels:
     The image kwargs of the ordered `rows` of a batch that `kwargs` and `num_images` (per row) describe, laid out as
     the processor lays out a batch of just those rows, `pixels` as the family's ([`VISION_FAMILIES`], checked by
     [`layout_reason`]): Qwen's patch rows with their grids, one entry per image (with Gemma 4's patch positions and
-    LLaVA-Next's sizes), or one per row (Idefics3's tiles, with their pixel masks). Index arrays are built on the host;
+    LLaVA-Next's sizes), or one per row (Idefics3's tiles, with their pixel masks), or each row's tiles (InternVL, by
+    `num_tiles`, TRL's count per row). Index arrays are built on the host;
     each tensor is gathered once. Empty when the rows hold no image.
     """
     rows = np.asarray(rows, dtype=np.int64)
@@ -125,7 +139,10 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels:
         return value.index_select(0, torch.from_numpy(index).to(value.device))
 
     pixel_values, out = kwargs["pixel_values"], {}
-    if pixels == "patches":  # each image is grid.prod() rows of pixel_values
+    if pixels == "tiles":  # each row's tiles, its images' in order ([`layout_reason`] checked them)
+        per_row = np.asarray(kwargs["num_tiles"], dtype=np.int64)
+        out["pixel_values"] = take(pixel_values, ranges((np.cumsum(per_row) - per_row)[rows], per_row[rows]))
+    elif pixels == "patches":  # each image is grid.prod() rows of pixel_values
         grid = kwargs["image_grid_thw"]
         per_image = grid.prod(-1).cpu().numpy()  # small: one entry per image (TRL reads it back too)
         first_patch = np.cumsum(per_image) - per_image
