@@ -107,11 +107,9 @@ class HeldPrefixMixin:
             return None
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
         held = None
-        period = position_period(self.accelerator.unwrap_model(self.model))
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
-        # Within Llama 4's scaling period every position scales alike: a held node may sit at other rows' columns
         if all(ROWS_KEY in batch and batch.get("pixel_values") is None for batch in batches) and (
-                period is None or width <= period):  # fmt: skip
+                self._within_period(width)):  # fmt: skip
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget)  # fmt: skip
             if plan is not None:
@@ -124,13 +122,19 @@ class HeldPrefixMixin:
             self._train_scope.close()
         self._train_scope = self._active_scope = None
 
-    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool,
-                     within_period: bool = True):  # fmt: skip
+    def _within_period(self, width: int) -> bool:
+        """Whether a batch `width` columns wide may hold prompts: within Llama 4's scaling period
+        ([`core.layers.families.position_period`]) every position scales alike, so a held node may sit at other rows'
+        columns; past it, it may not. True for a model without one."""
+        period = position_period(self.accelerator.unwrap_model(self.model))
+        return period is None or width <= period
+
+    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool, width: int):
         """`(scope, chunk indices, closes)` for a packed forward over `chunks` (`(start, end)` row ranges of `rows`):
         the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
-        where nothing is held. `closes`: the caller closes the scope when done. `within_period`: whether the batch
-        is shorter than the model's position period ([`core.layers.families.position_period`]), or it has none."""
-        if self._hold_budget is None or images or not within_period:
+        where nothing is held. `closes`: the caller closes the scope when done. `width`: the batch's columns
+        ([`_within_period`])."""
+        if self._hold_budget is None or images or not self._within_period(width):
             return None, range(len(chunks)), False
         if torch.is_grad_enabled():
             scope = self._active_scope

@@ -84,8 +84,7 @@ class PackedForwardMixin:
         chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
         # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]
         period = position_period(unwrapped)
-        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images),
-                                                   within_period=period is None or input_ids.size(1) <= period)  # fmt: skip
+        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images), input_ids.size(1))
 
         def call(**inputs):  # LongRoPE's factors as stock's forward of the padded chunk chooses them
             with self.accelerator.autocast(), rope_length(unwrapped, input_ids.size(1)):

@@ -17,9 +17,12 @@ from torch import nn
 
 
 def longrope_modules(model: nn.Module) -> list[nn.Module]:
-    """The rotary modules of `model` that choose LongRoPE's factors per call (one rope type for every layer)."""
-    return [module for module in model.modules() if getattr(module, "rope_type", None) == "longrope"
-            and hasattr(module, "original_inv_freq")]  # fmt: skip
+    """The rotary modules of `model` that choose LongRoPE's factors per call (one rope type for every layer), found
+    once per model: every packed call asks."""
+    if "_rloo_longrope" not in vars(model):
+        model._rloo_longrope = [module for module in model.modules() if getattr(module, "rope_type", None) ==
+                                "longrope" and hasattr(module, "original_inv_freq")]  # fmt: skip
+    return model._rloo_longrope
 
 
 def _undated(forward):

@@ -51,7 +51,8 @@ VISION_FAMILIES = {
     # Only with use_bidirectional_attention="vision" ([`image_blocks`]); images and videos, not audio
     "gemma4": dict(pixels="images", positions="columns", blocks=("mm_token_type_ids", (1, 2), "sliding")),
     "llava": dict(pixels="images", **_COLUMNS),
-    # InternVL: each image cropped to tiles (and a thumbnail), pixel values one entry per tile; TRL counts each row's
+    # InternVL: each image cropped to tiles (and a thumbnail), pixel values one entry per tile, TRL's `num_tiles`
+    # counting each row's
     "internvl": dict(pixels="tiles", **_COLUMNS),
     "llava_next": dict(pixels="images", **_COLUMNS),
     "idefics3": dict(pixels="rows", **_COLUMNS),
