@@ -1,7 +1,8 @@
 """
 The generation phase of one prompt group (k rows of one P-token prompt, C new tokens): stock TRL's `generate` from
 k copies vs ours (`generate_with_shared_prefill`): the shared prefill with the prompt's cache fanned out to the k
-rows (`fan_out`), and with the prompt's cache kept once per group (`cache_once`). Reports the peak tensor memory above the loaded model (on CPU
+rows (`fan_out`), the same decoded from static buffers (`static`: `core.generation.static_decode`), and with the
+prompt's cache kept once per group (`cache_once`). Reports the peak tensor memory above the loaded model (on CPU
 the exact peak of live tensor bytes, from the profiler's allocation events; on an accelerator the allocator's peak
 allocated) and time (median of --repeats after a burn-in, without the
 profiler), and checks that both give the same completions from the same seed. No EOS: every row decodes C tokens,
@@ -33,7 +34,7 @@ from rloo_efficient.workload import WorkloadConfig, build_model_dir
 MIB = 1024**2
 
 
-METHODS = ("stock", "fan_out", "cache_once")
+METHODS = ("stock", "fan_out", "static", "cache_once")
 
 
 def generate(method, model, input_ids, attention_mask, config):
@@ -41,7 +42,7 @@ def generate(method, model, input_ids, attention_mask, config):
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     once = method == "cache_once"
     return generate_with_shared_prefill(model, input_ids, attention_mask, prompt_cache_once=once,
-                                        generation_config=config)[0]  # fmt: skip
+                                        static=method == "static", generation_config=config)[0]  # fmt: skip
 
 
 def peak_tensor_bytes(fn, device) -> int:

@@ -15,12 +15,13 @@
 #    after each generation (the earlier default, suspected of the ~1.2 s ours' generation phase spent there);
 # 4. the agent workload's generation turn by turn (tool turns continuing each row's cache) at Qwen3-0.6B's shape;
 # 5. the decoding cost on this GPU across prompt lengths (core/generation/prompt_cache.py BREAK_EVEN_BYTES);
-# 6. the trainer on the 1.7B workloads (never measured yet).
+# 6. the trainer on the 1.7B workloads (never measured yet);
+# 7. decoding from static buffers (static_decoding) against generate's loop: generation alone, then the trainer.
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-STEPS="${STEPS:-held_overhead bench_gpu_rows1 doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
+STEPS="${STEPS:-held_overhead static_generation bench_gpu_rows1 doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
@@ -32,11 +33,13 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
 }
 run 60 held_overhead python3 experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
+run 90 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
+    --completion_length 256 --ks 8 --methods fan_out static --repeats 1
 run 220 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
 run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
-    --ablations empty_cache_policy=after_generation --output "$OUT/bench_gpu_0.6b.md"
+    --ablations empty_cache_policy=after_generation static_decoding=True --output "$OUT/bench_gpu_0.6b.md"
 run 120 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"
 run 60 decode_cost_k8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 16384 --k 8
 run 240 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b --output "$OUT/bench_gpu_1.7b.md"

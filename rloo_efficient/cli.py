@@ -52,6 +52,20 @@ def run(argv: list[str] | None = None) -> None:
         parser = script.make_parser(prog=f"rloo-efficient {command}")
         # Launch keys in the recipe (num_processes, mixed_precision) were accelerate's: ignored here, as TRL's scripts do
         script.main(*parser.parse_args_and_config(args=arguments, fail_with_unknown_args=False))
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """
+    Destroys the default process group once training is done (TRL's scripts leave it to interpreter exit). Left
+    alive, Gloo's worker threads may still hold finished work whose tensors Python frees during finalization, and the
+    rank aborts (SIGABRT) after a run that completed; seen on CPU under `accelerate launch` with two processes
+    (pytorch/pytorch#179291). Each rank destroys its own group: not a collective for Gloo.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

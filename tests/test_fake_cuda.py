@@ -596,3 +596,37 @@ def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, v
         _attention_backward(chosen, packed, layout, dtype, window=window, sinks=sinks, sliding=window is not None,
                             held=tuple(layout.held.attention(0)))  # fmt: skip
         assert fused()
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch):
+    """Three steps of static decoding ([`core.generation.static_decode.StaticStep`]) from a fanned-out prefill on
+    CUDA, bf16: every buffer the step reads and writes (cache, mask, positions, the input token, the write column)
+    on the device, the same tensors each step, the cache sized once for the call; the step's logits float32."""
+    from rloo_efficient.core.generation.generate import fan_out, generation_position_ids
+    from rloo_efficient.core.generation.static_decode import StaticStep
+
+    prompts, order, width, steps = [[5] * 12, [6] * 9], [0, 0, 0, 1, 1, 1], 12, 3
+    ids = torch.tensor([[0] * (width - len(prompts[g])) + prompts[g] for g in order])
+    mask = torch.tensor([[0] * (width - len(prompts[g])) + [1] * len(prompts[g]) for g in order])
+    first, inverse = unique_rows([prompts[g] for g in order])
+    with fake_cuda(monkeypatch):
+        model = fake_model(arch, torch.bfloat16)
+        ids, mask = ids.to(CUDA), mask.to(CUDA)
+        cache = fan_out(prefill_prompts(model, ids, mask, first, padded=True), inverse, CUDA)
+        inputs = {"attention_mask": mask, "position_ids": generation_position_ids(mask), CACHE_KWARG: cache,
+                  "logits_to_keep": 1}  # fmt: skip
+        step = StaticStep(model, ids, inputs, width - 1 + steps)
+        def buffers():  # fake tensors have no addresses: the same tensor objects, written in place (the CPU tests
+            # check the addresses)
+            return [step.mask, step.position, step.token, step.column,
+                    *(t for layer in step.cache.layers for t in (layer.keys, layer.values))]  # fmt: skip
+
+        before = buffers()
+        assert all(buffer.device == CUDA for buffer in before)
+        assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64) and step.mask.dtype == torch.bool
+        for _ in range(steps):
+            logits = step()
+            assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
+            step.advance(torch.randint(3, 64, (6,)).to(CUDA))
+            assert all(a is b for a, b in zip(buffers(), before, strict=True))

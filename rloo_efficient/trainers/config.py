@@ -74,6 +74,15 @@ SHARING_DOC = r"""
             prompts are forwarded per micro-batch, as without it). `None`: a quarter of the accelerator's memory (of
             the host's on CPU); `0`: never held. Not for batches with images, nor in training under reentrant
             gradient checkpointing (`use_reentrant=True`).
+        static_decoding (`bool`, *optional*, defaults to `False`):
+            With `share_generation_prefill`, decode from the shared prefill's cache in buffers sized for the call
+            (each layer's keys and values, the attention mask, positions and tokens written in place; the logits
+            processors and stopping criteria `generate` prepares, unchanged), reading back whether every row has
+            finished only every 8 steps: no growing cache, no host wait per token (what a captured graph needs).
+            The same samples as `generate`, the random generator left as `generate` leaves it. Where the prompt's
+            cache is kept once per group (`share_prompt_kv_cache`) or a call cannot be exact this way (a sliding
+            window, recurrent states, a model preparing its own decoding inputs, flash attention), `generate`
+            decodes, with one warning naming why. Off by default until measured on a GPU.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -144,6 +153,11 @@ class SharingArguments:
         default=None,
         metadata={"help": "Forward each prompt once for all the micro-batches (and log-prob chunks) holding its rows, "
                           "holding its state up to this many GiB (None: a quarter of the device's memory; 0: never)."},
+    )
+    static_decoding: bool = field(
+        default=False,
+        metadata={"help": "Decode from static buffers after the shared prefill (no growing cache, no host read per "
+                          "token): the graph-ready decoding loop (with share_generation_prefill)."},
     )
     share_reward_prefix: bool = field(
         default=True,

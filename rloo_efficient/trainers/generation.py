@@ -112,7 +112,8 @@ class SharedGenerationMixin:
             output, tokens = generate_with_shared_prefill(
                 model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
                 tree=self._settings.share_prefill_tree, synced=self._forwards_are_collective(model),
-                generate=stock_generate, images=images, turns=self._turns, **kwargs,
+                generate=stock_generate, images=images, turns=self._turns, static=self._settings.static_decoding,
+                **kwargs,
             )  # fmt: skip
             self.shared_prefill_tokens += tokens
             return output

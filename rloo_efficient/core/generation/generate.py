@@ -36,6 +36,7 @@ from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, sele
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
+from .static_decode import static_sample
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
     TurnCaches,
@@ -200,6 +201,7 @@ def generate_with_shared_prefill(
     generate=None,
     images: list | None = None,
     turns: TurnCaches | None = None,
+    static: bool = False,
     **kwargs,
 ):
     """
@@ -223,9 +225,12 @@ def generate_with_shared_prefill(
     through the vision tower once, in the prefill ([`image_inputs`]). `turns`: a tool loop's caches carried between
     its calls ([`generation.turn_cache.TurnCaches`]): rows that extend a row of the previous call continue its keys and values
     (only their new tokens are forwarded), and this call's are held for the next, where the model's cache allows it
-    ([`generation.turn_cache.continue_reason`]), for text prompts, not under `synced`.
+    ([`generation.turn_cache.continue_reason`]), for text prompts, not under `synced`. `static`: decode from the
+    shared prefill's cache in static buffers ([`generation.static_decode.static_sample`]) where the prompt is fanned
+    out or each row has its own; a prompt kept once decodes through `generate`'s own loop.
     """
     generate = generate or model.generate
+    decoding = {"custom_generate": static_sample} if static else {}  # for a call continuing a cache of ours
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
@@ -245,7 +250,8 @@ def generate_with_shared_prefill(
         cache, tokens = continue_prefill(model, held, continuation, prompt_ids, width)
         del held
         _rope_deltas(model, None, len(prompt_ids), input_ids.device)  # not the previous call's rows' (Qwen2-VL)
-        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **decoding,
+                          **kwargs)  # fmt: skip
         _hold(turns, cache, prompt_ids, output, width, config)
         return output, tokens
     del held
@@ -294,6 +300,10 @@ def generate_with_shared_prefill(
         cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,
                             kv_sources(model.config.get_text_config(decoder=True)))
         attention = decoding_with(cache)
+        if decoding:  # a constant message: Python shows it once
+            warnings.warn("rloo_efficient: static decoding is off for batches whose prompt's KV cache is kept once per "
+                          "group (share_prompt_kv_cache): generate decodes them.", stacklevel=2)  # fmt: skip
+            decoding = {}
     else:
         if prompt_cache_once:  # a constant message: Python shows it once
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
@@ -303,7 +313,8 @@ def generate_with_shared_prefill(
     del prefilled  # `cache` alone holds the prompt's keys and values now
     _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:
-        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **decoding,
+                          **kwargs)  # fmt: skip
     _hold(turns, cache, prompt_ids, output, width, config)
     return output, tokens
 

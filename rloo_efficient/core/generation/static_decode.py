@@ -1,0 +1,270 @@
+"""
+Decoding from static buffers: `generate`'s decoding loop with every step's shapes and addresses fixed.
+
+`generate`'s loop grows each layer's keys and values by a concatenation every step, builds the step's attention mask
+from a 2-D mask one column longer each time, and reads a device value back every step to decide whether to stop: on
+a GPU, allocations and a stall per token, and nothing a captured graph could replay. [`static_sample`] is that loop
+as `generate`'s `custom_generate` (so the logits processors and stopping criteria are the ones `generate` prepared
+from the generation config, unchanged), over buffers sized for the call once, after the shared prefill:
+
+- each layer's keys and values in `(B, Hkv, W - 1 + N, D)` buffers (the prefilled `W - 1` prompt columns copied in),
+  each step's written in place at a device index ([`StaticLayer`]);
+- the attention mask a `(B, 1, 1, W - 1 + N)` buffer, its column opened in place each step, handed to the model as a
+  prepared 4-D mask (transformers uses such a mask as it is); the position ids and the step's input token likewise;
+- the sequences a `(B, W + N)` buffer, the processors reading a view of its first columns as `generate`'s growing
+  `input_ids`.
+
+A step reads nothing back from the device: whether every row has finished is written to a device flag per step and
+read every [`STOP_CHECK_EVERY`] steps. The steps run past the one where every row finished are undone: their tokens
+cut from the output, and the random generator put back to its state after that step, so the next draw anyone makes
+is the one it would have been after stock's `generate` (which stops right there).
+
+Equal to `generate`'s loop up to the attention's sums over masked columns (a masked column adds an exact zero: the
+same terms, in a kernel's order for a longer row): the same logits to floating-point rounding, the same samples.
+Where a call cannot be exact this way (a cache other than plain per-row keys and values, a model preparing its own
+decoding inputs, an attention implementation that takes no prepared mask, a streamer, scores returned), it runs
+`generate`'s own loop, with one warning naming why.
+"""
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from ..transformers_compat import CACHE_KWARG
+
+
+# How often (in steps) the loop reads back whether every row has finished: each read waits for the device to catch
+# up, each step past the finish is a forward spent for nothing. Not yet measured on a GPU (issue 41): 8 steps cost at
+# most 7 wasted forwards per call against one stall per token
+STOP_CHECK_EVERY = 8
+# Attention implementations that take a prepared 4-D mask as it is: boolean (True attends) for SDPA, additive for
+# eager. Flash attention and the Hub's kernels read a 2-D mask or none
+_MASKS = {"sdpa": "bool", "eager": "additive"}
+# What `generate` hands its decoding loop that one static step reproduces (the rest: another loop's, or a model's own)
+_STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG, "use_cache"}
+_warned: set[str] = set()
+
+
+class StaticLayer(DynamicLayer):
+    """
+    A layer's keys and values in buffers of every position the call will forward, `(B, Hkv, L, D)`: each step's
+    written in place at `column` (a `(1,)` device index the decoding loop advances), the whole buffers returned (the
+    mask hides the columns not written yet). A `DynamicLayer` to what reads a cache's layers (`keys`, `values`).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor, length: list[int]):
+        super().__init__()
+        self.keys, self.values, self.column, self._length = keys, values, column, length
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.column, key_states)
+        self.values.index_copy_(2, self.column, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length[0]  # the positions written so far, kept on the host by the loop
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("A static decoding cache is built for one generate call and is not cropped.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("A static decoding cache's rows are fixed when it is built.")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("A static decoding cache's rows are fixed when it is built.")
+
+
+def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
+                         synced_gpus: bool, streamer, model_kwargs: dict) -> str | None:  # fmt: skip
+    """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
+    if synced_gpus:
+        return "ranks decode in step (synced_gpus)"
+    if streamer is not None:
+        return "a streamer reads every token on the host"
+    if generation_config.return_dict_in_generate and (generation_config.output_attentions or
+                                                      generation_config.output_hidden_states):  # fmt: skip
+        return "generate returns attentions or hidden states"
+    others = sorted({type(criterion).__name__ for criterion in stopping_criteria
+                     if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))})  # fmt: skip
+    if others:
+        return f"stopping criteria other than length and EOS ({', '.join(others)})"
+    if extra := sorted(set(model_kwargs) - _STEP_INPUTS):
+        return f"the model takes per-step inputs ({', '.join(extra)})"
+    if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
+        return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
+    implementation = model.config._attn_implementation
+    if implementation not in _MASKS:
+        return f"attn_implementation={implementation!r} takes no prepared 4-D mask"
+    cache = model_kwargs.get(CACHE_KWARG)
+    width = input_ids.shape[1]
+    if not isinstance(cache, Cache) or not cache.layers:
+        return "generate prefills its own cache"
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if kinds:
+        return f"its cache has layers other than plain keys and values ({', '.join(kinds)})"
+    if any(layer.keys is None or layer.keys.shape[-2] != width - 1 for layer in cache.layers):
+        return "the cache does not hold every prompt column but the last"
+    if model_kwargs.get("position_ids") is None:
+        return "generate passed no position ids"
+    return None
+
+
+def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
+                  synced_gpus: bool = False, streamer=None, **model_kwargs) -> torch.Tensor:  # fmt: skip
+    """
+    `generate`'s `_sample` (its `custom_generate` signature) from a cache holding the first `W - 1` columns of the
+    `(B, W)` batch `input_ids`, decoded from static buffers (see the module's text). Returns the sequences, as
+    `generate` does. Runs `generate`'s own loop where [`static_decode_reason`] says why it cannot.
+    """
+    reason = static_decode_reason(model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer,
+                                  model_kwargs)  # fmt: skip
+    if reason is None and stopping_criteria.max_length is None:
+        reason = "no max_length or max_new_tokens bounds the buffers"
+    if reason is not None:
+        if reason not in _warned:  # once per reason
+            _warned.add(reason)
+            warnings.warn(f"rloo_efficient: static decoding is off for this call, generate decodes: {reason}.",
+                          stacklevel=2)  # fmt: skip
+        return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                       synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
+    optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    with optimized():
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[int]) -> Cache:
+    """`cache`'s layers as [`StaticLayer`]s of `columns` positions, their filled columns copied in, in place (the
+    caller's cache object decodes and holds them afterwards); the prefilled tensors are released. Zeros in the columns
+    not written yet: a masked column's weight is zero, and zero times whatever memory held (NaN) would not be."""
+    layers = []
+    for layer in cache.layers:
+        unwritten = (0, 0, 0, columns - layer.keys.shape[-2])
+        keys, values = F.pad(layer.keys, unwritten), F.pad(layer.values, unwritten)
+        layer.keys = layer.values = None
+        layers.append(StaticLayer(keys, values, column, length))
+    cache.layers = layers
+    return cache
+
+
+def _rng_state(device: torch.device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class StaticStep:
+    """
+    One decoding step over static buffers: `rows` rows, `columns` cache positions (the prompt's `W - 1` prefilled and
+    one per step). A call opens the step's column of the mask, forwards the step's input token and returns the float32
+    logits of its next token; [`advance`] takes the sampled tokens as the next input. The same operators on the same
+    addresses every step, nothing read back: what a captured graph replays.
+    """
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, model_kwargs: dict, columns: int):
+        rows, width = input_ids.shape
+        self.model = model
+        self.written = [width - 1]  # positions in the cache: the host's count, for get_seq_length
+        # This step's write position (a device index, advanced in place)
+        self.column = torch.full((1,), width - 1, dtype=torch.long, device=input_ids.device)
+        self.cache = static_cache(model_kwargs[CACHE_KWARG], columns, self.column, self.written)
+        mask = model_kwargs.get("attention_mask")  # generate drops a mask of all ones
+        if mask is None:
+            mask = input_ids.new_ones(rows, width)
+        attends = F.pad(mask.bool(), (0, columns - width)).view(rows, 1, 1, columns)
+        if _MASKS[model.config._attn_implementation] == "additive":  # eager: the dtype's minimum where masked
+            dtype = self.cache.layers[0].keys.dtype
+            self.mask = torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(
+                attends.logical_not(), torch.finfo(dtype).min)  # fmt: skip
+            self.opened = 0.0
+        else:
+            self.mask, self.opened = attends, True
+        # generate's position ids (cumsum(mask) - 1) and input at the prompt's last column, then one further a step
+        self.position = model_kwargs["position_ids"].narrow(1, width - 1, 1).clone()
+        self.token = input_ids.narrow(1, width - 1, 1).clone()
+        self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
+
+    def __call__(self) -> torch.Tensor:
+        self.mask.index_fill_(-1, self.column, self.opened)  # the first step's (the prompt's last) is open already
+        outputs = self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.position,
+                             use_cache=True, return_dict=True, **{CACHE_KWARG: self.cache}, **self.extra)  # fmt: skip
+        return outputs.logits.select(1, -1).to(copy=True, dtype=torch.float32)
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Takes the step's sampled tokens `(B,)` as the next step's input."""
+        self.token.copy_(tokens.unsqueeze(1))
+        self.position.add_(1)
+        self.column.add_(1)
+        self.written[0] += 1
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    """The decoding loop; its output as `generate`'s: the sequences, or with `return_dict_in_generate` a
+    `GenerateDecoderOnlyOutput` with the scores and logits asked for and the cache."""
+    sequences, scores, logits = _loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                      model_kwargs)  # fmt: skip
+    config = generation_config
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores if config.output_scores else None,
+                                     logits=logits if config.output_logits else None,
+                                     cache=model_kwargs.get(CACHE_KWARG))  # fmt: skip
+
+
+def _loop(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    rows, width = input_ids.shape
+    device = input_ids.device
+    steps = stopping_criteria.max_length - width
+    recorded = ([], [])  # each step's scores and logits, where generate returns them
+    record = generation_config.return_dict_in_generate and (generation_config.output_scores or
+                                                            generation_config.output_logits)  # fmt: skip
+    if steps <= 0:
+        return input_ids, (), ()
+    step = StaticStep(model, input_ids, model_kwargs, width - 1 + steps)
+    sequences = input_ids.new_empty(rows, width + steps)
+    sequences[:, :width] = input_ids
+    pad = generation_config._pad_token_tensor
+    stops_at_eos = any(hasattr(criterion, "eos_token_id") for criterion in stopping_criteria)
+    sampling = bool(generation_config.do_sample)
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    finished = torch.zeros(steps, dtype=torch.bool, device=device)  # whether every row had finished after each step
+    states = {}  # the random generator's state after each step since the last check
+    checked = 0
+    for index in range(steps):
+        logits = step()
+        length = width + index
+        scores = logits_processor(sequences[:, :length], logits)
+        if record:
+            recorded[0].append(scores)
+            recorded[1].append(logits)
+        if sampling:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            states[index] = _rng_state(device)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        if stops_at_eos:  # finished rows get padding, as generate gives them
+            tokens = tokens * unfinished + pad * (1 - unfinished)
+        sequences[:, length].copy_(tokens)
+        unfinished &= ~stopping_criteria(sequences[:, : length + 1], scores)
+        finished[index] = unfinished.max() == 0
+        if index + 1 - checked == STOP_CHECK_EVERY or index + 1 == steps:
+            done = finished[checked : index + 1].nonzero()  # the loop's one read-back, every STOP_CHECK_EVERY steps
+            if done.numel():
+                last = checked + int(done[0, 0])  # generate stops after this step
+                if sampling and last != index:  # the draws of the steps past it undone
+                    _set_rng_state(device, states[last])
+                return sequences[:, : width + last + 1], tuple(recorded[0][: last + 1]), tuple(recorded[1][: last + 1])
+            checked, states = index + 1, {}
+        step.advance(tokens)
+    return sequences, tuple(recorded[0]), tuple(recorded[1])

@@ -1,0 +1,196 @@
+"""
+Decoding from static buffers ([`core.generation.static_decode`]): the same samples and logits as plain `generate`
+for each family it takes (the shared prefill's cache fanned out, or each row its own), the random generator left where
+`generate` leaves it when rows finish early, one host read per 8 steps and none inside a step, buffers at fixed
+addresses; one warning naming why where it steps aside; through the trainer as stock TRL runs.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.core.generation import static_decode
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
+from rloo_efficient.core.generation.static_decode import StaticLayer, StaticStep
+from rloo_efficient.profiling.op_count import OpCounter
+
+from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, training_args
+from .test_shared_generation import (
+    SYSTEM,
+    TOKEN_TYPES,
+    VOCAB,
+    assert_same_generation,
+    build,
+    generation_config,
+    left_pad,
+    prompts_for,
+)
+
+
+def static_and_stock(model, ids, mask, config, **extra):
+    """Stock `generate` and ours (static decoding, the prompt fanned out), each from seed 123; with each one's output,
+    the next draw of the random generator after it."""
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True, **extra)
+    torch.manual_seed(123)
+    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    stock_next = torch.rand(4)
+    torch.manual_seed(123)
+    ours, tokens = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=False, static=True, **kwargs)
+    assert tokens > 0  # the shared prefill ran
+    return stock, stock_next, ours, torch.rand(4)
+
+
+# Families whose cache is plain per-row keys and values and whose decoding inputs are generate's own: MLA (DeepSeek-V3),
+# experts (float32), per-head norms, absolute positions (GPT-2), NoPE layers, Granite's multipliers
+FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe", "deepseek_v3", "seed_oss", "glm4_moe")
+
+
+# No padding (generate then drops the mask), left padding, a system prompt prefilled once as the prompts' tree
+@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "system_prompt"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_same_logits_and_samples_as_generate(arch, layout):
+    model = build(arch)
+    ids, mask = left_pad(prompts_for(layout))
+    config = generation_config(max_new_tokens=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # static decoding ran: no fallback's warning
+        stock, _, ours, _ = static_and_stock(model, ids, mask, config)
+    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)
+
+
+@pytest.mark.parametrize("eos, steps", [(list(range(1, 40)), None), (list(range(1, 12)), None), ([1], 20)])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_rows_finishing_early_leave_the_random_generator_as_generate_does(attention, eos, steps):
+    """Rows finishing at different steps (padding after their EOS), all of them before the last step at a step that is
+    no multiple of 8 (the loop reads back every 8): the steps past it are cut and their draws undone, so the next draw
+    after ours is the one after stock's. Eager attention takes an additive mask (float32: stock's eager attention
+    gives NaN for float64 rows with left padding)."""
+    model = build("llama", dtype=torch.float64 if attention == "sdpa" else torch.float32, attention=attention)
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=20, eos_token_id=eos)
+    stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config)
+    finished = stock.sequences.shape[1] - ids.shape[1]
+    if steps is None:
+        assert finished < 20 and finished % 8  # stopped early, between two read-backs
+    else:
+        assert finished == steps
+    assert_same_generation(stock, ours, "gemma2" if attention == "eager" else "llama", finished)
+    torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
+
+
+def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
+    """Inside a step: no host synchronization, the cache's buffers and the mask at the same addresses; over a call of
+    16 tokens, two read-backs (after steps 8 and 16) where stock's `generate` reads one per token."""
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=16, suppress_tokens=[1])  # no row stops: all 16 steps run
+    steps, addresses = [], set()
+    call = StaticStep.__call__
+
+    def counted(self):
+        with OpCounter() as ops:
+            logits = call(self)
+        steps.append(ops.host_syncs)
+        addresses.add((self.mask.data_ptr(), *(layer.keys.data_ptr() for layer in self.cache.layers)))
+        return logits
+
+    monkeypatch.setattr(StaticStep, "__call__", counted)
+    decode = static_decode._decode
+    loops = []
+
+    def counted_decode(*args):
+        with OpCounter() as ops:
+            output = decode(*args)
+        loops.append(ops)
+        return output
+
+    monkeypatch.setattr(static_decode, "_decode", counted_decode)
+    generate_with_shared_prefill(model, ids, mask, prompt_cache_once=False, static=True, generation_config=config)
+    with OpCounter() as stock:
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert steps == [0] * 16 and len(addresses) == 1
+    # The two checks (`nonzero`) and the finished step's index at the last, where the length criterion stops every row
+    assert loops[0].counts["aten::nonzero"] == 2 and loops[0].host_syncs == 3
+    assert stock.host_syncs >= 16
+
+
+@pytest.mark.parametrize(
+    "arch, extra, reason",
+    [
+        ("mistral_sliding", {}, "DynamicSlidingWindowLayer"),
+        ("phi3", {}, "prepares its own decoding inputs"),
+        ("qwen3_next", {}, "LinearAttentionLayer"),
+    ],
+)
+def test_steps_aside_with_one_warning_naming_why(arch, extra, reason):
+    model = build(arch)
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=10)
+    extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
+    static_decode._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config, **extra)
+        static_and_stock(model, ids, mask, config, **extra)  # a second call: no second warning
+    messages = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
+    assert len(messages) == 1 and reason in messages[0]
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)  # generate's own loop
+    torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
+
+
+def test_every_row_its_own_prompt_decodes_from_its_own_cache():
+    """A tool loop's later turn: no two rows alike, the system prompt prefilled once as their tree, each row's cache its
+    own (nothing fanned out), decoded from static buffers."""
+    model = build("qwen3")
+    g = torch.Generator().manual_seed(5)
+    own = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 30, 0, 17, 4, 22)]
+    histories = [prompt + extra for prompt, extra in zip(prompts_for("system_prompt"), own, strict=True)]
+    histories[2] = histories[2] + [3]
+    ids, mask = left_pad(histories)
+    config = generation_config(max_new_tokens=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stock, _, ours, _ = static_and_stock(model, ids, mask, config)
+    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+    assert_same_generation(stock, ours, "qwen3", config.max_new_tokens)
+    assert SYSTEM < ids.shape[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "granite"])
+def test_tool_turns_continue_their_caches_from_static_buffers(arch):
+    """Three turns of a tool loop (rows ending at different steps, each later turn continuing each row's held cache):
+    plain generate's samples and logits every turn, each decoded from static buffers, the next turn continuing the
+    keys and values they hold, forwarding only what its rows added."""
+    from rloo_efficient.core.generation.turn_cache import TurnCaches
+
+    from .test_turn_cache import tool_loop
+
+    turns = TurnCaches(budget=1 << 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for turn, (stock, ours, tokens, added, _) in enumerate(tool_loop(arch, turns, once=False, static=True)):
+            assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+            assert_same_generation(stock, ours, arch, len(stock.logits))
+            if turn:
+                assert tokens == added
+
+
+def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch):
+    """`static_decoding=True` through the trainer (the prompt's cache fanned out): stock TRL's completions and
+    metrics, every generation decoded from static buffers."""
+    cfg, path, dataset = workload
+    calls = []
+    decode = static_decode._decode
+    monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
+    args = training_args(tmp_path, static_decoding=True, share_prompt_kv_cache=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, path, args, dataset)
+    assert not [w for w in caught if "static decoding is off" in str(w.message)]
+    assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
+    # The packed log-prob passes sum in other orders (TRL's log-prob head in float32), as without static decoding
+    assert_metrics_close(step_metrics(stock_run), step_metrics(ours), 1e-5, 1e-7, per_micro_batch(ours))
+    assert len(calls) == 2 and ours.shared_prefill_tokens > 0  # one generation per two steps, three steps
