@@ -33,8 +33,8 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
 }
 run 60 held_overhead python3 experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
-run 90 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
-    --completion_length 256 --ks 8 --methods fan_out static --repeats 1
+run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
+    --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
 run 220 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rloo_efficient.core.attention import backend as prefix_attention
@@ -31,6 +33,7 @@ from rloo_efficient.core.generation.generate import prefill_prompts, unique_rows
 from rloo_efficient.core.generation.prompt_cache import PrefixCache
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.transformers_compat import CACHE_KWARG
+from rloo_efficient.profiling.op_count import HOST_SYNC_OPS
 from rloo_efficient.core.tree import layout as layouts
 
 from .test_prefix_attention import stock_batch
@@ -598,11 +601,35 @@ def test_held_prefixes_run_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, v
         assert fused()
 
 
+class CaptureSafety(TorchDispatchMode):
+    """
+    Inside a fake CUDA region, records each operator a CUDA graph capture would refuse or replay wrongly: a read of a
+    device value on the host (`item`, `nonzero`, ...: capture forbids the synchronization), and a host tensor handed to
+    an operator producing CUDA tensors (a copy from the host, or a host value baked into the graph at capture).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        outputs = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if name in HOST_SYNC_OPS:
+            self.found.append(name)
+        elif any(x.device.type == "cpu" for x in inputs) and any(x.device.type == "cuda" for x in outputs):
+            self.found.append(f"{name} (a host tensor in)")
+        return out
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch):
     """Three steps of static decoding ([`core.generation.static_decode.StaticStep`]) from a fanned-out prefill on
     CUDA, bf16: every buffer the step reads and writes (cache, mask, positions, the input token, the write column)
-    on the device, the same tensors each step, the cache sized once for the call; the step's logits float32."""
+    on the device, the same tensors each step, the cache sized once for the call; the step's logits float32; nothing
+    in a step that a CUDA graph's capture would refuse or bake in (a host read, a host tensor)."""
     from rloo_efficient.core.generation.generate import fan_out, generation_position_ids
     from rloo_efficient.core.generation.static_decode import StaticStep
 
@@ -626,7 +653,9 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch):
         assert all(buffer.device == CUDA for buffer in before)
         assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64) and step.mask.dtype == torch.bool
         for _ in range(steps):
-            logits = step()
+            with CaptureSafety() as unsafe:
+                logits = step()
+            assert unsafe.found == []  # what a captured graph could not replay
             assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
             step.advance(torch.randint(3, 64, (6,)).to(CUDA))
             assert all(a is b for a, b in zip(buffers(), before, strict=True))

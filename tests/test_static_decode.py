@@ -178,6 +178,69 @@ def test_tool_turns_continue_their_caches_from_static_buffers(arch):
                 assert tokens == added
 
 
+class EmulatedGraph:
+    """On CPU, what `capture` returns on CUDA: `replay()` runs the step again into one output buffer (a real replay
+    writes the captured step's output buffer in place); `wrong` adds an error to each replay's output."""
+
+    def __init__(self, step, wrong: bool):
+        self.step, self.wrong, self.replays = step, wrong, 0
+        self.output = step()  # capture runs nothing; the step at the warm-up's position again changes nothing
+
+    def replay(self):
+        self.replays += 1
+        self.output.copy_(self.step() + (1.0 if self.wrong else 0.0))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """The graph path (`GraphedStep`) on CPU: capture and warm-up emulated, the rest of it as on CUDA."""
+    graphs = []
+
+    def capture(step, wrong=False, fails=False):
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graphs.append(EmulatedGraph(step, wrong))
+        return graphs[-1], graphs[-1].output
+
+    monkeypatch.setattr(static_decode, "CAPTURE_DEVICES", ("cpu",))
+    monkeypatch.setattr(static_decode, "warm_up", lambda step, device: step())
+    monkeypatch.setattr(static_decode, "capture", capture)
+    return graphs
+
+
+@pytest.mark.parametrize("fault", [None, "wrong", "fails"])
+def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_graphs, monkeypatch, fault):
+    """Each call's step captured once (after an eager warm-up that gives the first token) and replayed: stock's samples
+    and logits. On the model's first call, the first replays are checked against the eager step; a replay that
+    differs, or a step that cannot be captured, returns to the eager step (the same samples) with one warning naming
+    why, and later calls are not captured again."""
+    if fault is not None:
+        capture = static_decode.capture
+        monkeypatch.setattr(static_decode, "capture", lambda step: capture(step, **{fault: True}))
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=10)
+    eager_steps = []
+    call = StaticStep.__call__
+    monkeypatch.setattr(StaticStep, "__call__", lambda self: eager_steps.append(1) or call(self))
+    for attempt in range(2):
+        eager_steps.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stock, _, ours, _ = static_and_stock(model, ids, mask, config)
+        assert_same_generation(stock, ours, "llama", config.max_new_tokens)
+        messages = [str(w.message) for w in caught if "not from a CUDA graph" in str(w.message)]
+        if fault is None:  # the warm-up, the capture (emulated: runs it), replays; the first call checks 3 of them
+            assert not messages and emulated_graphs[-1].replays == 9
+            assert len(eager_steps) == 2 + 9 + (static_decode.CHECKED_STEPS if attempt == 0 else 0)
+        elif attempt == 0:
+            reason = "differs from the eager step" if fault == "wrong" else "cannot be captured (RuntimeError"
+            assert len(messages) == 1 and reason in messages[0]
+        else:  # not captured again: the eager step throughout, no second warning
+            assert not messages and len(eager_steps) == 10
+    assert len(emulated_graphs) == (2 if fault is None else 1 if fault == "wrong" else 0)
+
+
 def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch):
     """`static_decoding=True` through the trainer (the prompt's cache fanned out): stock TRL's completions and
     metrics, every generation decoded from static buffers."""
