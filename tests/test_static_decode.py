@@ -44,7 +44,11 @@ def static_and_stock(model, ids, mask, config, **extra):
 
 # Families whose cache is plain per-row keys and values and whose decoding inputs are generate's own: MLA (DeepSeek-V3),
 # experts (float32), per-head norms, absolute positions (GPT-2), NoPE layers, Granite's multipliers
-FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe", "deepseek_v3", "seed_oss", "glm4_moe")
+FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe", "deepseek_v3", "seed_oss", "glm4_moe",
+            # sliding windows of 8 (shorter than the prompts and the 12 tokens decoded): every layer's (Mistral), every
+            # other layer's (a mask per attention type), with GPT-OSS's sinks and experts
+            "mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "exaone4",
+            "gemma2")  # attention-logit softcap, eager attention (float32)
 
 
 # No padding (generate then drops the mask), left padding, a system prompt prefilled once as the prompts' tree
@@ -53,7 +57,7 @@ FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe"
 def test_same_logits_and_samples_as_generate(arch, layout):
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
-    config = generation_config(max_new_tokens=10)
+    config = generation_config(max_new_tokens=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # static decoding ran: no fallback's warning
         stock, _, ours, _ = static_and_stock(model, ids, mask, config)
@@ -120,7 +124,7 @@ def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
 @pytest.mark.parametrize(
     "arch, extra, reason",
     [
-        ("mistral_sliding", {}, "DynamicSlidingWindowLayer"),
+        ("qwen2_vl", {}, "per-step inputs (mm_encoder_outputs"),  # its images' features and token types
         ("phi3", {}, "prepares its own decoding inputs"),
         ("qwen3_next", {}, "LinearAttentionLayer"),
     ],
@@ -159,7 +163,7 @@ def test_every_row_its_own_prompt_decodes_from_its_own_cache():
     assert SYSTEM < ids.shape[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "gemma3_sliding"])
 def test_tool_turns_continue_their_caches_from_static_buffers(arch):
     """Three turns of a tool loop (rows ending at different steps, each later turn continuing each row's held cache):
     plain generate's samples and logits every turn, each decoded from static buffers, the next turn continuing the

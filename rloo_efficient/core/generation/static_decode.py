@@ -32,7 +32,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
@@ -49,6 +50,8 @@ _MASKS = {"sdpa": "bool", "eager": "additive"}
 # What `generate` hands its decoding loop that one static step reproduces (the rest: another loop's, or a model's own)
 _STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG, "use_cache"}
 _warned: set[str] = set()
+# Cache layers a static buffer holds: keys and values, all of them or a sliding window's last ones
+_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 class StaticLayer(DynamicLayer):
@@ -58,9 +61,13 @@ class StaticLayer(DynamicLayer):
     mask hides the columns not written yet). A `DynamicLayer` to what reads a cache's layers (`keys`, `values`).
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor, length: list[int]):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor, length: list[int],
+                 sliding_window: int | None = None, whole: bool = True):  # fmt: skip
         super().__init__()
         self.keys, self.values, self.column, self._length = keys, values, column, length
+        self.sliding_window = sliding_window  # a sliding-window layer's: its mask hides the columns behind it
+        # Where the prefill kept only the window's last keys, what a tool loop would hold is not the whole history
+        self.window = None if whole else sliding_window
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -106,10 +113,14 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     width = input_ids.shape[1]
     if not isinstance(cache, Cache) or not cache.layers:
         return "generate prefills its own cache"
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in _LAYERS})
     if kinds:
-        return f"its cache has layers other than plain keys and values ({', '.join(kinds)})"
-    if any(layer.keys is None or layer.keys.shape[-2] != width - 1 for layer in cache.layers):
+        return f"its cache has layers other than keys and values ({', '.join(kinds)})"
+    if any(window is not None for window in layer_windows(model)):
+        types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
+        if not types <= {"full_attention", "sliding_attention"}:
+            return f"its layers' attention types ({', '.join(sorted(types))}) are not full and sliding alone"
+    if any(layer.keys is None or _filled(layer) != width - 1 for layer in cache.layers):
         return "the cache does not hold every prompt column but the last"
     if model_kwargs.get("position_ids") is None:
         return "generate passed no position ids"
@@ -139,16 +150,34 @@ def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, s
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
 
-def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[int]) -> Cache:
-    """`cache`'s layers as [`StaticLayer`]s of `columns` positions, their filled columns copied in, in place (the
-    caller's cache object decodes and holds them afterwards); the prefilled tensors are released. Zeros in the columns
-    not written yet: a masked column's weight is zero, and zero times whatever memory held (NaN) would not be."""
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window as the model's own cache would keep it (None: attends to every position)."""
+    layers = DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    return [layer.sliding_window if type(layer) is DynamicSlidingWindowLayer else None for layer in layers]
+
+
+def _filled(layer) -> int:
+    """The positions a prefilled layer has seen (a sliding-window layer keeps the last of them only)."""
+    return layer.cumulative_length if type(layer) is DynamicSlidingWindowLayer else layer.keys.shape[-2]
+
+
+def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[int],
+                 windows: list[int | None]) -> Cache:  # fmt: skip
+    """
+    `cache`'s layers as [`StaticLayer`]s of `columns` positions, their filled columns copied in, in place (the
+    caller's cache object decodes and holds them afterwards); the prefilled tensors are released. `windows`: each
+    layer's sliding window or None. A layer that kept only its window's last columns has them where they were in the
+    prompt (the ones before, never read again, stay zero; a tool loop's cache keeps all of them). Zeros in the columns
+    not written: a masked column's weight is zero, and zero times whatever memory held (NaN) would not be.
+    """
+    filled = length[0]
     layers = []
-    for layer in cache.layers:
-        unwritten = (0, 0, 0, columns - layer.keys.shape[-2])
+    for layer, window in zip(cache.layers, windows, strict=True):
+        kept = layer.keys.shape[-2]
+        unwritten = (0, 0, filled - kept, columns - filled)
         keys, values = F.pad(layer.keys, unwritten), F.pad(layer.values, unwritten)
         layer.keys = layer.values = None
-        layers.append(StaticLayer(keys, values, column, length))
+        layers.append(StaticLayer(keys, values, column, length, window, whole=kept == filled))
     cache.layers = layers
     return cache
 
@@ -178,25 +207,61 @@ class StaticStep:
         self.written = [width - 1]  # positions in the cache: the host's count, for get_seq_length
         # This step's write position (a device index, advanced in place)
         self.column = torch.full((1,), width - 1, dtype=torch.long, device=input_ids.device)
-        self.cache = static_cache(model_kwargs[CACHE_KWARG], columns, self.column, self.written)
+        self.cache = static_cache(model_kwargs[CACHE_KWARG], columns, self.column, self.written, layer_windows(model))
         mask = model_kwargs.get("attention_mask")  # generate drops a mask of all ones
         if mask is None:
             mask = input_ids.new_ones(rows, width)
         attends = F.pad(mask.bool(), (0, columns - width)).view(rows, 1, 1, columns)
-        if _MASKS[model.config._attn_implementation] == "additive":  # eager: the dtype's minimum where masked
-            dtype = self.cache.layers[0].keys.dtype
-            self.mask = torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(
-                attends.logical_not(), torch.finfo(dtype).min)  # fmt: skip
-            self.opened = 0.0
-        else:
-            self.mask, self.opened = attends, True
+        self.additive = _MASKS[model.config._attn_implementation] == "additive"
+        self.full = self._mask(attends)
+        # A window shorter than the buffers: its own mask, the column falling out of the window closed each step.
+        # Column `c` reads the keys in (c - w, c]: closing `(c - w) mod columns` closes an unwritten column (after
+        # `c`, still closed) until `c >= w`
+        windows = {layer.sliding_window for layer in self.cache.layers
+                   if layer.sliding_window is not None and layer.sliding_window < columns}  # fmt: skip
+        self.windows = {}
+        for window in windows:
+            behind = torch.arange(columns, device=attends.device) <= width - 1 - window
+            closing = torch.full((1,), (width - 1 - window) % columns, dtype=torch.long, device=attends.device)
+            self.windows[window] = (self._mask(attends & ~behind), closing)
+        self.mask = self._model_mask()
         # generate's position ids (cumsum(mask) - 1) and input at the prompt's last column, then one further a step
         self.position = model_kwargs["position_ids"].narrow(1, width - 1, 1).clone()
         self.token = input_ids.narrow(1, width - 1, 1).clone()
         self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
 
+    def _mask(self, attends: torch.Tensor) -> torch.Tensor:
+        """`attends` as the model's attention takes it: boolean for SDPA, additive (the dtype's minimum) for eager."""
+        if not self.additive:
+            return attends.clone()
+        dtype = self.cache.layers[0].keys.dtype
+        return torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(attends.logical_not(),
+                                                                                          torch.finfo(dtype).min)
+
+    @property
+    def opened(self):
+        return 0.0 if self.additive else True
+
+    @property
+    def closed(self):
+        return torch.finfo(self.full.dtype).min if self.additive else False
+
+    def _model_mask(self):
+        """What the model is handed: one mask where its layers all read the same, else one per attention type (the
+        models with sliding and full layers take such a mapping as their prepared masks)."""
+        if not self.windows:
+            return self.full
+        (sliding, _), = self.windows.values()  # one window (checked: full and sliding types alone)
+        if all(layer.sliding_window is not None for layer in self.cache.layers):
+            return sliding
+        return {"full_attention": self.full, "sliding_attention": sliding}
+
     def __call__(self) -> torch.Tensor:
-        self.mask.index_fill_(-1, self.column, self.opened)  # the first step's (the prompt's last) is open already
+        # The step's column opened (the first step's, the prompt's last, is open already), and a window's oldest closed
+        self.full.index_fill_(-1, self.column, self.opened)
+        for sliding, closing in self.windows.values():
+            sliding.index_fill_(-1, self.column, self.opened)
+            sliding.index_fill_(-1, closing, self.closed)
         outputs = self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.position,
                              use_cache=True, return_dict=True, **{CACHE_KWARG: self.cache}, **self.extra)  # fmt: skip
         return outputs.logits.select(1, -1).to(copy=True, dtype=torch.float32)
@@ -206,6 +271,8 @@ class StaticStep:
         self.token.copy_(tokens.unsqueeze(1))
         self.position.add_(1)
         self.column.add_(1)
+        for _, closing in self.windows.values():
+            closing.add_(1).remainder_(self.full.shape[-1])
         self.written[0] += 1
 
 
