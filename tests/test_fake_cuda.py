@@ -624,10 +624,12 @@ class CaptureSafety(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("once", [False, True])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch):
+def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
     """Three steps of static decoding ([`core.generation.static_decode.StaticStep`]) from a fanned-out prefill on
-    CUDA, bf16: every buffer the step reads and writes (cache, mask, positions, the input token, the write column)
+    CUDA, bf16, the prompt fanned out or kept once per group (the rows' own keys in the buffers, through the fused
+    kernels): every buffer the step reads and writes (cache, mask, positions, the input token, the write column)
     on the device, the same tensors each step, the cache sized once for the call; the step's logits float32; nothing
     in a step that a CUDA graph's capture would refuse or bake in (a host read, a host tensor)."""
     from rloo_efficient.core.generation.generate import fan_out, generation_position_ids
@@ -637,25 +639,42 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch):
     ids = torch.tensor([[0] * (width - len(prompts[g])) + prompts[g] for g in order])
     mask = torch.tensor([[0] * (width - len(prompts[g])) + [1] * len(prompts[g]) for g in order])
     first, inverse = unique_rows([prompts[g] for g in order])
-    with fake_cuda(monkeypatch):
+    with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, torch.bfloat16)
         ids, mask = ids.to(CUDA), mask.to(CUDA)
-        cache = fan_out(prefill_prompts(model, ids, mask, first, padded=True), inverse, CUDA)
+        prefilled = prefill_prompts(model, ids, mask, first, padded=True)
+        if once:
+            cache = PrefixCache(prefilled, inverse, [len(prompt) - 1 for prompt in prompts], width - 1)
+        else:
+            cache = fan_out(prefilled, inverse, CUDA)
         inputs = {"attention_mask": mask, "position_ids": generation_position_ids(mask), CACHE_KWARG: cache,
                   "logits_to_keep": 1}  # fmt: skip
         step = StaticStep(model, ids, inputs, width - 1 + steps)
+        decoding = prefix_attention.decoding_with(cache) if once else contextlib.nullcontext()
         def buffers():  # fake tensors have no addresses: the same tensor objects, written in place (the CPU tests
             # check the addresses)
             return [step.mask, step.position, step.token, step.column,
                     *(t for layer in step.cache.layers for t in (layer.keys, layer.values))]  # fmt: skip
 
-        before = buffers()
-        assert all(buffer.device == CUDA for buffer in before)
-        assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64) and step.mask.dtype == torch.bool
-        for _ in range(steps):
-            with CaptureSafety() as unsafe:
-                logits = step()
-            assert unsafe.found == []  # what a captured graph could not replay
-            assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
+        with decoding:
+            logits = step()  # the first step sizes a kept-once cache's own buffers
+            chosen.clear()
             step.advance(torch.randint(3, 64, (6,)).to(CUDA))
-            assert all(a is b for a, b in zip(buffers(), before, strict=True))
+            before = buffers()
+            assert all(buffer.device == CUDA for buffer in before)
+            if once:  # the rows' own positions (the prompt's last and each step's), the prompts once
+                assert step.cache.layers[0].keys.shape == (6, 2, steps, 64) and step.mask.shape == (1, 1, 1, steps)
+                assert step.cache.layers[0].prefix_keys.shape == (2, 2, width - 1, 64)
+            else:
+                assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64) and step.mask.dtype == torch.bool
+            for _ in range(steps - 1):
+                with CaptureSafety() as unsafe:
+                    logits = step()
+                assert unsafe.found == []  # what a captured graph could not replay
+                if once:  # per layer: the prompts (efficient, a bias for padding), the rows' own (the bias masking
+                    # the positions not written yet: efficient, key heads expanded)
+                    assert chosen == [("cuda_efficient", 1), ("cuda_efficient", 1)] * 2
+                    chosen.clear()
+                assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
+                step.advance(torch.randint(3, 64, (6,)).to(CUDA))
+                assert all(a is b for a, b in zip(buffers(), before, strict=True))

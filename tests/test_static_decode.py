@@ -13,7 +13,7 @@ import torch
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation import static_decode
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
-from rloo_efficient.core.generation.static_decode import StaticLayer, StaticStep
+from rloo_efficient.core.generation.static_decode import StaticLayer, StaticPrefixLayer, StaticStep
 from rloo_efficient.profiling.op_count import OpCounter
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, training_args
@@ -29,15 +29,15 @@ from .test_shared_generation import (
 )
 
 
-def static_and_stock(model, ids, mask, config, **extra):
-    """Stock `generate` and ours (static decoding, the prompt fanned out), each from seed 123; with each one's output,
-    the next draw of the random generator after it."""
+def static_and_stock(model, ids, mask, config, once=False, **extra):
+    """Stock `generate` and ours (static decoding, the prompt fanned out or with `once` kept once per group), each from
+    seed 123; with each one's output, the next draw of the random generator after it."""
     kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True, **extra)
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_next = torch.rand(4)
     torch.manual_seed(123)
-    ours, tokens = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=False, static=True, **kwargs)
+    ours, tokens = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=once, static=True, **kwargs)
     assert tokens > 0  # the shared prefill ran
     return stock, stock_next, ours, torch.rand(4)
 
@@ -51,17 +51,22 @@ FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe"
             "gemma2")  # attention-logit softcap, eager attention (float32)
 
 
+# The prompt kept once per group: the rows' own keys in static buffers (windows step aside: see below; GPT-2's
+# attention is not ours, so its prompt is never kept once)
+CASES = [*((arch, False) for arch in FAMILIES), *((arch, True) for arch in FAMILIES[:10] if arch != "gpt2")]
+
+
 # No padding (generate then drops the mask), left padding, a system prompt prefilled once as the prompts' tree
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "system_prompt"])
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_same_logits_and_samples_as_generate(arch, layout):
+@pytest.mark.parametrize("arch, once", CASES)
+def test_same_logits_and_samples_as_generate(arch, once, layout):
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
     config = generation_config(max_new_tokens=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # static decoding ran: no fallback's warning
-        stock, _, ours, _ = static_and_stock(model, ids, mask, config)
-    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+        stock, _, ours, _ = static_and_stock(model, ids, mask, config, once)
+    assert all(type(layer) is (StaticPrefixLayer if once else StaticLayer) for layer in ours.cache.layers)
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
 
 
@@ -122,14 +127,15 @@ def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "arch, extra, reason",
+    "arch, once, reason",
     [
-        ("qwen2_vl", {}, "per-step inputs (mm_encoder_outputs"),  # its images' features and token types
-        ("phi3", {}, "prepares its own decoding inputs"),
-        ("qwen3_next", {}, "LinearAttentionLayer"),
+        ("qwen2_vl", False, "per-step inputs (mm_encoder_outputs"),  # its images' features and token types
+        ("phi3", False, "prepares its own decoding inputs"),
+        ("qwen3_next", False, "LinearAttentionLayer"),
+        ("mistral_sliding", True, "sliding window over the prompt kept once"),
     ],
 )
-def test_steps_aside_with_one_warning_naming_why(arch, extra, reason):
+def test_steps_aside_with_one_warning_naming_why(arch, once, reason):
     model = build(arch)
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=10)
@@ -137,8 +143,8 @@ def test_steps_aside_with_one_warning_naming_why(arch, extra, reason):
     static_decode._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config, **extra)
-        static_and_stock(model, ids, mask, config, **extra)  # a second call: no second warning
+        stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config, once, **extra)
+        static_and_stock(model, ids, mask, config, once, **extra)  # a second call: no second warning
     messages = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
     assert len(messages) == 1 and reason in messages[0]
     assert_same_generation(stock, ours, arch, config.max_new_tokens)  # generate's own loop
@@ -163,11 +169,11 @@ def test_every_row_its_own_prompt_decodes_from_its_own_cache():
     assert SYSTEM < ids.shape[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite", "gemma3_sliding"])
-def test_tool_turns_continue_their_caches_from_static_buffers(arch):
+@pytest.mark.parametrize("arch, once", [("llama", False), ("llama", True), ("granite", False), ("gemma3_sliding", False)])
+def test_tool_turns_continue_their_caches_from_static_buffers(arch, once):
     """Three turns of a tool loop (rows ending at different steps, each later turn continuing each row's held cache):
-    plain generate's samples and logits every turn, each decoded from static buffers, the next turn continuing the
-    keys and values they hold, forwarding only what its rows added."""
+    plain generate's samples and logits every turn, each decoded from static buffers (the first turn's prompt fanned
+    out or kept once), the next turn continuing the keys and values they hold, forwarding only what its rows added."""
     from rloo_efficient.core.generation.turn_cache import TurnCaches
 
     from .test_turn_cache import tool_loop
@@ -175,8 +181,9 @@ def test_tool_turns_continue_their_caches_from_static_buffers(arch):
     turns = TurnCaches(budget=1 << 40)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for turn, (stock, ours, tokens, added, _) in enumerate(tool_loop(arch, turns, once=False, static=True)):
-            assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+        for turn, (stock, ours, tokens, added, _) in enumerate(tool_loop(arch, turns, once=once, static=True)):
+            kept_once = once and turn == 0  # the first turn's prompt once per group; later turns each row its own
+            assert all(type(layer) is (StaticPrefixLayer if kept_once else StaticLayer) for layer in ours.cache.layers)
             assert_same_generation(stock, ours, arch, len(stock.logits))
             if turn:
                 assert tokens == added

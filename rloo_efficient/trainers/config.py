@@ -81,11 +81,12 @@ SHARING_DOC = r"""
             finished only every 8 steps: no growing cache, no host wait per token (what a captured graph needs).
             The same samples as `generate`, the random generator left as `generate` leaves it. On CUDA each call's
             step is captured once as a CUDA graph and replayed (checked against the eager step at first use; eager
-            with one warning where it differs or cannot be captured). Sliding windows take a mask per attention
-            type. Where the prompt's cache is kept once per group (`share_prompt_kv_cache`) or a call cannot be exact
-            this way (recurrent states, a model preparing its own decoding inputs or taking per-step ones, such as
-            the vision families, flash attention), `generate` decodes, with one warning naming why. Off by default
-            until measured on a GPU.
+            with one warning where it differs or cannot be captured). The prompt fanned out or kept once per group
+            (`share_prompt_kv_cache`: then the rows' own positions alone in buffers); sliding windows take a mask per
+            attention type (fanned out). Where a call cannot be exact this way (recurrent states, a window over a
+            prompt kept once, a model preparing its own decoding inputs or taking per-step ones, such as the vision
+            families, flash attention), `generate` decodes, with one warning naming why. Off by default until
+            measured on a GPU.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where

@@ -226,8 +226,8 @@ def generate_with_shared_prefill(
     its calls ([`generation.turn_cache.TurnCaches`]): rows that extend a row of the previous call continue its keys and values
     (only their new tokens are forwarded), and this call's are held for the next, where the model's cache allows it
     ([`generation.turn_cache.continue_reason`]), for text prompts, not under `synced`. `static`: decode from the
-    shared prefill's cache in static buffers ([`generation.static_decode.static_sample`]) where the prompt is fanned
-    out or each row has its own; a prompt kept once decodes through `generate`'s own loop.
+    shared prefill's cache in static buffers ([`generation.static_decode.static_sample`]), the prompt fanned out or
+    kept once alike.
     """
     generate = generate or model.generate
     decoding = {"custom_generate": static_sample} if static else {}  # for a call continuing a cache of ours
@@ -300,10 +300,6 @@ def generate_with_shared_prefill(
         cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,
                             kv_sources(model.config.get_text_config(decoder=True)))
         attention = decoding_with(cache)
-        if decoding:  # a constant message: Python shows it once
-            warnings.warn("rloo_efficient: static decoding is off for batches whose prompt's KV cache is kept once per "
-                          "group (share_prompt_kv_cache): generate decodes them.", stacklevel=2)  # fmt: skip
-            decoding = {}
     else:
         if prompt_cache_once:  # a constant message: Python shows it once
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "

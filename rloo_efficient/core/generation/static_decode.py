@@ -8,7 +8,9 @@ as `generate`'s `custom_generate` (so the logits processors and stopping criteri
 from the generation config, unchanged), over buffers sized for the call once, after the shared prefill:
 
 - each layer's keys and values in `(B, Hkv, W - 1 + N, D)` buffers (the prefilled `W - 1` prompt columns copied in),
-  each step's written in place at a device index ([`StaticLayer`]);
+  each step's written in place at a device index ([`StaticLayer`]); with the prompt kept once per group
+  ([`generation.prompt_cache.PrefixCache`]), the rows' own `N` positions alone, masked where not written yet
+  ([`StaticPrefixLayer`]);
 - the attention mask a `(B, 1, 1, W - 1 + N)` buffer, its column opened in place each step, handed to the model as a
   prepared 4-D mask (transformers uses such a mask as it is); the position ids and the step's input token likewise;
 - the sequences a `(B, W + N)` buffer, the processors reading a view of its first columns as `generate`'s growing
@@ -21,8 +23,9 @@ is the one it would have been after stock's `generate` (which stops right there)
 
 Equal to `generate`'s loop up to the attention's sums over masked columns (a masked column adds an exact zero: the
 same terms, in a kernel's order for a longer row): the same logits to floating-point rounding, the same samples.
-Where a call cannot be exact this way (a cache other than plain per-row keys and values, a model preparing its own
-decoding inputs, an attention implementation that takes no prepared mask, a streamer, scores returned), it runs
+On CUDA the step is captured once per call as a graph and replayed ([`GraphedStep`]). Where a call cannot be exact
+this way (recurrent states, a window over a prompt kept once, a model preparing its own decoding inputs or taking
+per-step ones, an attention implementation that takes no prepared mask, a streamer, attentions returned), it runs
 `generate`'s own loop, with one warning naming why.
 """
 
@@ -38,6 +41,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..transformers_compat import CACHE_KWARG
+from .prompt_cache import PrefixCache, PrefixLayer
 
 
 # How often (in steps) the loop reads back whether every row has finished: each read waits for the device to catch
@@ -88,6 +92,33 @@ class StaticLayer(DynamicLayer):
         raise NotImplementedError("A static decoding cache's rows are fixed when it is built.")
 
 
+class StaticPrefixLayer(PrefixLayer):
+    """
+    A [`PrefixLayer`] (the prompt once per group) whose rows' own keys and values are `(B, Hkv, C, D)` buffers of the
+    call's `C` decoded positions, written in place at `column` (sized at the first step, by the keys the module hands
+    over); `own_bias` `(1, 1, 1, C)`, shared by the layers, masks the positions not written yet.
+    """
+
+    def __init__(self, layer: PrefixLayer, rows: int, columns: int, column: torch.Tensor, own_bias: torch.Tensor,
+                 length: list[int]):  # fmt: skip
+        super().__init__(layer.prefix_keys, layer.prefix_values, layer.prefix_columns, layer.prefix_bias)
+        self.rows, self.columns, self.column, self.own_bias, self._length = rows, columns, column, own_bias, length
+
+    own_length = property(lambda self: self._length[0] - self.prefix_columns,  # the loop's count
+                          lambda self, value: None)  # fmt: skip
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.keys is None:
+            heads = key_states.shape[1]
+            self.keys = key_states.new_zeros(self.rows, heads, self.columns, key_states.shape[-1])
+            self.values = value_states.new_zeros(self.rows, value_states.shape[1], self.columns,
+                                                 value_states.shape[-1])  # fmt: skip
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        self.keys.index_copy_(2, self.column, key_states)
+        self.values.index_copy_(2, self.column, value_states)
+        return self.keys, self.values
+
+
 def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
                          synced_gpus: bool, streamer, model_kwargs: dict) -> str | None:  # fmt: skip
     """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
@@ -113,6 +144,15 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     width = input_ids.shape[1]
     if not isinstance(cache, Cache) or not cache.layers:
         return "generate prefills its own cache"
+    if isinstance(cache, PrefixCache):  # the prompt kept once per group: the rows' own keys in static buffers
+        kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not PrefixLayer})
+        if kinds:
+            return f"its cache kept once has layers other than keys and values ({', '.join(kinds)})"
+        if any(layer.window is not None for layer in cache.layers):
+            return "a sliding window over the prompt kept once is masked from the host's count of positions"
+        if any(layer.own_length or layer.prefix_columns != width - 1 for layer in cache.layers):
+            return "the cache does not hold every prompt column but the last"
+        return None
     kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in _LAYERS})
     if kinds:
         return f"its cache has layers other than keys and values ({', '.join(kinds)})"
@@ -205,30 +245,41 @@ class StaticStep:
         rows, width = input_ids.shape
         self.model = model
         self.written = [width - 1]  # positions in the cache: the host's count, for get_seq_length
+        cache = model_kwargs[CACHE_KWARG]
+        self.additive = _MASKS[model.config._attn_implementation] == "additive"
+        self.windows = {}
+        # generate's position ids (cumsum(mask) - 1) and input at the prompt's last column, then one further a step
+        self.position = model_kwargs["position_ids"].narrow(1, width - 1, 1).clone()
+        self.token = input_ids.narrow(1, width - 1, 1).clone()
+        self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
+        if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
+            self.additive, own = True, columns - (width - 1)  # the kernels' bias: additive
+            self.column = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+            dtype = cache.layers[0].prefix_keys.dtype
+            self.full = torch.full((1, 1, 1, own), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
+            cache.layers = [StaticPrefixLayer(layer, rows, own, self.column, self.full, self.written)
+                            for layer in cache.layers]  # fmt: skip
+            self.cache = cache
+            self.mask = self.full  # handed to the model as prepared; the prefix attention reads `own_bias`
+            return
         # This step's write position (a device index, advanced in place)
         self.column = torch.full((1,), width - 1, dtype=torch.long, device=input_ids.device)
-        self.cache = static_cache(model_kwargs[CACHE_KWARG], columns, self.column, self.written, layer_windows(model))
+        self.cache = static_cache(cache, columns, self.column, self.written, layer_windows(model))
         mask = model_kwargs.get("attention_mask")  # generate drops a mask of all ones
         if mask is None:
             mask = input_ids.new_ones(rows, width)
         attends = F.pad(mask.bool(), (0, columns - width)).view(rows, 1, 1, columns)
-        self.additive = _MASKS[model.config._attn_implementation] == "additive"
         self.full = self._mask(attends)
         # A window shorter than the buffers: its own mask, the column falling out of the window closed each step.
         # Column `c` reads the keys in (c - w, c]: closing `(c - w) mod columns` closes an unwritten column (after
         # `c`, still closed) until `c >= w`
         windows = {layer.sliding_window for layer in self.cache.layers
                    if layer.sliding_window is not None and layer.sliding_window < columns}  # fmt: skip
-        self.windows = {}
         for window in windows:
             behind = torch.arange(columns, device=attends.device) <= width - 1 - window
             closing = torch.full((1,), (width - 1 - window) % columns, dtype=torch.long, device=attends.device)
             self.windows[window] = (self._mask(attends & ~behind), closing)
         self.mask = self._model_mask()
-        # generate's position ids (cumsum(mask) - 1) and input at the prompt's last column, then one further a step
-        self.position = model_kwargs["position_ids"].narrow(1, width - 1, 1).clone()
-        self.token = input_ids.narrow(1, width - 1, 1).clone()
-        self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
 
     def _mask(self, attends: torch.Tensor) -> torch.Tensor:
         """`attends` as the model's attention takes it: boolean for SDPA, additive (the dtype's minimum) for eager."""
