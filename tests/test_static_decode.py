@@ -252,14 +252,15 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
     assert len(emulated_graphs) == (2 if fault is None else 1 if fault == "wrong" else 0)
 
 
-def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch):
-    """`static_decoding=True` through the trainer (the prompt's cache fanned out): stock TRL's completions and
-    metrics, every generation decoded from static buffers."""
+@pytest.mark.parametrize("once", [False, True])
+def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch, once):
+    """`static_decoding=True` through the trainer (the prompt's cache fanned out, or kept once): stock TRL's
+    completions and metrics, every generation decoded from static buffers."""
     cfg, path, dataset = workload
     calls = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
-    args = training_args(tmp_path, static_decoding=True, share_prompt_kv_cache=False)
+    args = training_args(tmp_path, static_decoding=True, share_prompt_kv_cache=once)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = run(RLOOTrainer, path, args, dataset)
