@@ -45,8 +45,9 @@ WORKLOADS["0.6b-rows1"] = [("0.6B P=3072 C=256 k=8, 1 row per micro-batch", "qwe
 ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
              "share_generation_prefill=False": ["--share_generation_prefill", "false"],
              "empty_cache_policy=after_generation": ["--empty_cache_policy", "after_generation"],
-             # decoding from static buffers (the prompt fanned out: static decoding does not take a prompt kept once)
-             "static_decoding=True": ["--static_decoding", "true", "--share_prompt_kv_cache", "false"]}  # fmt: skip
+             # decoding from static buffers, captured as a CUDA graph (the prompt fanned out or kept once, as the
+             # cost model chooses)
+             "static_decoding=True": ["--static_decoding", "true"]}  # fmt: skip
 GIB = "gib"
 
 

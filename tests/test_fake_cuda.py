@@ -651,17 +651,13 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
                   "logits_to_keep": 1}  # fmt: skip
         step = StaticStep(model, ids, inputs, width - 1 + steps)
         decoding = prefix_attention.decoding_with(cache) if once else contextlib.nullcontext()
-        def buffers():  # fake tensors have no addresses: the same tensor objects, written in place (the CPU tests
-            # check the addresses)
-            return [step.mask, step.position, step.token, step.column,
-                    *(t for layer in step.cache.layers for t in (layer.keys, layer.values))]  # fmt: skip
-
         with decoding:
             logits = step()  # the first step sizes a kept-once cache's own buffers
             chosen.clear()
             step.advance(torch.randint(3, 64, (6,)).to(CUDA))
-            before = buffers()
-            assert all(buffer.device == CUDA for buffer in before)
+            # Fake tensors have no addresses: the same tensor objects, written in place (the CPU tests check addresses)
+            before = step.buffers()
+            assert len(before) == 3 + 2 * 2 + 1 and all(buffer.device == CUDA for buffer in before)
             if once:  # the rows' own positions (the prompt's last and each step's), the prompts once
                 assert step.cache.layers[0].keys.shape == (6, 2, steps, 64) and step.mask.shape == (1, 1, 1, steps)
                 assert step.cache.layers[0].prefix_keys.shape == (2, 2, width - 1, 64)
@@ -677,4 +673,4 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
                     chosen.clear()
                 assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
                 step.advance(torch.randint(3, 64, (6,)).to(CUDA))
-                assert all(a is b for a, b in zip(buffers(), before, strict=True))
+                assert all(a is b for a, b in zip(step.buffers(), before, strict=True))

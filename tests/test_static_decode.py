@@ -29,6 +29,12 @@ from .test_shared_generation import (
 )
 
 
+@pytest.fixture(autouse=True)
+def warnings_afresh():
+    """Each test sees the warnings its calls give (they are given once per reason and process)."""
+    static_decode._warned.clear()
+
+
 def static_and_stock(model, ids, mask, config, once=False, **extra):
     """Stock `generate` and ours (static decoding, the prompt fanned out or with `once` kept once per group), each from
     seed 123; with each one's output, the next draw of the random generator after it."""
@@ -80,7 +86,10 @@ def test_rows_finishing_early_leave_the_random_generator_as_generate_does(attent
     model = build("llama", dtype=torch.float64 if attention == "sdpa" else torch.float32, attention=attention)
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=20, eos_token_id=eos)
-    stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # static decoding ran
+        stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config)
+    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
     finished = stock.sequences.shape[1] - ids.shape[1]
     if steps is None:
         assert finished < 20 and finished % 8  # stopped early, between two read-backs
@@ -140,7 +149,6 @@ def test_steps_aside_with_one_warning_naming_why(arch, once, reason):
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=10)
     extra = {TOKEN_TYPES[arch]: torch.zeros_like(ids)} if arch in TOKEN_TYPES else {}
-    static_decode._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config, once, **extra)
@@ -149,6 +157,20 @@ def test_steps_aside_with_one_warning_naming_why(arch, once, reason):
     assert len(messages) == 1 and reason in messages[0]
     assert_same_generation(stock, ours, arch, config.max_new_tokens)  # generate's own loop
     torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs, config, reason", [
+    (dict(synced=True), {}, "ranks decode in step"),
+    (dict(streamer=object()), {}, "a streamer"),
+    (dict(assistant_model=object()), {}, "an assistant model"),
+    ({}, dict(do_sample=False, num_beams=2), "generation mode beam_search"),
+])  # fmt: skip
+def test_calls_static_decoding_cannot_take(kwargs, config, reason):
+    """What `generate` would not hand a `custom_generate` (ranks kept in step, a streamer) or runs in place of another
+    decoding mode (an assistant's, beam search's)."""
+    synced = kwargs.pop("synced", False)
+    assert reason in static_decode.static_call_reason(generation_config(**config), synced, kwargs)
+    assert static_decode.static_call_reason(generation_config(do_sample=False), False, {}) is None
 
 
 def test_every_row_its_own_prompt_decodes_from_its_own_cache():
@@ -207,7 +229,7 @@ def emulated_graphs(monkeypatch):
     """The graph path (`GraphedStep`) on CPU: capture and warm-up emulated, the rest of it as on CUDA."""
     graphs = []
 
-    def capture(step, wrong=False, fails=False):
+    def capture(step, device, wrong=False, fails=False):
         if fails:
             raise RuntimeError("operation not permitted when stream is capturing")
         graphs.append(EmulatedGraph(step, wrong))
@@ -227,7 +249,7 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
     why, and later calls are not captured again."""
     if fault is not None:
         capture = static_decode.capture
-        monkeypatch.setattr(static_decode, "capture", lambda step: capture(step, **{fault: True}))
+        monkeypatch.setattr(static_decode, "capture", lambda step, device: capture(step, device, **{fault: True}))
     model = build("llama")
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=10)

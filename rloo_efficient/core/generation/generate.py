@@ -36,7 +36,7 @@ from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, sele
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
-from .static_decode import static_sample
+from .static_decode import static_call_reason, static_sample, warn_off
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
     TurnCaches,
@@ -230,7 +230,6 @@ def generate_with_shared_prefill(
     kept once alike.
     """
     generate = generate or model.generate
-    decoding = {"custom_generate": static_sample} if static else {}  # for a call continuing a cache of ours
     if prompt_ids is None:
         prompt_ids = [ids[mask.index(1):] if 1 in mask else [] for ids, mask in
                       zip(input_ids.tolist(), attention_mask.tolist(), strict=True)]  # fmt: skip
@@ -240,6 +239,11 @@ def generate_with_shared_prefill(
         kwargs["generation_config"] = config = copy.copy(config)
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+    decoding = {}  # for a call continuing a cache of ours: decoded from static buffers where asked and allowed
+    if static and (off := static_call_reason(config, synced, kwargs)) is None:
+        decoding = {"custom_generate": static_sample}
+    elif static:
+        warn_off(off)
     held = turns.take() if turns is not None else None  # the previous call's: released once copied from
     if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
         turns = held = None

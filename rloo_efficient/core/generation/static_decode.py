@@ -38,6 +38,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..transformers_compat import CACHE_KWARG
@@ -108,9 +109,8 @@ class StaticPrefixLayer(PrefixLayer):
                           lambda self, value: None)  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.keys is None:
-            heads = key_states.shape[1]
-            self.keys = key_states.new_zeros(self.rows, heads, self.columns, key_states.shape[-1])
+        if self.keys is None:  # the first step (eager: before any capture)
+            self.keys = key_states.new_zeros(self.rows, key_states.shape[1], self.columns, key_states.shape[-1])
             self.values = value_states.new_zeros(self.rows, value_states.shape[1], self.columns,
                                                  value_states.shape[-1])  # fmt: skip
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
@@ -119,13 +119,28 @@ class StaticPrefixLayer(PrefixLayer):
         return self.keys, self.values
 
 
-def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
-                         synced_gpus: bool, streamer, model_kwargs: dict) -> str | None:  # fmt: skip
-    """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
-    if synced_gpus:
-        return "ranks decode in step (synced_gpus)"
-    if streamer is not None:
+def static_call_reason(generation_config, synced: bool, kwargs: dict) -> str | None:
+    """
+    Why a `generate` call with these keyword arguments must not be handed [`static_sample`], or None: `generate` gives
+    a `custom_generate` callable neither `synced_gpus` nor a streamer (only the parameters its signature adds to
+    `_sample`'s), and runs it in place of every decoding mode. `synced`: every forward gathers parameters from all
+    ranks (ZeRO-3, FSDP), so that ranks must decode in step.
+    """
+    if synced or kwargs.get("synced_gpus"):
+        return "ranks decode in step (synced_gpus: ZeRO-3 or FSDP)"
+    if kwargs.get("streamer") is not None:
         return "a streamer reads every token on the host"
+    if kwargs.get("assistant_model") is not None or kwargs.get("custom_generate") is not None:
+        return "generate decodes another way (an assistant model or a custom_generate)"
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH):
+        return f"generation mode {mode.name.lower()}"
+    return None
+
+
+def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
+                         model_kwargs: dict) -> str | None:  # fmt: skip
+    """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or
                                                       generation_config.output_hidden_states):  # fmt: skip
         return "generate returns attentions or hidden states"
@@ -148,7 +163,7 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
         kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not PrefixLayer})
         if kinds:
             return f"its cache kept once has layers other than keys and values ({', '.join(kinds)})"
-        if any(layer.window is not None for layer in cache.layers):
+        if any(window is not None for window in layer_windows(model)):  # a tool loop's cache keeps whole windows
             return "a sliding window over the prompt kept once is masked from the host's count of positions"
         if any(layer.own_length or layer.prefix_columns != width - 1 for layer in cache.layers):
             return "the cache does not hold every prompt column but the last"
@@ -170,24 +185,28 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
 def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, **model_kwargs) -> torch.Tensor:  # fmt: skip
     """
-    `generate`'s `_sample` (its `custom_generate` signature) from a cache holding the first `W - 1` columns of the
+    `generate`'s `_sample` (its `custom_generate` signature; the caller checks [`static_call_reason`]) from a cache holding the first `W - 1` columns of the
     `(B, W)` batch `input_ids`, decoded from static buffers (see the module's text). Returns the sequences, as
     `generate` does. Runs `generate`'s own loop where [`static_decode_reason`] says why it cannot.
     """
-    reason = static_decode_reason(model, input_ids, stopping_criteria, generation_config, synced_gpus, streamer,
-                                  model_kwargs)  # fmt: skip
+    reason = static_decode_reason(model, input_ids, stopping_criteria, generation_config, model_kwargs)
     if reason is None and stopping_criteria.max_length is None:
         reason = "no max_length or max_new_tokens bounds the buffers"
     if reason is not None:
-        if reason not in _warned:  # once per reason
-            _warned.add(reason)
-            warnings.warn(f"rloo_efficient: static decoding is off for this call, generate decodes: {reason}.",
-                          stacklevel=2)  # fmt: skip
+        warn_off(reason)
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
     optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     with optimized():
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def warn_off(reason: str) -> None:
+    """One warning per reason that static decoding is off."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"rloo_efficient: static decoding is off for this call, generate decodes: {reason}.",
+                      stacklevel=3)  # fmt: skip
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:
@@ -317,6 +336,12 @@ class StaticStep:
                              use_cache=True, return_dict=True, **{CACHE_KWARG: self.cache}, **self.extra)  # fmt: skip
         return outputs.logits.select(1, -1).to(copy=True, dtype=torch.float32)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor a step reads or writes in place (what a captured graph keeps the addresses of)."""
+        masks = [self.full, *(tensor for pair in self.windows.values() for tensor in pair)]
+        caches = [tensor for layer in self.cache.layers for tensor in (layer.keys, layer.values) if tensor is not None]
+        return [*masks, self.position, self.token, self.column, *caches]
+
     def advance(self, tokens: torch.Tensor) -> None:
         """Takes the step's sampled tokens `(B,)` as the next step's input."""
         self.token.copy_(tokens.unsqueeze(1))
@@ -351,21 +376,38 @@ _RTOL, _ATOL = 1e-3, 1e-3  # the same kernels on the same inputs: equal but for 
 
 def warm_up(step, device: torch.device) -> torch.Tensor:
     """Runs `step` once on a side stream (what capture needs first: lazily initialized kernels and workspaces), and
-    returns its output."""
+    returns its output. Buffers the step allocated there (a kept-once cache's own keys) are marked as used by the
+    current stream, which decodes from them."""
+    current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
+    stream.wait_stream(current)
     with torch.cuda.stream(stream):
         output = step()
-    torch.cuda.current_stream(device).wait_stream(stream)
+    current.wait_stream(stream)
+    for buffer in step.buffers():
+        buffer.record_stream(current)
     return output
 
 
-def capture(step) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
-    """`step` captured as a CUDA graph, not run: `(graph, its output buffer)`; each `graph.replay()` runs the step
-    again over the same buffers and writes its output there."""
+def capture(step, device: torch.device) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """
+    `step` captured as a CUDA graph on a side stream, not run: `(graph, its output buffer)`; each `graph.replay()`
+    runs the step again over the same buffers and writes its output there. `CUDAGraph.capture_begin` and
+    `capture_end` directly: `torch.cuda.graph` would also synchronize and empty the allocator's cache at every
+    capture, one per `generate` call (on an H200 a `generate` right after `empty_cache()` took 1.13-1.16x the time).
+    Errors only for this thread's unsafe calls (`thread_local`): another thread's work does not fail the capture.
+    """
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            output = step()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
     return graph, output
 
 
@@ -406,7 +448,7 @@ class GraphedStep:
     def _capture(self) -> torch.Tensor:
         first = warm_up(self.step, self.device)
         try:
-            self.graph, self.output = capture(self.step)
+            self.graph, self.output = capture(self.step, self.device)
         except Exception as error:  # noqa: BLE001 - any failure to capture: the eager step decodes, exactly
             self._give_up(f"its step cannot be captured ({type(error).__name__}: {error})")
         return first
