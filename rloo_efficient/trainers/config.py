@@ -83,9 +83,10 @@ SHARING_DOC = r"""
             step is captured once as a CUDA graph and replayed (checked against the eager step at first use; eager
             with one warning where it differs or cannot be captured). The prompt fanned out or kept once per group
             (`share_prompt_kv_cache`: then the rows' own positions alone in buffers); sliding windows take a mask per
-            attention type (fanned out). Where a call cannot be exact this way (recurrent states, a window over a
-            prompt kept once, a model preparing its own decoding inputs or taking per-step ones, such as the vision
-            families, flash attention), `generate` decodes, with one warning naming why. Off by default until
+            attention type (fanned out); a hybrid's recurrent states stay as transformers updates them (in place).
+            Where a call cannot be exact this way (a window over a prompt kept once, a model preparing its own
+            decoding inputs or taking per-step ones, such as Falcon-H1, Phi-3 and the vision families, flash
+            attention), `generate` decodes, with one warning naming why. Off by default until
             measured on a GPU.
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat

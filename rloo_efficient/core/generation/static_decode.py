@@ -24,8 +24,7 @@ is the one it would have been after stock's `generate` (which stops right there)
 Equal to `generate`'s loop up to the attention's sums over masked columns (a masked column adds an exact zero: the
 same terms, in a kernel's order for a longer row): the same logits to floating-point rounding, the same samples.
 On CUDA the step is captured once per call as a graph and replayed ([`GraphedStep`]). Where a call cannot be exact
-this way (recurrent states, a window over a prompt kept once, a model preparing its own decoding inputs or taking
-per-step ones, an attention implementation that takes no prepared mask, a streamer, attentions returned), it runs
+this way (a window over a prompt kept once, a model preparing its own decoding inputs or taking per-step ones, an attention implementation that takes no prepared mask, a streamer, attentions returned), it runs
 `generate`'s own loop, with one warning naming why.
 """
 
@@ -36,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
@@ -57,6 +56,9 @@ _STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG,
 _warned: set[str] = set()
 # Cache layers a static buffer holds: keys and values, all of them or a sliding window's last ones
 _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+# Cache layers kept as they are: recurrent and convolution states of a fixed size, which transformers updates in
+# place (for graphs' static addresses)
+_FIXED = (LinearAttentionLayer,)
 
 
 class StaticLayer(DynamicLayer):
@@ -160,22 +162,23 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     if not isinstance(cache, Cache) or not cache.layers:
         return "generate prefills its own cache"
     if isinstance(cache, PrefixCache):  # the prompt kept once per group: the rows' own keys in static buffers
-        kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not PrefixLayer})
+        kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (PrefixLayer, *_FIXED)})
         if kinds:
             return f"its cache kept once has layers other than keys and values ({', '.join(kinds)})"
         if any(window is not None for window in layer_windows(model)):  # a tool loop's cache keeps whole windows
             return "a sliding window over the prompt kept once is masked from the host's count of positions"
-        if any(layer.own_length or layer.prefix_columns != width - 1 for layer in cache.layers):
+        if any(layer.own_length or layer.prefix_columns != width - 1 for layer in cache.layers
+               if type(layer) is PrefixLayer):  # fmt: skip
             return "the cache does not hold every prompt column but the last"
         return None
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in _LAYERS})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (*_LAYERS, *_FIXED)})
     if kinds:
         return f"its cache has layers other than keys and values ({', '.join(kinds)})"
     if any(window is not None for window in layer_windows(model)):
         types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
         if not types <= {"full_attention", "sliding_attention"}:
             return f"its layers' attention types ({', '.join(sorted(types))}) are not full and sliding alone"
-    if any(layer.keys is None or _filled(layer) != width - 1 for layer in cache.layers):
+    if any(layer.keys is None or _filled(layer) != width - 1 for layer in cache.layers if type(layer) in _LAYERS):
         return "the cache does not hold every prompt column but the last"
     if model_kwargs.get("position_ids") is None:
         return "generate passed no position ids"
@@ -232,6 +235,9 @@ def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[
     filled = length[0]
     layers = []
     for layer, window in zip(cache.layers, windows, strict=True):
+        if type(layer) in _FIXED:  # its states are updated in place already
+            layers.append(layer)
+            continue
         kept = layer.keys.shape[-2]
         unwritten = (0, 0, filled - kept, columns - filled)
         keys, values = F.pad(layer.keys, unwritten), F.pad(layer.values, unwritten)
@@ -274,10 +280,10 @@ class StaticStep:
         if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
             self.additive, own = True, columns - (width - 1)  # the kernels' bias: additive
             self.column = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-            dtype = cache.layers[0].prefix_keys.dtype
+            dtype = next(layer.prefix_keys.dtype for layer in cache.layers if type(layer) is PrefixLayer)
             self.full = torch.full((1, 1, 1, own), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
             cache.layers = [StaticPrefixLayer(layer, rows, own, self.column, self.full, self.written)
-                            for layer in cache.layers]  # fmt: skip
+                            if type(layer) is PrefixLayer else layer for layer in cache.layers]  # fmt: skip
             self.cache = cache
             self.mask = self.full  # handed to the model as prepared; the prefix attention reads `own_bias`
             return
@@ -292,8 +298,8 @@ class StaticStep:
         # A window shorter than the buffers: its own mask, the column falling out of the window closed each step.
         # Column `c` reads the keys in (c - w, c]: closing `(c - w) mod columns` closes an unwritten column (after
         # `c`, still closed) until `c >= w`
-        windows = {layer.sliding_window for layer in self.cache.layers
-                   if layer.sliding_window is not None and layer.sliding_window < columns}  # fmt: skip
+        windows = {layer.sliding_window for layer in self.cache.layers if type(layer) is StaticLayer
+                   and layer.sliding_window is not None and layer.sliding_window < columns}  # fmt: skip
         for window in windows:
             behind = torch.arange(columns, device=attends.device) <= width - 1 - window
             closing = torch.full((1,), (width - 1 - window) % columns, dtype=torch.long, device=attends.device)
@@ -304,7 +310,7 @@ class StaticStep:
         """`attends` as the model's attention takes it: boolean for SDPA, additive (the dtype's minimum) for eager."""
         if not self.additive:
             return attends.clone()
-        dtype = self.cache.layers[0].keys.dtype
+        dtype = next(layer.keys.dtype for layer in self.cache.layers if type(layer) is StaticLayer)
         return torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(attends.logical_not(),
                                                                                           torch.finfo(dtype).min)
 
@@ -322,7 +328,7 @@ class StaticStep:
         if not self.windows:
             return self.full
         (sliding, _), = self.windows.values()  # one window (checked: full and sliding types alone)
-        if all(layer.sliding_window is not None for layer in self.cache.layers):
+        if all(getattr(layer, "sliding_window", None) is not None for layer in self.cache.layers):
             return sliding
         return {"full_attention": self.full, "sliding_attention": sliding}
 
@@ -339,7 +345,9 @@ class StaticStep:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes in place (what a captured graph keeps the addresses of)."""
         masks = [self.full, *(tensor for pair in self.windows.values() for tensor in pair)]
-        caches = [tensor for layer in self.cache.layers for tensor in (layer.keys, layer.values) if tensor is not None]
+        caches = [tensor for layer in self.cache.layers for tensor in (
+            (*layer.conv_states, *layer.recurrent_states) if type(layer) in _FIXED else (layer.keys, layer.values))
+            if isinstance(tensor, torch.Tensor)]  # fmt: skip
         return [*masks, self.position, self.token, self.column, *caches]
 
     def advance(self, tokens: torch.Tensor) -> None:
