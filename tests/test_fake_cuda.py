@@ -33,8 +33,8 @@ from rloo_efficient.core.generation.generate import prefill_prompts, unique_rows
 from rloo_efficient.core.generation.prompt_cache import PrefixCache
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.transformers_compat import CACHE_KWARG
-from rloo_efficient.profiling.op_count import HOST_SYNC_OPS
 from rloo_efficient.core.tree import layout as layouts
+from rloo_efficient.profiling.op_count import HOST_SYNC_OPS
 
 from .test_prefix_attention import stock_batch
 
@@ -662,7 +662,8 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
                 assert step.cache.layers[0].keys.shape == (6, 2, steps, 64) and step.mask.shape == (1, 1, 1, steps)
                 assert step.cache.layers[0].prefix_keys.shape == (2, 2, width - 1, 64)
             else:
-                assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64) and step.mask.dtype == torch.bool
+                assert step.cache.layers[0].keys.shape == (6, 2, width - 1 + steps, 64)
+                assert step.mask.dtype == torch.bool
             for _ in range(steps - 1):
                 with CaptureSafety() as unsafe:
                     logits = step()

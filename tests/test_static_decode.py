@@ -196,7 +196,8 @@ def test_every_row_its_own_prompt_decodes_from_its_own_cache():
     assert SYSTEM < ids.shape[1]
 
 
-@pytest.mark.parametrize("arch, once", [("llama", False), ("llama", True), ("granite", False), ("gemma3_sliding", False)])
+@pytest.mark.parametrize("arch, once", [("llama", False), ("llama", True), ("granite", False),
+                                        ("gemma3_sliding", False)])  # fmt: skip
 def test_tool_turns_continue_their_caches_from_static_buffers(arch, once):
     """Three turns of a tool loop (rows ending at different steps, each later turn continuing each row's held cache):
     plain generate's samples and logits every turn, each decoded from static buffers (the first turn's prompt fanned

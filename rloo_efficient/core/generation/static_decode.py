@@ -24,8 +24,9 @@ is the one it would have been after stock's `generate` (which stops right there)
 Equal to `generate`'s loop up to the attention's sums over masked columns (a masked column adds an exact zero: the
 same terms, in a kernel's order for a longer row): the same logits to floating-point rounding, the same samples.
 On CUDA the step is captured once per call as a graph and replayed ([`GraphedStep`]). Where a call cannot be exact
-this way (a window over a prompt kept once, a model preparing its own decoding inputs or taking per-step ones, an attention implementation that takes no prepared mask, a streamer, attentions returned), it runs
-`generate`'s own loop, with one warning naming why.
+this way (a window over a prompt kept once, a model preparing its own decoding inputs or taking per-step ones, an
+attention implementation that takes no prepared mask, a streamer, attentions returned), it runs `generate`'s own
+loop, with one warning naming why.
 """
 
 import contextlib
@@ -36,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ..transformers_compat import CACHE_KWARG
@@ -188,9 +189,10 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
 def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, **model_kwargs) -> torch.Tensor:  # fmt: skip
     """
-    `generate`'s `_sample` (its `custom_generate` signature; the caller checks [`static_call_reason`]) from a cache holding the first `W - 1` columns of the
-    `(B, W)` batch `input_ids`, decoded from static buffers (see the module's text). Returns the sequences, as
-    `generate` does. Runs `generate`'s own loop where [`static_decode_reason`] says why it cannot.
+    `generate`'s `_sample` (its `custom_generate` signature; the caller checks [`static_call_reason`]) from a cache
+    holding the first `W - 1` columns of the `(B, W)` batch `input_ids`, decoded from static buffers (see the
+    module's text). Returns the sequences, as `generate` does. Runs `generate`'s own loop where
+    [`static_decode_reason`] says why it cannot.
     """
     reason = static_decode_reason(model, input_ids, stopping_criteria, generation_config, model_kwargs)
     if reason is None and stopping_criteria.max_length is None:
