@@ -297,3 +297,27 @@ def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, t
     # The packed log-prob passes sum in other orders (TRL's log-prob head in float32), as without static decoding
     assert_metrics_close(step_metrics(stock_run), step_metrics(ours), 1e-5, 1e-7, per_micro_batch(ours))
     assert len(calls) == 2 and ours.shared_prefill_tokens > 0  # one generation per two steps, three steps
+
+
+def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact_head, monkeypatch):
+    """GRPO with its defaults, and end tokens common enough (a third of the vocabulary, through TRL's
+    `generation_kwargs`) that every row of a generation finishes early, between two read-backs: stock TRL's
+    completions and metrics (float64), the second generation's draws included (the first's draws past its finish
+    undone), both generations decoded from static buffers."""
+    import trl
+
+    from rloo_efficient import GRPOTrainer
+
+    from .test_grpo import assert_same_run, grpo_args
+
+    cfg, path, dataset = workload
+    calls = []
+    decode = static_decode._decode
+    monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
+    settings = dict(max_completion_length=48, max_steps=4, generation_kwargs={"eos_token_id": list(range(40, 120))})
+    stock = run(trl.GRPOTrainer, path, grpo_args(tmp_path / "stock", config_class=trl.GRPOConfig, **settings), dataset)
+    ours = run(GRPOTrainer, path, grpo_args(tmp_path / "ours", static_decoding=True, **settings), dataset)
+    assert_same_run(stock, ours)
+    assert len(calls) == 2  # four steps, a generation every two
+    longest = [e["completions/max_length"] for e in stock.state.log_history if "completions/max_length" in e]
+    assert len(longest) == 2 and all(length < 48 and length % 8 for length in longest)  # stopped between read-backs
