@@ -167,8 +167,7 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
     if hasattr(module, "expand_kv"):  # multi-head latent attention: the prompt is cached as latents, expanded here
         prefix_key, prefix_value = module.expand_kv(prefix_key, prefix_value)  # as the module expands its own
     prefix_key, prefix_value = _compute_dtype(query, prefix_key, prefix_value)[1:]
-    # A static decoding buffer's positions not written yet are masked (`StaticPrefixLayer`)
-    prefix_bias, own_bias = layer.prefix_bias, getattr(layer, "own_bias", None)
+    prefix_bias, own_bias = layer.prefix_bias, layer.own_bias
     if window is not None and key.shape[2] > window:  # a layer keeping its whole history (a tool loop's): the window
         key, value = key[:, :, -window:], value[:, :, -window:]
     if window is not None:

@@ -28,6 +28,10 @@ class PrefixLayer(DynamicLayer):
     is padded. Sequence lengths and mask sizes count the prompt's positions and the decoded ones.
     """
 
+    # What masks the rows' own keys (`(1, 1, 1, t)`), or None: each holds only what was written (a static decoding
+    # buffer's layer holds positions not written yet: [`generation.static_decode.StaticPrefixLayer`])
+    own_bias: torch.Tensor | None = None
+
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, prefix_columns: int,
                  prefix_bias: torch.Tensor | None, window: int | None = None):  # fmt: skip
         super().__init__()
@@ -154,6 +158,7 @@ class SharedPrefixLayer(DummyLayer):
     prefix_bias = property(lambda self: self.source.prefix_bias)
     prefix_columns = property(lambda self: self.source.prefix_columns)
     own_length = property(lambda self: self.source.own_length)
+    own_bias = property(lambda self: self.source.own_bias)
 
 
 def kv_sources(config) -> list[int]:
