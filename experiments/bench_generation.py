@@ -3,7 +3,7 @@ The generation phase of one prompt group (k rows of one P-token prompt, C new to
 k copies vs ours (`generate_with_shared_prefill`): the shared prefill with the prompt's cache fanned out to the k
 rows (`fan_out`), the same decoded from static buffers (`static`: `core.generation.static_decode`, its step captured
 as a CUDA graph on a GPU; `static_eager`: not captured), and with the prompt's cache kept once per group
-(`cache_once`). Reports the peak tensor memory above the loaded model (on CPU
+(`cache_once`; `static_once`: that decoded from static buffers). Reports the peak tensor memory above the loaded model (on CPU
 the exact peak of live tensor bytes, from the profiler's allocation events; on an accelerator the allocator's peak
 allocated) and time (median of --repeats after a burn-in, without the
 profiler), and checks that both give the same completions from the same seed. No EOS: every row decodes C tokens,
@@ -42,13 +42,13 @@ from rloo_efficient.workload import WorkloadConfig, build_model_dir
 MIB = 1024**2
 
 
-METHODS = ("stock", "fan_out", "static", "static_eager", "cache_once")
+METHODS = ("stock", "fan_out", "static", "static_eager", "cache_once", "static_once")
 
 
 def generate(method, model, input_ids, attention_mask, config):
     if method == "stock":
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-    once = method == "cache_once"
+    once = method in ("cache_once", "static_once")
     devices = static_decode.CAPTURE_DEVICES
     if method == "static_eager":
         static_decode.CAPTURE_DEVICES = ()
@@ -123,12 +123,14 @@ def main(argv=None):
     parser.add_argument("--release", action="store_true", help="also time each method after emptying the cache")
     parser.add_argument("--per_token", action="store_true", help="also each method's decoding time per token, "
                         "beside what the bytes a step reads take at the device's bandwidth")  # fmt: skip
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the model's dtype (auto: the saved one)")
     args = parser.parse_args(argv)
     args.methods = ["stock", *(m for m in args.methods if m != "stock")]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = build_model_dir(WorkloadConfig(preset=args.preset))  # the default tiny model, or a preset's shape
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=args.dtype).to(device).eval()
     vocab = model.config.vocab_size
     config = GenerationConfig(max_new_tokens=args.completion_length, min_new_tokens=args.completion_length,
                               do_sample=True, pad_token_id=0, eos_token_id=None)  # fmt: skip

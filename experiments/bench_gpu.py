@@ -39,15 +39,15 @@ WORKLOADS = {
 }
 # Each group alone, for a device session too short for all four (one run takes ~80 s on an H200 at 0.6B)
 WORKLOADS["0.6b"], WORKLOADS["1.7b"] = WORKLOADS["gpu"][:2], WORKLOADS["gpu"][2:]
-WORKLOADS["0.6b-k8"] = WORKLOADS["gpu"][:1]
+WORKLOADS["0.6b-k8"], WORKLOADS["1.7b-k8"] = WORKLOADS["gpu"][:1], WORKLOADS["gpu"][2:3]
 # One row per micro-batch, 8 accumulated (a memory-bound user's setting): each prompt held across the micro-batches
 WORKLOADS["0.6b-rows1"] = [("0.6B P=3072 C=256 k=8, 1 row per micro-batch", "qwen3-0.6b", 3072, 256, 8, 1)]
 ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
              "share_generation_prefill=False": ["--share_generation_prefill", "false"],
              "empty_cache_policy=after_generation": ["--empty_cache_policy", "after_generation"],
-             # decoding from static buffers, captured as a CUDA graph (the prompt fanned out or kept once, as the
-             # cost model chooses)
-             "static_decoding=True": ["--static_decoding", "true"]}  # fmt: skip
+             "share_prompt_kv_cache=True": ["--share_prompt_kv_cache", "true"],  # the prompt kept once, always
+             # generate's own decoding loop instead of static buffers captured as a CUDA graph (the default on CUDA)
+             "static_decoding=False": ["--static_decoding", "false"]}  # fmt: skip
 GIB = "gib"
 
 
@@ -137,6 +137,9 @@ def main(argv=None) -> int:
                 phases = ", ".join(f"{phase} {steady(result, phase, 'time_s') or 0.0:.3f}"
                                    for phase in ("policy_logps", "reference_logps", "train"))  # fmt: skip
                 report.add(f"# {name}, {label}: {phases}")
+                peaks = ", ".join(f"{phase} {steady(result, phase, peak) or 0.0:.2f}"
+                                  for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
+                report.add(f"# {name}, {label}, {peak.removesuffix('_gib').replace('_', ' ')} by phase (GiB): {peaks}")
     return report.write()
 
 

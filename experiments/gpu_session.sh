@@ -16,12 +16,14 @@
 # 4. the agent workload's generation turn by turn (tool turns continuing each row's cache) at Qwen3-0.6B's shape;
 # 5. the decoding cost on this GPU across prompt lengths (core/generation/prompt_cache.py BREAK_EVEN_BYTES);
 # 6. the trainer on the 1.7B workloads (never measured yet);
-# 7. decoding from static buffers (static_decoding) against generate's loop: generation alone, then the trainer.
+# 7. decoding from static buffers (static_decoding, on by default on CUDA since 2026-11-27) against generate's loop:
+#    generation alone (and, at 1.7B and P=16384, with the prompt kept once: its decoding cost under a graph, where no
+#    launches are left for the kept-once attention's extra operators to cost), then the trainer.
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-STEPS="${STEPS:-held_overhead static_generation bench_gpu_rows1 doctor tree_kernels bench_gpu_0.6b agent decode_cost_k8 bench_gpu_1.7b}"
+STEPS="${STEPS:-bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 agent static_generation doctor tree_kernels bench_gpu_0.6b decode_cost_k8}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
@@ -31,6 +33,10 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
+run 300 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --ablations share_prompt_kv_cache=True \
+    --output "$OUT/bench_gpu_1.7b.md"
+run 150 static_once python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
+    --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
 run 60 held_overhead python3 experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
 run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
@@ -39,7 +45,6 @@ run 220 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
 run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
-    --ablations empty_cache_policy=after_generation static_decoding=True --output "$OUT/bench_gpu_0.6b.md"
+    --ablations empty_cache_policy=after_generation static_decoding=False --output "$OUT/bench_gpu_0.6b.md"
 run 120 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"
 run 60 decode_cost_k8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 16384 --k 8
-run 240 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b --output "$OUT/bench_gpu_1.7b.md"

@@ -280,15 +280,32 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
     assert len(emulated_graphs) == (2 if fault is None else 1 if fault == "wrong" else 0)
 
 
-@pytest.mark.parametrize("once", [False, True])
-def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch, once):
-    """`static_decoding=True` through the trainer (the prompt's cache fanned out, or kept once): stock TRL's
-    completions and metrics, every generation decoded from static buffers."""
-    cfg, path, dataset = workload
+@pytest.mark.parametrize("captured", [False, True])
+def test_static_decoding_by_default_where_steps_are_captured(monkeypatch, request, captured):
+    """`static=None` (the trainer's default): static decoding where the device's steps are captured as graphs (CUDA;
+    here a CPU with capture emulated), `generate`'s loop elsewhere."""
+    graphs = request.getfixturevalue("emulated_graphs") if captured else []
     calls = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
-    args = training_args(tmp_path, static_decoding=True, share_prompt_kv_cache=once)
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    generate_with_shared_prefill(model, ids, mask, static=None, generation_config=generation_config(max_new_tokens=4))
+    assert len(calls) == len(graphs) == captured
+
+
+@pytest.mark.parametrize("once, setting", [(False, True), (True, None)])
+def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, tmp_path, monkeypatch, request, once,
+                                                          setting):  # fmt: skip
+    """`static_decoding=True` through the trainer (the prompt's cache fanned out), and its default (None) where steps
+    are captured (a CPU with capture emulated; the prompt's cache kept once): stock TRL's completions and metrics,
+    every generation decoded from static buffers."""
+    cfg, path, dataset = workload
+    graphs = request.getfixturevalue("emulated_graphs") if setting is None else None
+    calls = []
+    decode = static_decode._decode
+    monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
+    args = training_args(tmp_path, static_decoding=setting, share_prompt_kv_cache=once)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = run(RLOOTrainer, path, args, dataset)
@@ -297,6 +314,7 @@ def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, t
     # The packed log-prob passes sum in other orders (TRL's log-prob head in float32), as without static decoding
     assert_metrics_close(step_metrics(stock_run), step_metrics(ours), 1e-5, 1e-7, per_micro_batch(ours))
     assert len(calls) == 2 and ours.shared_prefill_tokens > 0  # one generation per two steps, three steps
+    assert graphs is None or len(graphs) == 2
 
 
 def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact_head, monkeypatch):

@@ -54,9 +54,9 @@ def test_config_is_a_stock_config_subclass():
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
             "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_reward_prefix",
-            "hydra_reward_adapter", "profile_memory", "static_decoding")),
+            "hydra_reward_adapter", "profile_memory")),
         *(({name: "false"}, f"{name} must be True, False or None, got 'false'") for name in (
-            "share_prompt_kv_cache", "shuffle_groups")),
+            "share_prompt_kv_cache", "shuffle_groups", "static_decoding")),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
         ({"tool_cache_budget_gib": -1}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
         ({"tool_cache_budget_gib": "4"}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),

@@ -36,6 +36,7 @@ from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, sele
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
+from . import static_decode
 from .static_decode import static_call_reason, static_sample, warn_off
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
@@ -201,7 +202,7 @@ def generate_with_shared_prefill(
     generate=None,
     images: list | None = None,
     turns: TurnCaches | None = None,
-    static: bool = False,
+    static: bool | None = False,
     **kwargs,
 ):
     """
@@ -227,7 +228,7 @@ def generate_with_shared_prefill(
     (only their new tokens are forwarded), and this call's are held for the next, where the model's cache allows it
     ([`generation.turn_cache.continue_reason`]), for text prompts, not under `synced`. `static`: decode from the
     shared prefill's cache in static buffers ([`generation.static_decode.static_sample`]), the prompt fanned out or
-    kept once alike.
+    kept once alike; None: where the step is captured as a graph ([`generation.static_decode.CAPTURE_DEVICES`]).
     """
     generate = generate or model.generate
     if prompt_ids is None:
@@ -240,6 +241,8 @@ def generate_with_shared_prefill(
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     decoding = {}  # for a call continuing a cache of ours: decoded from static buffers where asked and allowed
+    if static is None:
+        static = input_ids.device.type in static_decode.CAPTURE_DEVICES
     if static and (off := static_call_reason(config, synced, kwargs)) is None:
         decoding = {"custom_generate": static_sample}
     elif static:
