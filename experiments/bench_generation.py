@@ -3,10 +3,9 @@ The generation phase of one prompt group (k rows of one P-token prompt, C new to
 k copies vs ours (`generate_with_shared_prefill`): the shared prefill with the prompt's cache fanned out to the k
 rows (`fan_out`), the same decoded from static buffers (`static`: `core.generation.static_decode`, its step captured
 as a CUDA graph on a GPU; `static_eager`: not captured), and with the prompt's cache kept once per group
-(`cache_once`; `static_once`: that decoded from static buffers). Reports the peak tensor memory above the loaded model (on CPU
-the exact peak of live tensor bytes, from the profiler's allocation events; on an accelerator the allocator's peak
-allocated) and time (median of --repeats after a burn-in, without the
-profiler), and checks that both give the same completions from the same seed. No EOS: every row decodes C tokens,
+(`cache_once`; `static_once`: that decoded from static buffers). Reports the peak tensor memory above the loaded
+model (on CPU the exact peak of live tensor bytes, from the profiler's allocation events; on an accelerator the
+allocator's peak allocated) and time (median of --repeats after a burn-in, without the profiler), and checks that both give the same completions from the same seed. No EOS: every row decodes C tokens,
 so both do the same decoding work.
 
     python experiments/bench_generation.py --prompt_lengths 512 2048 --completion_length 64 --ks 2 4 8

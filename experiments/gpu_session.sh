@@ -23,7 +23,8 @@ set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-STEPS="${STEPS:-bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 agent static_generation doctor tree_kernels bench_gpu_0.6b decode_cost_k8}"
+ALL="bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 agent static_generation doctor tree_kernels"
+STEPS="${STEPS:-$ALL bench_gpu_0.6b decode_cost_k8}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
