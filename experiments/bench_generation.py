@@ -5,8 +5,9 @@ rows (`fan_out`), the same decoded from static buffers (`static`: `core.generati
 as a CUDA graph on a GPU; `static_eager`: not captured), and with the prompt's cache kept once per group
 (`cache_once`; `static_once`: that decoded from static buffers). Reports the peak tensor memory above the loaded
 model (on CPU the exact peak of live tensor bytes, from the profiler's allocation events; on an accelerator the
-allocator's peak allocated) and time (median of --repeats after a burn-in, without the profiler), and checks that both give the same completions from the same seed. No EOS: every row decodes C tokens,
-so both do the same decoding work.
+allocator's peak allocated) and time (median of --repeats after a burn-in, without the profiler), and checks that
+both give the same completions from the same seed. No EOS: every row decodes C tokens, so both do the same decoding
+work.
 
     python experiments/bench_generation.py --prompt_lengths 512 2048 --completion_length 64 --ks 2 4 8
     python experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 --completion_length 128 \
