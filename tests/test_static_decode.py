@@ -143,7 +143,7 @@ def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
 @pytest.mark.parametrize(
     "arch, once, reason",
     [
-        ("qwen2_vl", False, "per-step inputs (mm_encoder_outputs"),  # its images' features and token types
+        ("gemma3_vlm", False, "per-step inputs (token_type_ids)"),  # the image token types its mask reads
         ("phi3", False, "prepares its own decoding inputs"),
         ("falcon_h1", False, "prepares its own decoding inputs"),  # keys and states in one layer
         ("mistral_sliding", True, "sliding window over the prompt kept once"),

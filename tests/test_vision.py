@@ -104,10 +104,10 @@ IMAGE_COLUMNS = {
 
 
 def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, images=None,
-             edit_config=None, stock_chunks=False, **overrides):  # fmt: skip
+             edit_config=None, stock_chunks=False, ours_only=None, **overrides):  # fmt: skip
     """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one
     image per prompt; `edit_config(config dict)`: the checkpoint's config changed on a copy; `stock_chunks`: some
-    chunks may run stock's forward (then their images are stock's)."""
+    chunks may run stock's forward (then their images are stock's); `ours_only`: settings of ours alone."""
     cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch])
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     if images is not None:
@@ -126,13 +126,13 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
         "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig, grpo_args),
         "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig, grpo_args),
     }[trainer]
-    settings = dict(beta=0.1, max_steps=2, **overrides)
+    settings = dict(beta=0.1, **{"max_steps": 2, **overrides})
     stock_images, our_images = [], []
     rewards = lambda: list(reward or [token_reward])  # noqa: E731 (a copy each: stock TRL loads paths in place)
     stock = _train(stock_class, path, make_args(tmp_path / "s", config_class=stock_config, **settings), dataset,
                    build_processing_class(cfg), stock_images, rewards(), before_stock_train)  # fmt: skip
-    ours = _train(ours_class, path, make_args(tmp_path / "o", config_class=ours_config, **settings), dataset,
-                  build_processing_class(cfg), our_images, rewards())  # fmt: skip
+    ours = _train(ours_class, path, make_args(tmp_path / "o", config_class=ours_config, **settings, **(ours_only or {})),
+                  dataset, build_processing_class(cfg), our_images, rewards())  # fmt: skip
     # The packed forward and the shared prefill ran, with the images
     assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0 and ours._prompt_cache_once
     # Each call's images once per group, in generation and in every log-prob pass: stock's encode every row's (k = 4
@@ -189,6 +189,23 @@ def test_completions_of_different_lengths(model_cache, tmp_path, exact_head, arc
     """Completions stopping at EOS at different lengths in one group: Qwen's positions of every row come from the
     group's first row, whose own completion may be shorter."""
     stock, _ = _compare(model_cache, tmp_path, arch, max_completion_length=48)
+    lengths = [entry["completions/min_length"] for entry in stock.state.log_history if "completions/min_length" in entry]
+    assert min(lengths) < 48, "no completion stopped at EOS"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "smolvlm"])
+def test_static_decoding_with_image_prompts(model_cache, tmp_path, exact_head, monkeypatch, arch):
+    """GRPO with image prompts and `static_decoding=True` (Qwen3-VL's multimodal rope and DeepStack; SmolVLM's features
+    at the prefill alone), completions ending at different lengths: stock's run, every generation decoded from static
+    buffers."""
+    from rloo_efficient.core.generation import static_decode
+
+    decoded = []
+    decode = static_decode._decode
+    monkeypatch.setattr(static_decode, "_decode", lambda *args: decoded.append(1) or decode(*args))
+    stock, _ = _compare(model_cache, tmp_path, arch, ours_only=dict(static_decoding=True), max_completion_length=48,
+                        max_steps=4)  # fmt: skip
+    assert len(decoded) == 2  # four steps, a generation every two
     lengths = [entry["completions/min_length"] for entry in stock.state.log_history if "completions/min_length" in entry]
     assert min(lengths) < 48, "no completion stopped at EOS"
 
@@ -336,16 +353,24 @@ def _processed(processor, texts, images):
     return ids, mask, extra, [list(row) for row in rows]
 
 
+# The families that decode through `generate`'s loop with `static_decoding`, and why: Gemma 3 and 4 prepare their own
+# decoding inputs (the image token types their masks read)
+STATIC_ASIDE = {"gemma3_vlm": "per-step inputs (token_type_ids)", "gemma4": "prepares its own decoding inputs"}
+
+
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("once", [True, False])
 @pytest.mark.parametrize("arch", list(VISION))
-def test_generation_prefills_each_prompt_and_image_once(model_cache, arch, once):
+def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch, arch, once, static):
     """`generate` from the shared prefill with image prompts: the stock call's logits and samples, each distinct
     prompt's image encoded once; the prompt's cache kept once per prompt while decoding, or fanned out to its rows.
     Two rows with the same text and images of the same size but other pixels are two prompts (their tokens are the
-    same)."""
+    same). With `static`, decoded from static buffers (the multimodal rope's 3-D positions advanced in place), or
+    through `generate`'s loop with one warning naming why."""
     from PIL import Image
     from transformers import GenerationConfig
 
+    from rloo_efficient.core.generation import static_decode
     from rloo_efficient.core.generation.generate import generate_with_shared_prefill
     from rloo_efficient.tiny_models import model_config, model_from_config
     from rloo_efficient.workload import build_tokenizer
@@ -379,9 +404,21 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, arch, once)
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_encoded, encoded[:] = list(encoded), []
+    static_decode._warned.clear()
+    decoded = []
+    decode = static_decode._decode
+    monkeypatch.setattr(static_decode, "_decode", lambda *args: decoded.append(1) or decode(*args))
     torch.manual_seed(123)
-    ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids, prompt_cache_once=once,
-                                                        images=[[image] for image in images], **kwargs)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, prefill_tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=prompt_ids,
+                                                            prompt_cache_once=once, static=static,
+                                                            images=[[image] for image in images], **kwargs)  # fmt: skip
+    aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
+    if static and arch in STATIC_ASIDE:
+        assert len(aside) == 1 and STATIC_ASIDE[arch] in aside[0] and not decoded
+    else:
+        assert not aside and len(decoded) == static
     assert prefill_tokens == 3 * (ids.shape[1] - 1)  # three distinct prompts of six rows
     per_image = 3 if arch == "internvl" else 1  # the tower's inputs per image: itself, or InternVL's 2 tiles and thumbnail
     assert len(stock_encoded) == len(encoded) == 1 and len(stock_encoded[0]) == 6 * per_image

@@ -12,7 +12,9 @@ from the generation config, unchanged), over buffers sized for the call once, af
   ([`generation.prompt_cache.PrefixCache`]), the rows' own `N` positions alone, masked where not written yet
   ([`StaticPrefixLayer`]);
 - the attention mask a `(B, 1, 1, W - 1 + N)` buffer, its column opened in place each step, handed to the model as a
-  prepared 4-D mask (transformers uses such a mask as it is); the position ids and the step's input token likewise;
+  prepared 4-D mask (transformers uses such a mask as it is); the position ids (the multimodal rope's `(3 or 4, B,
+  1)` alike) and the step's input token likewise; image prompts' features and pixels are inputs `generate` hands the
+  prefill alone, and their token types grow by zeros (the step's a buffer: the prompt's last, then zero);
 - the sequences a `(B, W + N)` buffer, the processors reading a view of its first columns as `generate`'s growing
   `input_ids`.
 
@@ -41,6 +43,11 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+try:  # the image inputs `generate`'s own input preparation passes to the prefill alone (transformers 5)
+    from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
+except ImportError:  # pragma: no cover - older transformers: every such input is a per-step one
+    MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL = ()
+
 from ..transformers_compat import CACHE_KWARG
 from .prompt_cache import PrefixCache, PrefixLayer
 
@@ -53,7 +60,11 @@ STOP_CHECK_EVERY = 8
 # eager. Flash attention and the Hub's kernels read a 2-D mask or none
 _MASKS = {"sdpa": "bool", "eager": "additive"}
 # What `generate` hands its decoding loop that one static step reproduces (the rest: another loop's, or a model's own)
-_STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG, "use_cache"}
+_STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG, "use_cache",
+                *MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL}
+# Per-step inputs `generate` grows by a column of zeros each step (`_update_model_kwargs_for_generation`): a step's
+# value is the prompt's last column at the first step, zeros after it
+_ZERO_GROWN = ("mm_token_type_ids",)
 _warned: set[str] = set()
 # Cache layers a static buffer holds: keys and values, all of them or a sliding window's last ones
 _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -151,7 +162,7 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
                      if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))})  # fmt: skip
     if others:
         return f"stopping criteria other than length and EOS ({', '.join(others)})"
-    if extra := sorted(set(model_kwargs) - _STEP_INPUTS):
+    if extra := sorted(set(model_kwargs) - _STEP_INPUTS - set(_ZERO_GROWN)):
         return f"the model takes per-step inputs ({', '.join(extra)})"
     if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
         return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
@@ -276,9 +287,12 @@ class StaticStep:
         self.additive = _MASKS[model.config._attn_implementation] == "additive"
         self.windows = {}
         # generate's position ids (cumsum(mask) - 1) and input at the prompt's last column, then one further a step
-        self.position = model_kwargs["position_ids"].narrow(1, width - 1, 1).clone()
+        # (the multimodal rope's position ids have a leading dimension: `(3 or 4, B, W)`)
+        self.position = model_kwargs["position_ids"].narrow(-1, width - 1, 1).clone()
         self.token = input_ids.narrow(1, width - 1, 1).clone()
         self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
+        self.extra.update({key: model_kwargs[key].narrow(-1, model_kwargs[key].shape[-1] - 1, 1).clone()
+                           for key in _ZERO_GROWN if model_kwargs.get(key) is not None})  # fmt: skip
         if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
             self.additive, own = True, columns - (width - 1)  # the kernels' bias: additive
             self.column = torch.zeros(1, dtype=torch.long, device=input_ids.device)
@@ -350,12 +364,16 @@ class StaticStep:
         caches = [tensor for layer in self.cache.layers for tensor in (
             (*layer.conv_states, *layer.recurrent_states) if type(layer) in _FIXED else (layer.keys, layer.values))
             if isinstance(tensor, torch.Tensor)]  # fmt: skip
-        return [*masks, self.position, self.token, self.column, *caches]
+        grown = [self.extra[key] for key in _ZERO_GROWN if key in self.extra]
+        return [*masks, self.position, self.token, self.column, *grown, *caches]
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Takes the step's sampled tokens `(B,)` as the next step's input."""
         self.token.copy_(tokens.unsqueeze(1))
         self.position.add_(1)
+        for key in _ZERO_GROWN:
+            if key in self.extra:
+                self.extra[key].zero_()
         self.column.add_(1)
         for _, closing in self.windows.values():
             closing.add_(1).remainder_(self.full.shape[-1])
