@@ -223,7 +223,11 @@ def cache_limit(model: nn.Module) -> int | None:
 #   1 MB;
 # - cuda (an H200, bf16, Qwen3-0.6B's shape, k=8): decoding is bound by the host's launches; kept once was 1.27x the
 #   fanned-out time with 88 MB skipped per layer and step (~190 us more per layer and step, against ~20 us of reads at
-#   4.3 TB/s), so even needs ~900 MB (one point and the nominal bandwidth: not measured across shapes yet).
+#   4.3 TB/s), so even needs ~900 MB. Across prompt lengths (bench_decode_cost.py, the same GPU, 16/8 heads of 128,
+#   k=8, eager steps; results/gpu_session/decode_cost_k8.txt): kept once 9.7x, 7.1x, 5.5x and 1.10x the fanned-out
+#   time per layer and step at 7, 29, 117 and 470 MB skipped: still slower at 470 MB, so 900 MB stands. These are
+#   eager steps; under static decoding's graph replays (the default on CUDA) the launches the split attention adds
+#   cost no host time, and the break-even there is not measured yet (gpu_session.sh, step static_once).
 # Other accelerators take CUDA's figure.
 BREAK_EVEN_BYTES = {"cpu": 1e6, "cuda": 900e6}
 # On an accelerator, fanned-out copies of the prompts (all layers) above this share of its memory: kept once whatever
