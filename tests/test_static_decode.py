@@ -140,6 +140,22 @@ def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
     assert stock.host_syncs >= 16
 
 
+def test_the_rows_copies_of_the_prompt_are_allocated_once_at_their_final_size(monkeypatch):
+    """Fanned out for static decoding, the buffers are filled from the prefill's one row per distinct prompt, each
+    layer's rows gathered straight into its buffers of the call's width: no fanned-out copy of every layer first (a
+    caching allocator would then hold both sets: the fanned-out blocks, freed one by one, are a little too small for
+    the next layer's buffer). Generate's loop, where static decoding steps aside, gets the rows fanned out."""
+    rows = []
+    build_cache = static_decode.static_cache
+    monkeypatch.setattr(static_decode, "static_cache", lambda cache, *args: rows.append(
+        {layer.keys.shape[0] for layer in cache.layers}) or build_cache(cache, *args))  # fmt: skip
+    model = build("llama")
+    ids, mask = left_pad(prompts_for("equal_lengths"))  # 6 rows, 2 distinct prompts
+    stock, _, ours, _ = static_and_stock(model, ids, mask, generation_config(max_new_tokens=4))
+    assert_same_generation(stock, ours, "llama", 4)
+    assert rows == [{2}] and ours.cache.layers[0].keys.shape[0] == 6
+
+
 @pytest.mark.parametrize(
     "arch, once, reason",
     [

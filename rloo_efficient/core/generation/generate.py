@@ -312,7 +312,8 @@ def generate_with_shared_prefill(
             warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
                           "generate drops its cache past the model's original context (Phi-3).",
                           stacklevel=2)  # fmt: skip
-        cache, attention = fan_out(prefilled, inverse, input_ids.device), contextlib.nullcontext()
+        fan = static_decode.defer_fan_out if decoding else fan_out  # static decoding: gathered into its buffers
+        cache, attention = fan(prefilled, inverse, input_ids.device), contextlib.nullcontext()
     del prefilled  # `cache` alone holds the prompt's keys and values now
     _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:

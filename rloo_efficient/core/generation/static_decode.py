@@ -210,6 +210,8 @@ def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, s
         reason = "no max_length or max_new_tokens bounds the buffers"
     if reason is not None:
         warn_off(reason)
+        if (rows := _deferred_rows(model_kwargs.get(CACHE_KWARG))) is not None:  # generate's loop: its rows now
+            model_kwargs[CACHE_KWARG].reorder_cache(rows)
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
     optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
@@ -236,24 +238,52 @@ def _filled(layer) -> int:
     return layer.cumulative_length if type(layer) is DynamicSlidingWindowLayer else layer.keys.shape[-2]
 
 
+_DEFERRED = "_rloo_static_rows"
+
+
+def defer_fan_out(cache: Cache, inverse: list[int], device) -> Cache:
+    """`cache` (one row per distinct prompt) with the fan-out to the batch's rows (`inverse`) left to
+    [`static_cache`], which gathers each layer's rows straight into its static buffers: the rows' copies of the prompt
+    are allocated once, at their final size (fanning out first and padding after allocates them twice, and leaves the
+    allocator every fanned-out layer's freed block, a little too small for the next layer's buffer). `generate`'s own
+    loop ([`static_sample`] falling back) fans out first."""
+    setattr(cache, _DEFERRED, torch.tensor(inverse, device=device))
+    return cache
+
+
+def _deferred_rows(cache) -> torch.Tensor | None:
+    """The rows a deferred fan-out gives `cache`'s distinct prompts (taken: asked once), or None."""
+    return vars(cache).pop(_DEFERRED, None) if cache is not None else None
+
+
 def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[int],
-                 windows: list[int | None]) -> Cache:  # fmt: skip
+                 windows: list[int | None], rows: torch.Tensor | None = None) -> Cache:  # fmt: skip
     """
     `cache`'s layers as [`StaticLayer`]s of `columns` positions, their filled columns copied in, in place (the
-    caller's cache object decodes and holds them afterwards); the prefilled tensors are released. `windows`: each
-    layer's sliding window or None. A layer that kept only its window's last columns has them where they were in the
-    prompt (the ones before, never read again, stay zero; a tool loop's cache keeps all of them). Zeros in the columns
-    not written: a masked column's weight is zero, and zero times whatever memory held (NaN) would not be.
+    caller's cache object decodes and holds them afterwards); the prefilled tensors are released layer by layer.
+    `windows`: each layer's sliding window or None. A layer that kept only its window's last columns has them where
+    they were in the prompt (the ones before, never read again, stay zero; a tool loop's cache keeps all of them).
+    Zeros in the columns not written: a masked column's weight is zero, and zero times whatever memory held (NaN)
+    would not be. `rows`: each batch row's row of `cache` (a deferred fan-out, [`defer_fan_out`]), gathered into the
+    buffers; a recurrent layer's states are fanned out as `reorder_cache` does.
     """
     filled = length[0]
     layers = []
     for layer, window in zip(cache.layers, windows, strict=True):
         if type(layer) in _FIXED:  # its states are updated in place already
+            if rows is not None:
+                layer.reorder_cache(rows)
             layers.append(layer)
             continue
         kept = layer.keys.shape[-2]
-        unwritten = (0, 0, filled - kept, columns - filled)
-        keys, values = F.pad(layer.keys, unwritten), F.pad(layer.values, unwritten)
+        if rows is None:
+            unwritten = (0, 0, filled - kept, columns - filled)
+            keys, values = F.pad(layer.keys, unwritten), F.pad(layer.values, unwritten)
+        else:
+            keys, values = (tensor.new_zeros(len(rows), *tensor.shape[1:-2], columns, tensor.shape[-1])
+                            for tensor in (layer.keys, layer.values))  # fmt: skip
+            for buffer, tensor in ((keys, layer.keys), (values, layer.values)):
+                buffer.narrow(-2, filled - kept, kept).copy_(tensor.index_select(0, rows))
         layer.keys = layer.values = None
         layers.append(StaticLayer(keys, values, column, length, window, whole=kept == filled))
     cache.layers = layers
@@ -305,7 +335,8 @@ class StaticStep:
             return
         # This step's write position (a device index, advanced in place)
         self.column = torch.full((1,), width - 1, dtype=torch.long, device=input_ids.device)
-        self.cache = static_cache(cache, columns, self.column, self.written, layer_windows(model))
+        self.cache = static_cache(cache, columns, self.column, self.written, layer_windows(model),
+                                  _deferred_rows(cache))  # fmt: skip
         mask = model_kwargs.get("attention_mask")  # generate drops a mask of all ones
         if mask is None:
             mask = input_ids.new_ones(rows, width)
