@@ -56,6 +56,7 @@ FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe"
             # other layer's (a mask per attention type), with GPT-OSS's sinks and experts
             "mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "olmo3", "exaone4",
             "gemma2",  # attention-logit softcap, eager attention (float32)
+            "phi3",  # its own decoding inputs, generate's within its original context (4096)
             # hybrids: recurrent and convolution states of a fixed size, updated in place by transformers
             "qwen3_next", "olmo_hybrid", "granitemoehybrid", "lfm2", "kimi_linear")
 
@@ -79,6 +80,37 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
     kinds = {type(layer) for layer in ours.cache.layers} - {LinearAttentionLayer}  # a hybrid's states as they were
     assert kinds == {StaticPrefixLayer if once else StaticLayer}
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
+
+
+@pytest.mark.parametrize("new_tokens", [12, 50])
+def test_longrope_decodes_static_within_its_original_context(monkeypatch, new_tokens):
+    """Phi-4-mini's LongRoPE (long factors past 64 positions) from a 20-wide prompt batch: 12 tokens stay within the
+    context: static decoding (the factors chosen on the device each step, as in `generate`'s loop: no host read in a
+    step, which a graph capture would refuse); 50 cross it, where Phi-3's own decoding inputs drop the cache: `generate`'s loop, with one warning
+    naming why. Both stock's samples."""
+    syncs = []
+    call = StaticStep.__call__
+
+    def counted(self):
+        with OpCounter() as ops:
+            logits = call(self)
+        syncs.append(ops.host_syncs)
+        return logits
+
+    monkeypatch.setattr(StaticStep, "__call__", counted)
+    model = build("phi4_mini")
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=new_tokens, suppress_tokens=[1])  # every row decodes every token
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock, _, ours, _ = static_and_stock(model, ids, mask, config)
+    aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
+    assert_same_generation(stock, ours, "phi4_mini", new_tokens)
+    if new_tokens == 12:
+        assert not aside and all(type(layer) is StaticLayer for layer in ours.cache.layers)
+        assert syncs == [0] * new_tokens
+    else:
+        assert len(aside) == 1 and "passes its original context (64 positions)" in aside[0] and not syncs
 
 
 @pytest.mark.parametrize("eos, steps", [(list(range(1, 40)), None), (list(range(1, 12)), None), ([1], 20)])
@@ -160,7 +192,6 @@ def test_the_rows_copies_of_the_prompt_are_allocated_once_at_their_final_size(mo
     "arch, once, reason",
     [
         ("gemma3_vlm", False, "per-step inputs (token_type_ids)"),  # the image token types its mask reads
-        ("phi3", False, "prepares its own decoding inputs"),
         ("falcon_h1", False, "prepares its own decoding inputs"),  # keys and states in one layer
         ("mistral_sliding", True, "sliding window over the prompt kept once"),
     ],

@@ -62,6 +62,10 @@ _MASKS = {"sdpa": "bool", "eager": "additive"}
 # What `generate` hands its decoding loop that one static step reproduces (the rest: another loop's, or a model's own)
 _STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG, "use_cache",
                 *MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL}
+# Causal LMs whose own `prepare_inputs_for_generation` is `generate`'s until a sequence first reaches the config's
+# `original_max_position_embeddings` + 1, where it drops the cache (to forward every row again with LongRoPE's long
+# factors): Phi-3's family. Within that context, static decoding is exact
+_OWN_INPUTS_PAST_CONTEXT = ("Phi3ForCausalLM",)
 # Per-step inputs `generate` grows by a column of zeros each step (`_update_model_kwargs_for_generation`): a step's
 # value is the prompt's last column at the first step, zeros after it
 _ZERO_GROWN = ("mm_token_type_ids",)
@@ -164,7 +168,13 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
         return f"stopping criteria other than length and EOS ({', '.join(others)})"
     if extra := sorted(set(model_kwargs) - _STEP_INPUTS - set(_ZERO_GROWN)):
         return f"the model takes per-step inputs ({', '.join(extra)})"
-    if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
+    prepare = type(model).prepare_inputs_for_generation
+    if prepare.__qualname__.split(".")[0] in _OWN_INPUTS_PAST_CONTEXT:
+        limit = getattr(model.config, "original_max_position_embeddings", None)
+        if limit is not None and (stopping_criteria.max_length or limit + 1) > limit:
+            return (f"{type(model).__name__} drops its cache when a sequence passes its original context ({limit} "
+                    f"positions)")  # fmt: skip
+    elif prepare is not GenerationMixin.prepare_inputs_for_generation:
         return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
     implementation = model.config._attn_implementation
     if implementation not in _MASKS:
@@ -215,6 +225,7 @@ def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, s
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
     optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    # (LongRoPE's factors: each step chooses them on the device, as in generate's loop, into the same buffer)
     with optimized():
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
