@@ -191,7 +191,6 @@ def test_the_rows_copies_of_the_prompt_are_allocated_once_at_their_final_size(mo
 @pytest.mark.parametrize(
     "arch, once, reason",
     [
-        ("gemma3_vlm", False, "per-step inputs (token_type_ids)"),  # the image token types its mask reads
         ("falcon_h1", False, "prepares its own decoding inputs"),  # keys and states in one layer
         ("mistral_sliding", True, "sliding window over the prompt kept once"),
     ],

@@ -134,7 +134,9 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
     ours = _train(ours_class, path, make_args(tmp_path / "o", config_class=ours_config, **settings, **(ours_only or {})),
                   dataset, build_processing_class(cfg), our_images, rewards())  # fmt: skip
     # The packed forward and the shared prefill ran, with the images
-    assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0 and ours._prompt_cache_once
+    fanned_out = (ours_only or {}).get("share_prompt_kv_cache") is False
+    assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert ours._prompt_cache_once != fanned_out
     # Each call's images once per group, in generation and in every log-prob pass: stock's encode every row's (k = 4
     # per group), in the same calls (the same chunks of the same batches). With one image per prompt (each prompt's
     # its own), a call's distinct images once each; with several, two prompts may share one, encoded once for each
@@ -193,18 +195,18 @@ def test_completions_of_different_lengths(model_cache, tmp_path, exact_head, arc
     assert min(lengths) < 48, "no completion stopped at EOS"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_vl", "smolvlm"])
+@pytest.mark.parametrize("arch", ["qwen3_vl", "smolvlm", "gemma3_vlm"])
 def test_static_decoding_with_image_prompts(model_cache, tmp_path, exact_head, monkeypatch, arch):
     """GRPO with image prompts and `static_decoding=True` (Qwen3-VL's multimodal rope and DeepStack; SmolVLM's features
-    at the prefill alone), completions ending at different lengths: stock's run, every generation decoded from static
-    buffers."""
+    at the prefill alone; Gemma 3's image token types at the first step alone, its sliding window over the prompt
+    fanned out), completions ending at different lengths: stock's run, every generation decoded from static buffers."""
     from rloo_efficient.core.generation import static_decode
 
     decoded = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: decoded.append(1) or decode(*args))
-    stock, _ = _compare(model_cache, tmp_path, arch, ours_only=dict(static_decoding=True), max_completion_length=48,
-                        max_steps=4)  # fmt: skip
+    ours = dict(static_decoding=True, **({"share_prompt_kv_cache": False} if arch == "gemma3_vlm" else {}))
+    stock, _ = _compare(model_cache, tmp_path, arch, ours_only=ours, max_completion_length=48, max_steps=4)
     assert len(decoded) == 2  # four steps, a generation every two
     lengths = [entry["completions/min_length"] for entry in stock.state.log_history if "completions/min_length" in entry]
     assert min(lengths) < 48, "no completion stopped at EOS"
@@ -353,9 +355,13 @@ def _processed(processor, texts, images):
     return ids, mask, extra, [list(row) for row in rows]
 
 
-# The families that decode through `generate`'s loop with `static_decoding`, and why: Gemma 3 and 4 prepare their own
-# decoding inputs (the image token types their masks read)
-STATIC_ASIDE = {"gemma3_vlm": "per-step inputs (token_type_ids)", "gemma4": "prepares its own decoding inputs"}
+# Where image prompts decode through `generate`'s loop with `static_decoding`, and why (by family and whether the
+# prompt is kept once): Gemma 3's sliding window over a prompt kept once; Gemma 4's layers that read another layer's
+# keys (Gemma 3 and 4 prepare their own decoding inputs: generate's, but for the image token types the first step's
+# mask reads, which a text token's query does not)
+STATIC_ASIDE = {("gemma3_vlm", True): "sliding window over the prompt kept once",
+                ("gemma4", True): "layers other than keys and values (SharedPrefixLayer)",
+                ("gemma4", False): "layers other than keys and values (DummyLayer)"}
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -415,8 +421,8 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
                                                             prompt_cache_once=once, static=static,
                                                             images=[[image] for image in images], **kwargs)  # fmt: skip
     aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
-    if static and arch in STATIC_ASIDE:
-        assert len(aside) == 1 and STATIC_ASIDE[arch] in aside[0] and not decoded
+    if static and (arch, once) in STATIC_ASIDE:
+        assert len(aside) == 1 and STATIC_ASIDE[arch, once] in aside[0] and not decoded
     else:
         assert not aside and len(decoded) == static
     assert prefill_tokens == 3 * (ids.shape[1] - 1)  # three distinct prompts of six rows

@@ -66,6 +66,12 @@ _STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG,
 # `original_max_position_embeddings` + 1, where it drops the cache (to forward every row again with LongRoPE's long
 # factors): Phi-3's family. Within that context, static decoding is exact
 _OWN_INPUTS_PAST_CONTEXT = ("Phi3ForCausalLM",)
+# Models whose own `prepare_inputs_for_generation` is `generate`'s but for image token types it hands the first step
+# alone (the whole sequence's, for the bidirectional mask among an image's tokens, which a text token's query does not
+# read: the step's query is the prompt's last token, never an image's, then generated text) and drops after it: the
+# step's prepared mask is the same, and these inputs are not passed
+_TYPES_AT_THE_FIRST_STEP = {"Gemma3ForConditionalGeneration": ("token_type_ids",),
+                            "Gemma4ForConditionalGeneration": ("mm_token_type_ids", "per_layer_inputs")}
 # Per-step inputs `generate` grows by a column of zeros each step (`_update_model_kwargs_for_generation`): a step's
 # value is the prompt's last column at the first step, zeros after it
 _ZERO_GROWN = ("mm_token_type_ids",)
@@ -166,15 +172,16 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
                      if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))})  # fmt: skip
     if others:
         return f"stopping criteria other than length and EOS ({', '.join(others)})"
-    if extra := sorted(set(model_kwargs) - _STEP_INPUTS - set(_ZERO_GROWN)):
-        return f"the model takes per-step inputs ({', '.join(extra)})"
     prepare = type(model).prepare_inputs_for_generation
-    if prepare.__qualname__.split(".")[0] in _OWN_INPUTS_PAST_CONTEXT:
+    owner = prepare.__qualname__.split(".")[0]
+    if extra := sorted(set(model_kwargs) - _STEP_INPUTS - {*_ZERO_GROWN, *_TYPES_AT_THE_FIRST_STEP.get(owner, ())}):
+        return f"the model takes per-step inputs ({', '.join(extra)})"
+    if owner in _OWN_INPUTS_PAST_CONTEXT:
         limit = getattr(model.config, "original_max_position_embeddings", None)
         if limit is not None and (stopping_criteria.max_length or limit + 1) > limit:
             return (f"{type(model).__name__} drops its cache when a sequence passes its original context ({limit} "
                     f"positions)")  # fmt: skip
-    elif prepare is not GenerationMixin.prepare_inputs_for_generation:
+    elif owner not in _TYPES_AT_THE_FIRST_STEP and prepare is not GenerationMixin.prepare_inputs_for_generation:
         return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
     implementation = model.config._attn_implementation
     if implementation not in _MASKS:
@@ -332,8 +339,9 @@ class StaticStep:
         self.position = model_kwargs["position_ids"].narrow(-1, width - 1, 1).clone()
         self.token = input_ids.narrow(1, width - 1, 1).clone()
         self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
+        dropped = _TYPES_AT_THE_FIRST_STEP.get(type(model).prepare_inputs_for_generation.__qualname__.split(".")[0], ())
         self.extra.update({key: model_kwargs[key].narrow(-1, model_kwargs[key].shape[-1] - 1, 1).clone()
-                           for key in _ZERO_GROWN if model_kwargs.get(key) is not None})  # fmt: skip
+                           for key in _ZERO_GROWN if model_kwargs.get(key) is not None and key not in dropped})
         if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
             self.additive, own = True, columns - (width - 1)  # the kernels' bias: additive
             self.column = torch.zeros(1, dtype=torch.long, device=input_ids.device)
