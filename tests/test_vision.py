@@ -360,8 +360,7 @@ def _processed(processor, texts, images):
 # keys (Gemma 3 and 4 prepare their own decoding inputs: generate's, but for the image token types the first step's
 # mask reads, which a text token's query does not)
 STATIC_ASIDE = {("gemma3_vlm", True): "sliding window over the prompt kept once",
-                ("gemma4", True): "layers other than keys and values (SharedPrefixLayer)",
-                ("gemma4", False): "layers other than keys and values (DummyLayer)"}
+                ("gemma4", True): "layers other than keys and values (SharedPrefixLayer)"}
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
@@ -81,6 +81,9 @@ _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 # Cache layers kept as they are: recurrent and convolution states of a fixed size, which transformers updates in
 # place (for graphs' static addresses)
 _FIXED = (LinearAttentionLayer,)
+# Cache layers that hold nothing: a layer reading another layer's keys and values (Gemma 4's shared layers: they read
+# them from the source layer's update in the same forward, our buffers)
+_EMPTY = (DummyLayer,)
 
 
 class StaticLayer(DynamicLayer):
@@ -200,7 +203,7 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
                if type(layer) is PrefixLayer):  # fmt: skip
             return "the cache does not hold every prompt column but the last"
         return None
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (*_LAYERS, *_FIXED)})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (*_LAYERS, *_FIXED, *_EMPTY)})
     if kinds:
         return f"its cache has layers other than keys and values ({', '.join(kinds)})"
     if any(window is not None for window in layer_windows(model)):
@@ -288,6 +291,9 @@ def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[
     filled = length[0]
     layers = []
     for layer, window in zip(cache.layers, windows, strict=True):
+        if type(layer) in _EMPTY:
+            layers.append(layer)
+            continue
         if type(layer) in _FIXED:  # its states are updated in place already
             if rows is not None:
                 layer.reorder_cache(rows)
