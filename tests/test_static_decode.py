@@ -87,8 +87,8 @@ def test_same_logits_and_samples_as_generate(arch, once, layout):
 def test_longrope_decodes_static_within_its_original_context(monkeypatch, new_tokens):
     """Phi-4-mini's LongRoPE (long factors past 64 positions) from a 20-wide prompt batch: 12 tokens stay within the
     context: static decoding (the factors chosen on the device each step, as in `generate`'s loop: no host read in a
-    step, which a graph capture would refuse); 50 cross it, where Phi-3's own decoding inputs drop the cache: `generate`'s loop, with one warning
-    naming why. Both stock's samples."""
+    step, which a graph capture would refuse); 50 cross it, where Phi-3's own decoding inputs drop the cache:
+    `generate`'s loop, with one warning naming why. Both stock's samples."""
     syncs = []
     call = StaticStep.__call__
 

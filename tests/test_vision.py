@@ -131,8 +131,8 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
     rewards = lambda: list(reward or [token_reward])  # noqa: E731 (a copy each: stock TRL loads paths in place)
     stock = _train(stock_class, path, make_args(tmp_path / "s", config_class=stock_config, **settings), dataset,
                    build_processing_class(cfg), stock_images, rewards(), before_stock_train)  # fmt: skip
-    ours = _train(ours_class, path, make_args(tmp_path / "o", config_class=ours_config, **settings, **(ours_only or {})),
-                  dataset, build_processing_class(cfg), our_images, rewards())  # fmt: skip
+    ours_args = make_args(tmp_path / "o", config_class=ours_config, **settings, **(ours_only or {}))
+    ours = _train(ours_class, path, ours_args, dataset, build_processing_class(cfg), our_images, rewards())
     # The packed forward and the shared prefill ran, with the images
     fanned_out = (ours_only or {}).get("share_prompt_kv_cache") is False
     assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0

@@ -86,9 +86,10 @@ SHARING_DOC = r"""
             attention type (fanned out); a hybrid's recurrent states stay as transformers updates them (in place).
             Where a call cannot be exact this way (a window over a prompt kept once, a model preparing its own
             decoding inputs or taking per-step ones, such as Falcon-H1, Phi-3 past its original context, Gemma 4's
-            shared-key layers over a prompt kept once, flash attention), `generate` decodes, with one warning naming why. `None`: on where the step is captured as a
-            graph (CUDA: on an H200 generation took 0.30x `generate`'s time at Qwen3-0.6B's shape), off elsewhere (on
-            CPU the eager step is about `generate`'s speed).
+            shared-key layers over a prompt kept once, flash attention), `generate` decodes, with one warning naming
+            why. `None`: on where the step is captured as a graph (CUDA: on an H200 generation took 0.30x
+            `generate`'s time at Qwen3-0.6B's shape), off elsewhere (on CPU the eager step is about `generate`'s
+            speed).
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where

@@ -35,8 +35,8 @@ from ..layers.install import install
 from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, select_images, tiles_per_row
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
-from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from . import static_decode
+from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
 from .static_decode import static_call_reason, static_sample, warn_off
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (

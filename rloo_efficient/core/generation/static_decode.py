@@ -43,6 +43,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
+
 try:  # the image inputs `generate`'s own input preparation passes to the prefill alone (transformers 5)
     from transformers.generation.utils import MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL
 except ImportError:  # pragma: no cover - older transformers: every such input is a per-step one
