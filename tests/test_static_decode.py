@@ -14,7 +14,7 @@ from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation import static_decode
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
-from rloo_efficient.core.generation.static_decode import StaticLayer, StaticPrefixLayer, StaticStep
+from rloo_efficient.core.generation.static_decode import StaticHybridLayer, StaticLayer, StaticPrefixLayer, StaticStep
 from rloo_efficient.profiling.op_count import OpCounter
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, training_args
@@ -58,6 +58,7 @@ FAMILIES = ("llama", "qwen3", "gpt2", "olmo2", "granite", "smollm3", "qwen3_moe"
             "gemma2",  # attention-logit softcap, eager attention (float32)
             "phi3",  # its own decoding inputs, generate's within its original context (4096)
             "gemma4",  # layers reading an earlier layer's keys and values (no cache of their own), windows
+            "falcon_h1",  # attention and a Mamba mixer in one layer, its own logits_to_keep
             # hybrids: recurrent and convolution states of a fixed size, updated in place by transformers
             "qwen3_next", "olmo_hybrid", "granitemoehybrid", "lfm2", "kimi_linear")
 
@@ -71,16 +72,26 @@ CASES = [*((arch, False) for arch in FAMILIES), *((arch, True) for arch in (*FAM
 # No padding (generate then drops the mask), left padding, a system prompt prefilled once as the prompts' tree
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "system_prompt"])
 @pytest.mark.parametrize("arch, once", CASES)
-def test_same_logits_and_samples_as_generate(arch, once, layout):
+def test_same_logits_and_samples_as_generate(monkeypatch, arch, once, layout):
+    """Stock's samples and logits; every tensor the cache's layers hold is among the step's buffers (what a graph
+    keeps the addresses of, and what the capture's side stream records)."""
+    steps = []
+    call = StaticStep.__call__
+    monkeypatch.setattr(StaticStep, "__call__", lambda self: steps.append(self) or call(self))
     model = build(arch)
     ids, mask = left_pad(prompts_for(layout))
     config = generation_config(max_new_tokens=12)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # static decoding ran: no fallback's warning
         stock, _, ours, _ = static_and_stock(model, ids, mask, config, once)
-    kinds = {type(layer) for layer in ours.cache.layers} - {LinearAttentionLayer, DummyLayer}  # as they were
+    kinds = {StaticLayer if type(layer) is StaticHybridLayer else type(layer)  # (Falcon-H1's: states and keys)
+             for layer in ours.cache.layers} - {LinearAttentionLayer, DummyLayer}  # as they were
     assert kinds == {StaticPrefixLayer if once else StaticLayer}
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
+    held = [getattr(layer, "keys", None) for layer in ours.cache.layers]
+    for layer in ours.cache.layers:  # a recurrent layer's states, in dicts by state index
+        held += [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+    assert {id(tensor) for tensor in held if tensor is not None} <= {id(tensor) for tensor in steps[-1].buffers()}
 
 
 @pytest.mark.parametrize("new_tokens", [12, 50])
@@ -192,7 +203,6 @@ def test_the_rows_copies_of_the_prompt_are_allocated_once_at_their_final_size(mo
 @pytest.mark.parametrize(
     "arch, once, reason",
     [
-        ("falcon_h1", False, "prepares its own decoding inputs"),  # keys and states in one layer
         ("mistral_sliding", True, "sliding window over the prompt kept once"),
     ],
 )

@@ -85,7 +85,7 @@ SHARING_DOC = r"""
             (`share_prompt_kv_cache`: then the rows' own positions alone in buffers); sliding windows take a mask per
             attention type (fanned out); a hybrid's recurrent states stay as transformers updates them (in place).
             Where a call cannot be exact this way (a window over a prompt kept once, a model preparing its own
-            decoding inputs or taking per-step ones, such as Falcon-H1, Phi-3 past its original context, Gemma 4's
+            decoding inputs or taking per-step ones, such as Nemotron-H, Phi-3 past its original context, Gemma 4's
             shared-key layers over a prompt kept once, flash attention), `generate` decodes, with one warning naming
             why. `None`: on where the step is captured as a graph (CUDA: on an H200 generation took 0.30x
             `generate`'s time at Qwen3-0.6B's shape), off elsewhere (on CPU the eager step is about `generate`'s

@@ -38,7 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
@@ -67,6 +74,9 @@ _STEP_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", CACHE_KWARG,
 # `original_max_position_embeddings` + 1, where it drops the cache (to forward every row again with LongRoPE's long
 # factors): Phi-3's family. Within that context, static decoding is exact
 _OWN_INPUTS_PAST_CONTEXT = ("Phi3ForCausalLM",)
+# Causal LMs whose own `prepare_inputs_for_generation` is `generate`'s but for `logits_to_keep`, which a step of one
+# token does not change (Falcon-H1's, from its config)
+_OWN_LOGITS_TO_KEEP = ("FalconH1ForCausalLM",)
 # Models whose own `prepare_inputs_for_generation` is `generate`'s but for image token types it hands the first step
 # alone (the whole sequence's, for the bidirectional mask among an image's tokens, which a text token's query does not
 # read: the step's query is the prompt's last token, never an image's, then generated text) and drops after it: the
@@ -85,6 +95,8 @@ _FIXED = (LinearAttentionLayer,)
 # Cache layers that hold nothing: a layer reading another layer's keys and values (Gemma 4's shared layers: they read
 # them from the source layer's update in the same forward, our buffers)
 _EMPTY = (DummyLayer,)
+# Cache layers holding a recurrent mixer's states and an attention's keys and values (Falcon-H1's)
+_HYBRID = (LinearAttentionAndFullAttentionLayer,)
 
 
 class StaticLayer(DynamicLayer):
@@ -119,6 +131,24 @@ class StaticLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("A static decoding cache's rows are fixed when it is built.")
+
+
+class StaticHybridLayer(StaticLayer, LinearAttentionLayer):
+    """
+    A layer holding both a recurrent mixer's states and an attention's keys and values (Falcon-H1's, transformers'
+    `LinearAttentionAndFullAttentionLayer`): the states as they were (transformers updates them in place), the keys and
+    values a [`StaticLayer`]'s.
+    """
+
+    @classmethod
+    def of(cls, layer: LinearAttentionLayer, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor,
+           length: list[int], window: int | None, whole: bool) -> "StaticHybridLayer":  # fmt: skip
+        static = cls.__new__(cls)
+        vars(static).update(vars(layer))  # the states and their bookkeeping
+        static.keys, static.values, static.column, static._length = keys, values, column, length
+        static.sliding_window, static.window = window, None if whole else window
+        static.dtype, static.device, static.is_initialized = keys.dtype, keys.device, True
+        return static
 
 
 class StaticPrefixLayer(PrefixLayer):
@@ -185,7 +215,8 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
         if limit is not None and (stopping_criteria.max_length or limit + 1) > limit:
             return (f"{type(model).__name__} drops its cache when a sequence passes its original context ({limit} "
                     f"positions)")  # fmt: skip
-    elif owner not in _TYPES_AT_THE_FIRST_STEP and prepare is not GenerationMixin.prepare_inputs_for_generation:
+    elif owner not in (*_TYPES_AT_THE_FIRST_STEP, *_OWN_LOGITS_TO_KEEP) and (
+            prepare is not GenerationMixin.prepare_inputs_for_generation):  # fmt: skip
         return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
     implementation = model.config._attn_implementation
     if implementation not in _MASKS:
@@ -204,14 +235,16 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
                if type(layer) is PrefixLayer):  # fmt: skip
             return "the cache does not hold every prompt column but the last"
         return None
-    kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (*_LAYERS, *_FIXED, *_EMPTY)})
+    kinds = sorted({type(layer).__name__ for layer in cache.layers
+                    if type(layer) not in (*_LAYERS, *_FIXED, *_EMPTY, *_HYBRID)})  # fmt: skip
     if kinds:
         return f"its cache has layers other than keys and values ({', '.join(kinds)})"
     if any(window is not None for window in layer_windows(model)):
         types = set(getattr(model.config.get_text_config(decoder=True), "layer_types", None) or [])
         if not types <= {"full_attention", "sliding_attention"}:
             return f"its layers' attention types ({', '.join(sorted(types))}) are not full and sliding alone"
-    if any(layer.keys is None or _filled(layer) != width - 1 for layer in cache.layers if type(layer) in _LAYERS):
+    if any(layer.keys is None or _filled(layer) != width - 1 for layer in cache.layers
+           if type(layer) in (*_LAYERS, *_HYBRID)):  # fmt: skip
         return "the cache does not hold every prompt column but the last"
     if model_kwargs.get("position_ids") is None:
         return "generate passed no position ids"
@@ -300,6 +333,8 @@ def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[
                 layer.reorder_cache(rows)
             layers.append(layer)
             continue
+        if type(layer) in _HYBRID and rows is not None:  # its states fanned out here, its keys below
+            LinearAttentionLayer.reorder_cache(layer, rows)
         kept = layer.keys.shape[-2]
         if rows is None:
             unwritten = (0, 0, filled - kept, columns - filled)
@@ -310,7 +345,10 @@ def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[
             for buffer, tensor in ((keys, layer.keys), (values, layer.values)):
                 buffer.narrow(-2, filled - kept, kept).copy_(tensor.index_select(0, rows))
         layer.keys = layer.values = None
-        layers.append(StaticLayer(keys, values, column, length, window, whole=kept == filled))
+        if type(layer) in _HYBRID:
+            layers.append(StaticHybridLayer.of(layer, keys, values, column, length, window, whole=kept == filled))
+        else:
+            layers.append(StaticLayer(keys, values, column, length, window, whole=kept == filled))
     cache.layers = layers
     return cache
 
@@ -371,7 +409,7 @@ class StaticStep:
         # A window shorter than the buffers: its own mask, the column falling out of the window closed each step.
         # Column `c` reads the keys in (c - w, c]: closing `(c - w) mod columns` closes an unwritten column (after
         # `c`, still closed) until `c >= w`
-        windows = {layer.sliding_window for layer in self.cache.layers if type(layer) is StaticLayer
+        windows = {layer.sliding_window for layer in self.cache.layers if isinstance(layer, StaticLayer)
                    and layer.sliding_window is not None and layer.sliding_window < columns}  # fmt: skip
         for window in windows:
             behind = torch.arange(columns, device=attends.device) <= width - 1 - window
@@ -383,7 +421,7 @@ class StaticStep:
         """`attends` as the model's attention takes it: boolean for SDPA, additive (the dtype's minimum) for eager."""
         if not self.additive:
             return attends.clone()
-        dtype = next(layer.keys.dtype for layer in self.cache.layers if type(layer) is StaticLayer)
+        dtype = next(layer.keys.dtype for layer in self.cache.layers if isinstance(layer, StaticLayer))
         return torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(attends.logical_not(),
                                                                                           torch.finfo(dtype).min)
 
@@ -418,9 +456,7 @@ class StaticStep:
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor a step reads or writes in place (what a captured graph keeps the addresses of)."""
         masks = [self.full, *(tensor for pair in self.windows.values() for tensor in pair)]
-        caches = [tensor for layer in self.cache.layers for tensor in (
-            (*layer.conv_states, *layer.recurrent_states) if type(layer) in _FIXED else (layer.keys, layer.values))
-            if isinstance(tensor, torch.Tensor)]  # fmt: skip
+        caches = [tensor for layer in self.cache.layers for tensor in _layer_tensors(layer)]
         grown = [self.extra[key] for key in _ZERO_GROWN if key in self.extra]
         return [*masks, self.position, self.token, self.column, *grown, *caches]
 
@@ -435,6 +471,16 @@ class StaticStep:
         for _, closing in self.windows.values():
             closing.add_(1).remainder_(self.full.shape[-1])
         self.written[0] += 1
+
+
+def _layer_tensors(layer) -> list[torch.Tensor]:
+    """The tensors a cache layer holds: keys and values, and a recurrent layer's states (transformers keeps them in
+    dicts by state index)."""
+    held = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    for name in ("conv_states", "recurrent_states"):
+        states = getattr(layer, name, None) or {}
+        held += list(states.values() if isinstance(states, dict) else states)
+    return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]
 
 
 def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
