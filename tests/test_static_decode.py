@@ -280,7 +280,12 @@ class EmulatedGraph:
 
     def __init__(self, step, wrong: bool):
         self.step, self.wrong, self.replays = step, wrong, 0
-        self.output = step()  # capture runs nothing; the step at the warm-up's position again changes nothing
+        # Capture runs nothing: the step's buffers (a hybrid's states too) as they were before it
+        buffers = step.buffers()
+        saved = [buffer.clone() for buffer in buffers]
+        self.output = step()
+        for buffer, value in zip(buffers, saved, strict=True):
+            buffer.copy_(value)
 
     def replay(self):
         self.replays += 1
@@ -304,8 +309,11 @@ def emulated_graphs(monkeypatch):
     return graphs
 
 
-@pytest.mark.parametrize("fault", [None, "wrong", "fails"])
-def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_graphs, monkeypatch, fault):
+# Hybrids too: a step advances their recurrent states in place, so the check's eager step must start from the states
+# the replay started from
+@pytest.mark.parametrize("arch, fault", [("llama", None), ("llama", "wrong"), ("llama", "fails"), ("qwen3_next", None),
+                                         ("lfm2", None), ("falcon_h1", None)])  # fmt: skip
+def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_graphs, monkeypatch, arch, fault):
     """Each call's step captured once (after an eager warm-up that gives the first token) and replayed: stock's samples
     and logits. On the model's first call, the first replays are checked against the eager step; a replay that
     differs, or a step that cannot be captured, returns to the eager step (the same samples) with one warning naming
@@ -313,7 +321,7 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
     if fault is not None:
         capture = static_decode.capture
         monkeypatch.setattr(static_decode, "capture", lambda step, device: capture(step, device, **{fault: True}))
-    model = build("llama")
+    model = build(arch)
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=10)
     eager_steps = []
@@ -324,7 +332,7 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             stock, _, ours, _ = static_and_stock(model, ids, mask, config)
-        assert_same_generation(stock, ours, "llama", config.max_new_tokens)
+        assert_same_generation(stock, ours, arch, config.max_new_tokens)
         messages = [str(w.message) for w in caught if "not from a CUDA graph" in str(w.message)]
         if fault is None:  # the warm-up, the capture (emulated: runs it), replays; the first call checks 3 of them
             assert not messages and emulated_graphs[-1].replays == 9
@@ -337,18 +345,43 @@ def test_graph_replays_are_checked_against_the_eager_step_at_first_use(emulated_
     assert len(emulated_graphs) == (2 if fault is None else 1 if fault == "wrong" else 0)
 
 
-@pytest.mark.parametrize("captured", [False, True])
-def test_static_decoding_by_default_where_steps_are_captured(monkeypatch, request, captured):
+@pytest.mark.parametrize("captured, split", [(False, False), (True, False), (True, True)])
+def test_static_decoding_by_default_where_steps_are_captured(monkeypatch, request, captured, split):
     """`static=None` (the trainer's default): static decoding where the device's steps are captured as graphs (CUDA;
-    here a CPU with capture emulated), `generate`'s loop elsewhere."""
+    here a CPU with capture emulated), `generate`'s loop elsewhere, and for a model split across devices (a capture
+    runs on one stream)."""
     graphs = request.getfixturevalue("emulated_graphs") if captured else []
     calls = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
     model = build("llama")
+    if split:
+        model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     generate_with_shared_prefill(model, ids, mask, static=None, generation_config=generation_config(max_new_tokens=4))
-    assert len(calls) == len(graphs) == captured
+    assert len(calls) == len(graphs) == (captured and not split)
+
+
+def test_a_model_with_its_own_generate_decodes_through_it(monkeypatch):
+    """A model class whose `generate` is its own (it may not take `custom_generate`): generate's loop through it, the
+    prompt's cache fanned out before it, with one warning naming why."""
+    from transformers import LlamaForCausalLM
+
+    class OwnGenerate(LlamaForCausalLM):
+        def generate(self, *args, **kwargs):
+            return super().generate(*args, **kwargs)
+
+    model = build("llama")
+    model.__class__ = OwnGenerate
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stock, _, ours, _ = static_and_stock(model, ids, mask, config)
+    aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
+    assert len(aside) == 1 and "OwnGenerate has its own generate" in aside[0]
+    assert_same_generation(stock, ours, "llama", config.max_new_tokens)
+    assert not any(isinstance(layer, StaticLayer) for layer in ours.cache.layers)
 
 
 @pytest.mark.parametrize("once, setting", [(False, True), (True, None)])

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 from torch import nn
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, GenerationMixin
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
@@ -241,8 +241,13 @@ def generate_with_shared_prefill(
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     decoding = {}  # for a call continuing a cache of ours: decoded from static buffers where asked and allowed
-    if static is None:
-        static = input_ids.device.type in static_decode.CAPTURE_DEVICES
+    if static is None:  # where steps are captured, and the model on one device (a capture runs on one stream)
+        static = input_ids.device.type in static_decode.CAPTURE_DEVICES and len(
+            set((getattr(model, "hf_device_map", None) or {"": 0}).values())) == 1  # fmt: skip
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if static and getattr(type(inner), "generate", None) is not GenerationMixin.generate:
+        static, off = False, f"{type(inner).__name__} has its own generate"
+        warn_off(off)
     if static and (off := static_call_reason(config, synced, kwargs)) is None:
         decoding = {"custom_generate": static_sample}
     elif static:

@@ -474,9 +474,15 @@ class StaticStep:
 
 
 def _layer_tensors(layer) -> list[torch.Tensor]:
-    """The tensors a cache layer holds: keys and values, and a recurrent layer's states (transformers keeps them in
-    dicts by state index)."""
-    held = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    """The tensors a cache layer holds: keys and values, and a recurrent layer's states."""
+    held = [getattr(layer, "keys", None), getattr(layer, "values", None), *_states(layer)]
+    return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]
+
+
+def _states(layer) -> list[torch.Tensor]:
+    """A recurrent layer's convolution and recurrent states (transformers keeps them in dicts by state index): what a
+    step advances in place, where running a step twice at one position is not the same as once."""
+    held = []
     for name in ("conv_states", "recurrent_states"):
         states = getattr(layer, name, None) or {}
         held += list(states.values() if isinstance(states, dict) else states)
@@ -565,17 +571,28 @@ class GraphedStep:
             return self._capture()
         if self.graph is None:
             return self.step()
+        if not self.checking:
+            self.graph.replay()
+            return self.output.clone()  # the graph's output buffer is overwritten by the next replay
+        # The eager step at the same position, from the same recurrent states (a replay advances them in place;
+        # keys and values are written again at the same column, as they were)
+        states = [tensor for layer in self.step.cache.layers for tensor in _states(layer)]
+        before = [tensor.clone() for tensor in states]
         self.graph.replay()
-        logits = self.output.clone()  # the graph's output buffer is overwritten by the next replay
-        if self.checking:
-            self.checking -= 1
-            eager = self.step()
-            if not torch.allclose(logits, eager, rtol=_RTOL, atol=_ATOL):
-                difference = (logits - eager).abs().max().item()
-                self._give_up(f"a replay differs from the eager step by {difference:.3g} (logits)")
-                return eager
-            if not self.checking:
-                self.step.model._rloo_graph_checked = True
+        logits = self.output.clone()
+        replayed = [tensor.clone() for tensor in states]
+        for tensor, saved in zip(states, before, strict=True):
+            tensor.copy_(saved)
+        self.checking -= 1
+        eager = self.step()
+        if not torch.allclose(logits, eager, rtol=_RTOL, atol=_ATOL):
+            difference = (logits - eager).abs().max().item()
+            self._give_up(f"a replay differs from the eager step by {difference:.3g} (logits)")
+            return eager  # with the eager step's states
+        for tensor, saved in zip(states, replayed, strict=True):  # the replay's, as every later step's will be
+            tensor.copy_(saved)
+        if not self.checking:
+            self.step.model._rloo_graph_checked = True
         return logits
 
     def _capture(self) -> torch.Tensor:
@@ -601,7 +618,9 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, generation_conf
     recorded = ([], [])  # each step's scores and logits, where generate returns them
     record = generation_config.return_dict_in_generate and (generation_config.output_scores or
                                                             generation_config.output_logits)  # fmt: skip
-    if steps <= 0:
+    if steps <= 0:  # nothing to decode: the cache's rows as generate's loop would leave them
+        if (deferred := _deferred_rows(model_kwargs.get(CACHE_KWARG))) is not None:
+            model_kwargs[CACHE_KWARG].reorder_cache(deferred)
         return input_ids, (), ()
     step = StaticStep(model, input_ids, model_kwargs, width - 1 + steps)
     graphs = device.type in CAPTURE_DEVICES and getattr(model, "_rloo_graph_failed", None) is None
