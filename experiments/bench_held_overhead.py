@@ -7,6 +7,9 @@ log-prob passes took 2x stock's (results/gpu.md): this finds where a chunk's tim
 
     python experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 --completion_length 256
     python experiments/bench_held_overhead.py            # the tiny model, on any device
+    python experiments/bench_held_overhead.py --op_counts   # also the operators each forward dispatches, per layer
+
+Each operator dispatched is a launch or host work on a GPU, where a chunk's forward at this size is bound by them.
 """
 
 import argparse
@@ -24,6 +27,7 @@ from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree.holds import plan_holds
 from rloo_efficient.core.tree.rows import row_groups
+from rloo_efficient.profiling.op_count import OpCounter
 from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
@@ -46,6 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt_length", type=int, default=1024)
     parser.add_argument("--completion_length", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--op_counts", action="store_true", help="also each forward's operators, per layer")
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -88,6 +93,17 @@ def main(argv=None) -> int:
                                ("ours, the row reading its held prompt", held),
                                ("ours, the prompt's source forward", source)):  # fmt: skip
             print(f"| {name} | {1e3 * timed(function, device):.2f} |", flush=True)
+        if args.op_counts:
+            layers = model.config.get_text_config().num_hidden_layers
+            print(f"\n# operators dispatched by one forward (all of them, and per layer: the total / {layers})")
+            print("| forward | operators | per layer | top operators |\n|---|---:|---:|---|")
+            for name, function in (("stock's padded row", stock), ("ours, own tree", own_tree), ("ours, held", held)):
+                with OpCounter() as ops:
+                    function()
+                total = sum(ops.counts.values())
+                top = ", ".join(f"{op.removeprefix('aten::')} {count}" for op, count in ops.counts.most_common(6))
+                print(f"| {name} | {total} | {total / layers:.1f} | {top} |")
+            print()
         activities = [torch.profiler.ProfilerActivity.CPU] + (
             [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])  # fmt: skip
         with torch.profiler.profile(activities=activities) as profile:
