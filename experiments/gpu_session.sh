@@ -38,7 +38,7 @@ run 300 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --ab
     --output "$OUT/bench_gpu_1.7b.md"
 run 150 static_once python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
     --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
-run 60 held_overhead python3 experiments/bench_held_overhead.py --preset qwen3-0.6b --prompt_length 3072 \
+run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
 run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
