@@ -244,14 +244,14 @@ def generate_with_shared_prefill(
     if static is None:  # where steps are captured, and the model on one device (a capture runs on one stream)
         static = input_ids.device.type in static_decode.CAPTURE_DEVICES and len(
             set((getattr(model, "hf_device_map", None) or {"": 0}).values())) == 1  # fmt: skip
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if static and getattr(type(inner), "generate", None) is not GenerationMixin.generate:
-        static, off = False, f"{type(inner).__name__} has its own generate"
-        warn_off(off)
-    if static and (off := static_call_reason(config, synced, kwargs)) is None:
-        decoding = {"custom_generate": static_sample}
-    elif static:
-        warn_off(off)
+    if static:
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        own = getattr(type(inner), "generate", None) is not GenerationMixin.generate
+        off = f"{type(inner).__name__} has its own generate" if own else static_call_reason(config, synced, kwargs)
+        if off is None:
+            decoding = {"custom_generate": static_sample}
+        else:
+            warn_off(off)
     held = turns.take() if turns is not None else None  # the previous call's: released once copied from
     if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
         turns = held = None

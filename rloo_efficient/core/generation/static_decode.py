@@ -206,8 +206,7 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
                      if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria))})  # fmt: skip
     if others:
         return f"stopping criteria other than length and EOS ({', '.join(others)})"
-    prepare = type(model).prepare_inputs_for_generation
-    owner = prepare.__qualname__.split(".")[0]
+    owner = _inputs_owner(model)
     if extra := sorted(set(model_kwargs) - _STEP_INPUTS - {*_ZERO_GROWN, *_TYPES_AT_THE_FIRST_STEP.get(owner, ())}):
         return f"the model takes per-step inputs ({', '.join(extra)})"
     if owner in _OWN_INPUTS_PAST_CONTEXT:
@@ -216,7 +215,7 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
             return (f"{type(model).__name__} drops its cache when a sequence passes its original context ({limit} "
                     f"positions)")  # fmt: skip
     elif owner not in (*_TYPES_AT_THE_FIRST_STEP, *_OWN_LOGITS_TO_KEEP) and (
-            prepare is not GenerationMixin.prepare_inputs_for_generation):  # fmt: skip
+            type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation):
         return f"{type(model).__name__} prepares its own decoding inputs (prepare_inputs_for_generation)"
     implementation = model.config._attn_implementation
     if implementation not in _MASKS:
@@ -264,14 +263,18 @@ def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, s
         reason = "no max_length or max_new_tokens bounds the buffers"
     if reason is not None:
         warn_off(reason)
-        if (rows := _deferred_rows(model_kwargs.get(CACHE_KWARG))) is not None:  # generate's loop: its rows now
-            model_kwargs[CACHE_KWARG].reorder_cache(rows)
+        _fan_out_deferred(model_kwargs.get(CACHE_KWARG))  # generate's loop: its rows now
         return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                        synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)  # fmt: skip
     optimized = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     # (LongRoPE's factors: each step chooses them on the device, as in generate's loop, into the same buffer)
     with optimized():
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def _inputs_owner(model: nn.Module) -> str:
+    """The name of the class whose `prepare_inputs_for_generation` `model` runs."""
+    return type(model).prepare_inputs_for_generation.__qualname__.split(".")[0]
 
 
 def warn_off(reason: str) -> None:
@@ -309,6 +312,12 @@ def defer_fan_out(cache: Cache, inverse: list[int], device) -> Cache:
 def _deferred_rows(cache) -> torch.Tensor | None:
     """The rows a deferred fan-out gives `cache`'s distinct prompts (taken: asked once), or None."""
     return vars(cache).pop(_DEFERRED, None) if cache is not None else None
+
+
+def _fan_out_deferred(cache) -> None:
+    """`cache`'s deferred fan-out done now, as `reorder_cache` does it (where no static buffers will take it)."""
+    if (rows := _deferred_rows(cache)) is not None:
+        cache.reorder_cache(rows)
 
 
 def static_cache(cache: Cache, columns: int, column: torch.Tensor, length: list[int],
@@ -384,7 +393,7 @@ class StaticStep:
         self.position = model_kwargs["position_ids"].narrow(-1, width - 1, 1).clone()
         self.token = input_ids.narrow(1, width - 1, 1).clone()
         self.extra = {"logits_to_keep": model_kwargs["logits_to_keep"]} if "logits_to_keep" in model_kwargs else {}
-        dropped = _TYPES_AT_THE_FIRST_STEP.get(type(model).prepare_inputs_for_generation.__qualname__.split(".")[0], ())
+        dropped = _TYPES_AT_THE_FIRST_STEP.get(_inputs_owner(model), ())
         self.extra.update({key: model_kwargs[key].narrow(-1, model_kwargs[key].shape[-1] - 1, 1).clone()
                            for key in _ZERO_GROWN if model_kwargs.get(key) is not None and key not in dropped})
         if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
@@ -619,8 +628,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, generation_conf
     record = generation_config.return_dict_in_generate and (generation_config.output_scores or
                                                             generation_config.output_logits)  # fmt: skip
     if steps <= 0:  # nothing to decode: the cache's rows as generate's loop would leave them
-        if (deferred := _deferred_rows(model_kwargs.get(CACHE_KWARG))) is not None:
-            model_kwargs[CACHE_KWARG].reorder_cache(deferred)
+        _fan_out_deferred(model_kwargs.get(CACHE_KWARG))
         return input_ids, (), ()
     step = StaticStep(model, input_ids, model_kwargs, width - 1 + steps)
     graphs = device.type in CAPTURE_DEVICES and getattr(model, "_rloo_graph_failed", None) is None
