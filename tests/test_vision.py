@@ -104,11 +104,13 @@ IMAGE_COLUMNS = {
 
 
 def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, images=None,
-             edit_config=None, stock_chunks=False, ours_only=None, **overrides):  # fmt: skip
+             edit_config=None, stock_chunks=False, ours_only=None, once_per_pass=False, **overrides):  # fmt: skip
     """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one
     image per prompt; `edit_config(config dict)`: the checkpoint's config changed on a copy; `stock_chunks`: some
-    chunks may run stock's forward (then their images are stock's); `ours_only`: settings of ours alone."""
-    cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch])
+    chunks may run stock's forward (then their images are stock's); `ours_only`: settings of ours alone;
+    `once_per_pass`: every pass holds each group's prompt across its chunks (its images encoded once)."""
+    workload = {key: overrides.pop(key) for key in ("system_prompt_length",) if key in overrides}
+    cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch], **workload)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     if images is not None:
         dataset = Dataset.from_dict({"prompt": list(dataset["prompt"]),
@@ -140,9 +142,19 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
     # Each call's images once per group, in generation and in every log-prob pass: stock's encode every row's (k = 4
     # per group), in the same calls (the same chunks of the same batches). With one image per prompt (each prompt's
     # its own), a call's distinct images once each; with several, two prompts may share one, encoded once for each
-    assert [phase for phase, _ in stock_images] == [phase for phase, _ in our_images]
     assert {"generation", "logps"} <= {phase for phase, _ in our_images}
-    for (_, stock_call), (_, our_call) in zip(stock_images, our_images, strict=True):
+    held = ours.held_forward_tokens > 0
+    if held:  # a group's images encoded by the call or chunk that forwards its prompt, for every later one to read
+        for phase in ("generation", "logps"):
+            everything = lambda calls: {image for name, call in calls if name == phase for image in call}  # noqa: E731
+            assert everything(our_images) == everything(stock_images)
+        assert all(len(call) == len(set(call)) for _, call in our_images)
+    else:
+        assert [phase for phase, _ in stock_images] == [phase for phase, _ in our_images]
+    if once_per_pass:  # each pass (a scoring pass; training, per optimizer step) encodes a group's images once
+        encodes = lambda calls: sum(len(call) for name, call in calls if name == "logps")  # noqa: E731
+        assert encodes(stock_images) == ours.num_generations * encodes(our_images)  # stock: once per row
+    for (_, stock_call), (_, our_call) in [] if held else zip(stock_images, our_images, strict=True):
         if stock_chunks:  # a group with nothing scored is left out (its images too); a chunk with nothing runs stock's
             assert set(our_call) <= set(stock_call)
             if our_call == stock_call:
@@ -174,6 +186,31 @@ def test_prompts_with_two_images(model_cache, tmp_path, exact_head, arch):
 def test_micro_batches_that_split_a_group(model_cache, tmp_path, exact_head, arch):
     """Micro-batches of 2 rows, half a group each: each holds its group's images once."""
     _compare(model_cache, tmp_path, arch, per_device_train_batch_size=2)
+
+
+# One row per micro-batch, gradient accumulation filling the generation batch: each group's prompt and images forwarded
+# once per scoring pass and once per optimizer step, by the first chunk holding one of its rows ([`core.tree.holds`]).
+# Qwen's 3-D positions (Qwen3-VL's DeepStack), Gemma's image blocks under a window, Idefics3's images per row,
+# a hybrid (Qwen3.5: its recurrent states held)
+HELD = ["qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3_vlm", "idefics3", "llava"]
+
+
+@pytest.mark.parametrize("arch", HELD)
+def test_image_prompts_held_across_micro_batches(model_cache, tmp_path, exact_head, arch):
+    _, ours = _compare(model_cache, tmp_path, arch, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                       steps_per_generation=8, once_per_pass=True)  # fmt: skip
+    assert ours.held_forward_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
+def test_image_prompts_held_under_trls_row_shuffle(model_cache, tmp_path, exact_head, arch):
+    """Two rows per micro-batch in TRL's shuffled order (`shuffle_groups=False`): a micro-batch forwards the prompts
+    and images of both its rows' groups at once, each group's in its place, for the later micro-batches. The groups'
+    prompts open with one system prompt, held apart per group (the images after it differ)."""
+    _, ours = _compare(model_cache, tmp_path, arch, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+                       steps_per_generation=4, ours_only=dict(shuffle_groups=False), system_prompt_length=320,
+                       once_per_pass=True)  # fmt: skip
+    assert ours.held_forward_tokens > 0
 
 
 @pytest.mark.parametrize("arch, length", [("qwen2_vl", 24), ("gemma3_vlm", 48)])

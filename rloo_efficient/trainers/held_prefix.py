@@ -108,10 +108,11 @@ class HeldPrefixMixin:
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
         held = None
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
-        if all(ROWS_KEY in batch and batch.get("pixel_values") is None for batch in batches) and (
-                self._within_period(width)):  # fmt: skip
+        if all(ROWS_KEY in batch for batch in batches) and self._within_period(width):
+            images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
-                              token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget)  # fmt: skip
+                              token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
+                              by_group=images)  # fmt: skip
             if plan is not None:
                 held = HeldScope(plan, training=True, kv_source=self._kv_source())
         self._train_scope = TrainScope(held, batches)
@@ -134,7 +135,7 @@ class HeldPrefixMixin:
         the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
         where nothing is held. `closes`: the caller closes the scope when done. `width`: the batch's columns
         ([`_within_period`])."""
-        if self._hold_budget is None or images or not self._within_period(width):
+        if self._hold_budget is None or not self._within_period(width):
             return None, range(len(chunks)), False
         if torch.is_grad_enabled():
             scope = self._active_scope
@@ -144,7 +145,8 @@ class HeldPrefixMixin:
         if len(chunks) < 2:
             return None, range(len(chunks)), False
         plan = plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
-                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget)  # fmt: skip
+                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
+                          by_group=images)  # fmt: skip
         if plan is None:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True

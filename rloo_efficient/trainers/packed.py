@@ -21,6 +21,7 @@ from ..core.layers.recurrent import has_recurrent_layers
 from ..core.layers.rope import rope_length
 from ..core.layers.vision import (
     image_blocks,
+    image_indices,
     layout_reason,
     packed_positions,
     rope_index_positions,
@@ -99,8 +100,14 @@ class PackedForwardMixin:
                     source = scope.plan.chunks[index].source
                     if source is not None:  # the prompts first held here: forwarded once, for every later chunk
                         routers = (lambda: recording_router_logits(unwrapped)) if compute_aux_loss else None
+                        held_images = None
+                        if images:  # its groups' images, encoded here once for every later chunk
+                            held_images = (self._image_tokens, (end - start, input_ids.size(1)),
+                                           lambda batch, start=start: self._with_images(
+                                               unwrapped, batch, images, input_ids, attention_mask, start,
+                                               logits_to_keep))  # fmt: skip
                         tokens = scope.forward_source(source, call, input_ids.size(1) - logits_to_keep,
-                                                      input_ids.device, recurrent, routers)  # fmt: skip
+                                                      input_ids.device, recurrent, routers, held_images)  # fmt: skip
                         self.packed_forward_tokens += tokens
                         self.tree_tokens += tokens
                         self.held_forward_tokens += tokens
@@ -155,14 +162,18 @@ class PackedForwardMixin:
         blocks (Gemma). Returns `(packed, image kwargs)`.
         """
         num_images, first = images["num_images"], start + packed.first_rows
-        group_images = select_images(images, num_images, first, self._vision["pixels"])
-        if self._vision["positions"] == "rope_index":
+        # The images of the groups whose prompt the forward holds (not those a held node holds: encoded before)
+        group_images = select_images(images, num_images, start + packed.image_rows, self._vision["pixels"])
+        if self._vision["positions"] == "rope_index":  # every group's positions, its images' grids with them
             index = torch.from_numpy(first).to(input_ids.device)
             mask = attention_mask.index_select(0, index)
             mask[:, -logits_to_keep:] = 1
+            grid = group_images.get("image_grid_thw")
+            if len(packed.image_rows) < len(first) and images.get("image_grid_thw") is not None:
+                grid = images["image_grid_thw"].index_select(
+                    0, torch.from_numpy(image_indices(num_images, first)).to(input_ids.device))  # fmt: skip
             positions = rope_index_positions(model, input_ids.index_select(0, index), mask, {
-                "image_grid_thw": group_images.get("image_grid_thw"),
-                "mm_token_type_ids": images["mm_token_type_ids"].index_select(0, index)})  # fmt: skip
+                "image_grid_thw": grid, "mm_token_type_ids": images["mm_token_type_ids"].index_select(0, index)})  # fmt: skip
             packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.group_source_index))
         blocks = image_blocks(model)
         if blocks is not None and group_images:  # an image's tokens attend to each other both ways

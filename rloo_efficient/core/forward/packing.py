@@ -43,6 +43,7 @@ class PackedBatch:
     token_weights: torch.Tensor | None = None  # (1, N) int64: how many times stock's batch holds each token
     source_index: torch.Tensor | None = None  # (N,) flat index into stock's (B, P + C) batch of each packed token
     first_rows: np.ndarray | None = None  # (G,) host: one row per group, groups in the order their tokens come
+    image_rows: np.ndarray | None = None  # host: those of `first_rows` whose group's images this forward encodes
     group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array, one row per group
     # Held nodes read ([`tree.holds`]): the sources of the layout's slots, and with `token_weights`, per slot how many
     # of this micro-batch's rows hold each of the source's tokens `(Ns,)` (0 where none)
@@ -122,6 +123,8 @@ def pack_rows(
     if hold is not None:  # each row's own inputs start after its held nodes', hung from its deepest held node
         plan, chunk = hold
         skip, keys, position_plen = chunk.skip, chunk.key[members], chunk.position_plen
+        if images:  # ordered by held node still (the readers' runs), the rows of other groups apart where none is held
+            keys = keys * (int(group.max()) + 1) + group[members]
     tree = build_tree([sequences[row][skip[row] :] for row in members], keys=keys, ends=full, min_saved=min_saved,
                       keep_roots=images)  # fmt: skip
     if hold is not None:
@@ -151,11 +154,13 @@ def pack_rows(
         labels[flat] = row * width + prompt_width + np.arange(count)
         unpack[row, :count] = flat
     parts = [source, labels, position_ids, unpack.reshape(-1)]
-    first_rows = None
+    first_rows = image_rows = None
     if images:
         roots = np.flatnonzero(tree.parent == -1)
         _, first = np.unique(group[members[tree.row[roots]]], return_index=True)
         first_rows = members[tree.row[roots[np.sort(first)]]]  # one row per group, in the order of its first node
+        # The groups whose prompt (and images) this forward holds: not those a held node holds
+        image_rows = first_rows if hold is None else first_rows[chunk.key[first_rows] < 0]
         if group_sources:
             rank = np.full(int(group.max()) + 1, -1)
             rank[group[first_rows]] = np.arange(len(first_rows))
@@ -206,6 +211,7 @@ def pack_rows(
         token_weights=weights,
         source_index=index,
         first_rows=first_rows,
+        image_rows=image_rows,
         group_source_index=group_source,
         held_sources=tuple(reads.sources) if reads is not None else (),
         held_weights=held_weights,
@@ -214,13 +220,20 @@ def pack_rows(
 
 @dataclass
 class SourceBatch:
-    """A source forward's packed inputs ([`tree.holds`]): its held nodes once, nothing scored."""
+    """A source forward's packed inputs ([`tree.holds`]): its held nodes once, nothing scored. In an image batch (each
+    held node one group's prompt) also what [`PackedBatch`] says of its groups, from the row of the source's chunk
+    through each node (`first_rows`, the chunk's own indices)."""
 
     input_ids: torch.Tensor  # (1, N)
     position_ids: torch.Tensor  # (1, N)
     shift_labels: torch.Tensor  # (1, N) all -100
     layout: TreeLayout
     held_sources: tuple[int, ...]  # the slots' sources (the held nodes of earlier sources its roots read)
+    num_rows: int = 0  # the rows of the source's chunk
+    source_index: torch.Tensor | None = None  # (N,) flat index into the chunk's (B, P + C) batch of each token
+    first_rows: np.ndarray | None = None  # (G,) host: the chunk's row through each node, in the nodes' order
+    image_rows: np.ndarray | None = None  # (G,) host: the same (every node's images are encoded here)
+    group_source_index: torch.Tensor | None = None  # (N,) flat index into a (G, P + C) array of those rows
 
     @property
     def num_tokens(self) -> int:
@@ -231,19 +244,37 @@ class SourceBatch:
                 "shift_labels": self.shift_labels, LAYOUT_KWARG: self.layout}  # fmt: skip
 
 
-def pack_source(plan: HoldPlan, source: int, prompt_width: int, device, recurrent: bool = True) -> SourceBatch:
+def pack_source(plan: HoldPlan, source: int, prompt_width: int, device, recurrent: bool = True,
+                image_tokens: set[int] | None = None, rows: tuple[int, int] | None = None) -> SourceBatch:  # fmt: skip
     """The packed forward of `plan`'s `source`: its held nodes as a forest, in depth-first order, at their rows'
     positions (stock's columns of its top held node's row, as every chunk reading it), its roots reading their held
-    ancestors' keys from earlier sources."""
+    ancestors' keys from earlier sources. With `image_tokens` (an image batch, planned `by_group`: every node a group's
+    prompt, a root) and `rows` `(rows, width)`, the shape of the source's chunk: the nodes holding images (their own
+    attention calls) and where each token sits in the chunk's rows."""
     tree, tokens, ancestors = plan.source_tree(source)
     nodes = plan.source_nodes(source)
     roots = np.flatnonzero(tree.parent < 0)
     root_parents = plan.nodes.parent[nodes[roots]]
     reads = plan.reads_of(ancestors, tree, nodes[roots], root_parents, recurrent)
     position_ids = np.repeat(prompt_width - plan.nodes.top_plen[nodes], tree.length) + tree.token_position
-    layout, (ids, positions) = tree_layout(tree, device, parts=[tokens, position_ids], recurrent=recurrent,
-                                           held_reads=reads.held_reads, held_roots=reads.held_roots,
-                                           held_states=reads.states)  # fmt: skip
+    parts, image_nodes, first_rows = [tokens, position_ids], None, None
+    if image_tokens is not None:
+        if (tree.parent >= 0).any() or len(ancestors):
+            raise ValueError("An image batch's held nodes are each one group's prompt (planned by group).")
+        num_rows, width = rows
+        first_rows = plan.nodes.first_row[nodes]
+        node_of = np.repeat(np.arange(len(nodes)), tree.length)
+        parts += [first_rows[node_of] * width + position_ids, node_of * width + position_ids]
+        holds = np.isin(tokens, np.fromiter(image_tokens, dtype=np.int64))
+        image_nodes = np.unique(node_of[holds])
+    layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent,
+                                    held_reads=reads.held_reads, held_roots=reads.held_roots,
+                                    held_states=reads.states)  # fmt: skip
+    ids, positions = on_device[:2]
     total = tree.num_tokens
-    return SourceBatch(ids.view(1, total), positions.view(1, total), torch.full_like(ids, -100).view(1, total),
-                       layout, tuple(reads.sources))
+    batch = SourceBatch(ids.view(1, total), positions.view(1, total), torch.full_like(ids, -100).view(1, total),
+                        layout, tuple(reads.sources))  # fmt: skip
+    if image_tokens is None:
+        return batch
+    return replace(batch, num_rows=rows[0], source_index=on_device[2], first_rows=first_rows, image_rows=first_rows,
+                   group_source_index=on_device[3])

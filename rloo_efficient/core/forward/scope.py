@@ -37,13 +37,20 @@ class HeldScope:
             slots.append(self.sources[source].read(attached))
         return HeldReads(slots, self.kv_source)
 
-    def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool,
-                       routers=None) -> int:  # fmt: skip
+    def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool, routers=None,
+                       images=None) -> int:  # fmt: skip
         """Runs `source`'s packed forward through `call`, holding what its layers hand over (and the router logits
-        `routers()` records, a context manager yielding a list, where given). Returns its tokens."""
-        batch = pack_source(self.plan, source, prompt_width, device, recurrent)
+        `routers()` records, a context manager yielding a list, where given). With `images` (an image batch, planned
+        by group): `(placeholder ids, (rows, width) of the source's chunk, prepare)`, where `prepare(batch)` returns
+        the batch as the family needs it and the image kwargs of its nodes. Returns its tokens."""
+        extra = {}
+        if images is None:
+            batch = pack_source(self.plan, source, prompt_width, device, recurrent)
+        else:
+            image_tokens, shape, prepare = images
+            batch, extra = prepare(pack_source(self.plan, source, prompt_width, device, recurrent, image_tokens, shape))
         reads = self.reads(batch.held_sources, int(self.plan.backprop_chunk[source]))
-        inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={})}
+        inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={}), **extra}
         capture = Capture(self.kv_source)
         with holding(capture), (routers() if routers is not None else contextlib.nullcontext([])) as logits:
             call(**inputs)

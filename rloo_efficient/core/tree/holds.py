@@ -48,6 +48,7 @@ class HeldNodes:
     offset: np.ndarray  # (H,) its first input's index in its source's flat sequence
     top_plen: np.ndarray  # (H,) the prompt length of a row through its top node (the stock column its positions take)
     tokens: list[np.ndarray]  # (H,) each node's input token ids
+    first_row: np.ndarray  # (H,) a row through it in its first chunk (the chunk's own index): its images' and positions'
 
 
 @dataclass(frozen=True)
@@ -178,25 +179,26 @@ class HoldPlan:
 
 
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
-               token_bytes: int = 0, budget: int | None = None,
-               min_saved: int = MIN_SAVED_TOKENS) -> HoldPlan | None:  # fmt: skip
+               token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
+               by_group: bool = False) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
     [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
     chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
     scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
-    bytes held at once (None: no limit).
+    bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
+    placeholder tokens agree where their images differ), so that each held node is one group's prompt.
     """
-    chunk_of, local, sequences, plens = [], [], [], []
+    chunk_of, local, sequences, plens, groups = [], [], [], [], []
     for index, (group, plen, scored, tokens) in enumerate(chunks):
         members = np.arange(len(group)) if full or not scored.any() else np.flatnonzero(scored > 0)
         for row in members:
-            chunk_of.append(index), local.append(row), plens.append(int(plen[row]))
+            chunk_of.append(index), local.append(row), plens.append(int(plen[row])), groups.append(int(group[row]))
             sequences.append(np.asarray(tokens[row][: plen[row]], dtype=np.int64))
     if len(chunks) < 2 or not sequences:
         return None
-    chunk_of, plens = np.asarray(chunk_of), np.asarray(plens)
-    root = _radix(sequences, np.zeros(len(sequences), dtype=np.int64))
+    chunk_of, local, plens = np.asarray(chunk_of), np.asarray(local), np.asarray(plens)
+    root = _radix(sequences, np.asarray(groups) if by_group else np.zeros(len(sequences), dtype=np.int64))
 
     # Held nodes, depth-first: (start token, end token, rows, parent rank)
     kept: list[tuple[int, int, np.ndarray, int]] = []
@@ -273,6 +275,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     member_of = [kept[x][2] for x in keep]  # scope member rows through each node
     top_plen = np.array([plens[member_of[top[x]][0]] for x in range(len(keep))], dtype=np.int64)
     tokens = [sequences[member_of[x][0]][position[x] : position[x] + length[x]] for x in range(len(keep))]
+    first_row = np.array([local[rows[chunk_of[rows] == first[x]][0]] for x, rows in enumerate(member_of)],
+                         dtype=np.int64)  # fmt: skip
     # Sources: the nodes first read by each chunk, in one forward, in depth-first order
     source_chunk = np.unique(first)
     source = np.searchsorted(source_chunk, first)
@@ -292,7 +296,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     for x in range(len(keep)):
         if parent[x] >= 0:
             depth[x] = depth[parent[x]] + 1
-    nodes = HeldNodes(position, length, parent, depth, subtree_end, first, last, source, offset, top_plen, tokens)
+    nodes = HeldNodes(position, length, parent, depth, subtree_end, first, last, source, offset, top_plen, tokens,
+                      first_row)  # fmt: skip
     # Each member's path of held nodes, deepest last
     deepest = np.full(len(sequences), -1)
     for x in range(len(keep)):  # depth-first: a deeper node on a row's path comes later
