@@ -172,8 +172,9 @@ class PackedForwardMixin:
             if len(packed.image_rows) < len(first) and images.get("image_grid_thw") is not None:
                 grid = images["image_grid_thw"].index_select(
                     0, torch.from_numpy(image_indices(num_images, first)).to(input_ids.device))  # fmt: skip
-            positions = rope_index_positions(model, input_ids.index_select(0, index), mask, {
-                "image_grid_thw": grid, "mm_token_type_ids": images["mm_token_type_ids"].index_select(0, index)})  # fmt: skip
+            token_types = images["mm_token_type_ids"].index_select(0, index)
+            positions = rope_index_positions(model, input_ids.index_select(0, index), mask,
+                                             {"image_grid_thw": grid, "mm_token_type_ids": token_types})  # fmt: skip
             packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.group_source_index))
         blocks = image_blocks(model)
         if blocks is not None and group_images:  # an image's tokens attend to each other both ways

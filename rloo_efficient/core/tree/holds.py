@@ -48,7 +48,7 @@ class HeldNodes:
     offset: np.ndarray  # (H,) its first input's index in its source's flat sequence
     top_plen: np.ndarray  # (H,) the prompt length of a row through its top node (the stock column its positions take)
     tokens: list[np.ndarray]  # (H,) each node's input token ids
-    first_row: np.ndarray  # (H,) a row through it in its first chunk (the chunk's own index): its images' and positions'
+    first_row: np.ndarray  # (H,) a row through it in its first chunk (that chunk's index): whose images it holds
 
 
 @dataclass(frozen=True)
