@@ -11,6 +11,8 @@ ratios are medians over `--repeats`.
 
     python experiments/bench_vision.py --repeats 3 --output results/vision.md
     python experiments/bench_vision.py --trainer grpo --repeats 3 --output results/vision_grpo.md
+    python experiments/bench_vision.py --trainer grpo --rows 1 --output results/vision_rows1.md   # one row per
+        # micro-batch: each group's prompt and image held across its micro-batches (`held_prefix_budget_gib`)
 """
 
 import statistics
@@ -29,7 +31,8 @@ def run(method: str, args, directory: Path) -> dict:
         "--trainer", args.trainer, "--arch", args.arch, "--image_size", str(args.image_size),
         "--image_width", str(args.image_size), "--prompt_length", str(args.prompt_length),
         "--max_completion_length", str(args.completion_length), "--num_generations", str(args.k),
-        "--per_device_train_batch_size", str(args.k), "--max_steps", str(STEPS),
+        "--per_device_train_batch_size", str(args.rows), "--gradient_accumulation_steps", str(args.k // args.rows),
+        "--steps_per_generation", str(args.k // args.rows), "--max_steps", str(STEPS),
     ], directory, method)  # fmt: skip
 
 
@@ -45,7 +48,12 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer", default="rloo", choices=["rloo", "grpo"], help="TRL's trainer, stock vs ours")
     parser.add_argument("--arch", default="qwen2_5_vl")
     parser.add_argument("--image_size", type=int, default=148, help="pixels a side (148: 1,369 image tokens)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows per micro-batch (default k), gradient accumulation filling the group")  # fmt: skip
     args = parser.parse_args(argv)
+    args.rows = args.rows or args.k
+    if args.k % args.rows:
+        parser.error("--rows must divide k")
     with tempfile.TemporaryDirectory() as tmp:
         samples = alternate(lambda method, repeat: run(method, args, Path(tmp)), args.repeats)
     first = {method: runs[0] for method, runs in samples.items()}  # counts are deterministic: any run's
@@ -58,8 +66,8 @@ def main(argv=None) -> int:
     report = Report([
         f"# python experiments/bench_vision.py {' '.join(argv if argv is not None else sys.argv[1:])}",
         f"# {args.trainer.upper()}, tiny {args.arch}: one {args.image_size}x{args.image_size} image and "
-        f"~{args.prompt_length} text tokens per prompt, C = {args.completion_length}, k = {args.k}, one group per step, "
-        f"{STEPS} steps; medians over {args.repeats} repeat(s)",
+        f"~{args.prompt_length} text tokens per prompt, C = {args.completion_length}, k = {args.k}, one group per step "
+        f"in micro-batches of {args.rows} row(s), {STEPS} steps; medians over {args.repeats} repeat(s)",
         "| per group | stock | ours | ratio |",
         "|---|---:|---:|---:|",
         f"| language-model tokens forwarded | {per_group(first['stock']['language_model_tokens'])} | "
