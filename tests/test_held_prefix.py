@@ -251,3 +251,40 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
     assert len(messages) == 1 and ("use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP") in messages[0]
     assert not trainer._hold_training and trainer._train_scope is None
     assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
+
+
+def test_image_placeholders_count_against_the_budget_by_group():
+    """An image batch's plan keeps each group's prompt apart (their placeholders agree where the images differ) and
+    charges each held placeholder token the vision tower's cost too: a budget that holds a group's text holds none
+    once its images are counted."""
+    image = 7
+    system = list(range(100, 180))
+    prompts = [system + [image] * 16 + list(range(200 + 40 * g, 240 + 40 * g)) for g in range(2) for _ in range(2)]
+    _, _, _, structure = stock_batch(prompts, [[3, 4, 5]] * 4)
+    chunks = [np.array([0, 2]), np.array([1, 3])]  # each group's rows in both chunks
+    plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0, by_group=True)
+    assert len(plan.nodes.length) == 2 and (plan.nodes.parent < 0).all()  # one node per group: no shared system node
+    assert list(plan.nodes.first_row) == [0, 1]  # each group's row in its first chunk
+    assert len(plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0).nodes.length) == 3  # text: shared
+    held = int(plan.nodes.length.sum())
+    assert plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0, by_group=True, token_bytes=1,
+                      budget=held) is not None  # fmt: skip
+    assert plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0, by_group=True, token_bytes=1,
+                      budget=held, image_cost=({image}, 100)) is None  # fmt: skip
+
+
+def test_a_training_micro_batch_cannot_skip_prompts_held_for_it():
+    """Stock's forward for a training micro-batch while held prompts wait for their backward would lose their
+    gradient: refused, naming the way out."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.packed import PackedForwardMixin
+
+    waiting = SimpleNamespace(_active_scope=SimpleNamespace(held=SimpleNamespace(sources={0: object()})))
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="held_prefix_budget_gib=0"):
+        PackedForwardMixin._check_nothing_held(waiting)
+    with torch.no_grad():  # a scoring pass: nothing to lose
+        PackedForwardMixin._check_nothing_held(waiting)
+    waiting._active_scope.held.sources = {}
+    with torch.enable_grad():
+        PackedForwardMixin._check_nothing_held(waiting)

@@ -149,6 +149,9 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
             everything = lambda calls: {image for name, call in calls if name == phase for image in call}  # noqa: E731
             assert everything(our_images) == everything(stock_images)
         assert all(len(call) == len(set(call)) for _, call in our_images)
+        generation = lambda calls: [call for name, call in calls if name == "generation"]  # noqa: E731 (unchanged)
+        for stock_call, our_call in zip(generation(stock_images), generation(our_images), strict=True):
+            assert set(our_call) == set(stock_call)
     else:
         assert [phase for phase, _ in stock_images] == [phase for phase, _ in our_images]
     if once_per_pass:  # each pass (a scoring pass; training, per optimizer step) encodes a group's images once
@@ -190,27 +193,61 @@ def test_micro_batches_that_split_a_group(model_cache, tmp_path, exact_head, arc
 
 # One row per micro-batch, gradient accumulation filling the generation batch: each group's prompt and images forwarded
 # once per scoring pass and once per optimizer step, by the first chunk holding one of its rows ([`core.tree.holds`]).
-# Qwen's 3-D positions (Qwen3-VL's DeepStack), Gemma's image blocks under a window, Idefics3's images per row,
-# a hybrid (Qwen3.5: its recurrent states held)
-HELD = ["qwen2_vl", "qwen3_vl", "qwen3_5", "gemma3_vlm", "idefics3", "llava"]
+# Qwen's 3-D positions (Qwen3-VL's DeepStack), Gemma's image blocks under a window, Idefics3's images per row, a hybrid
+# (Qwen3.5: its recurrent states held), experts with TRL's load-balancing loss (Qwen3-VL-MoE), and RLOO in TRL's row
+# order (`shuffle_groups=False`: regrouped, its logged loss, a float32 sum over micro-batches, moves by ~1e-7)
+HELD = [("qwen2_vl", "grpo"), ("qwen3_vl", "grpo"), ("qwen3_5", "grpo"), ("gemma3_vlm", "grpo"), ("idefics3", "grpo"),
+        ("llava", "grpo"), ("qwen3_vl_moe", "grpo"), ("qwen2_vl", "rloo")]  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", HELD)
-def test_image_prompts_held_across_micro_batches(model_cache, tmp_path, exact_head, arch):
-    _, ours = _compare(model_cache, tmp_path, arch, per_device_train_batch_size=1, gradient_accumulation_steps=8,
-                       steps_per_generation=8, once_per_pass=True)  # fmt: skip
+def recording_image_forwards(monkeypatch) -> list[tuple[str, int, int]]:
+    """Each packed forward with images of ours: `(kind, groups, groups whose images it encodes)`, kind "source" for a
+    held prompts' forward."""
+    from rloo_efficient.core.forward.packing import SourceBatch
+    from rloo_efficient.trainers.packed import PackedForwardMixin
+
+    forwards = []
+    with_images = PackedForwardMixin._with_images
+
+    def recorded(self, model, packed, *args):
+        kind = "source" if isinstance(packed, SourceBatch) else "chunk"
+        forwards.append((kind, len(packed.first_rows), len(packed.image_rows)))
+        return with_images(self, model, packed, *args)
+
+    monkeypatch.setattr(PackedForwardMixin, "_with_images", recorded)
+    return forwards
+
+
+@pytest.mark.parametrize("arch, trainer", HELD)
+def test_image_prompts_held_across_micro_batches(model_cache, tmp_path, exact_head, arch, trainer):
+    stock, ours = _compare(model_cache, tmp_path, arch, trainer=trainer, per_device_train_batch_size=1,
+                           gradient_accumulation_steps=8, steps_per_generation=8, once_per_pass=True,
+                           ours_only=dict(shuffle_groups=False) if trainer == "rloo" else None)  # fmt: skip
     assert ours.held_forward_tokens > 0
+    if arch == "qwen3_vl_moe":  # TRL's default turned the load-balancing loss on; it was compared
+        assert any("aux_loss" in entry for entry in stock.state.log_history)
+
+
+def test_image_prompts_held_beside_prompts_forwarded_in_place(model_cache, tmp_path, exact_head, monkeypatch):
+    """Three rows per micro-batch, groups of two ([AAB][BCC][DDE][EFF]): a micro-batch reads one group's held prompt
+    and forwards another's whole, its images with it (and Qwen's positions of both groups)."""
+    forwards = recording_image_forwards(monkeypatch)
+    _compare(model_cache, tmp_path, "qwen2_vl", num_generations=2, per_device_train_batch_size=3,
+             gradient_accumulation_steps=4, steps_per_generation=4, once_per_pass=True)  # fmt: skip
+    assert any(kind == "chunk" and 0 < encoded < groups for kind, groups, encoded in forwards)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])
-def test_image_prompts_held_under_trls_row_shuffle(model_cache, tmp_path, exact_head, arch):
+def test_image_prompts_held_under_trls_row_shuffle(model_cache, tmp_path, exact_head, monkeypatch, arch):
     """Two rows per micro-batch in TRL's shuffled order (`shuffle_groups=False`): a micro-batch forwards the prompts
     and images of both its rows' groups at once, each group's in its place, for the later micro-batches. The groups'
     prompts open with one system prompt, held apart per group (the images after it differ)."""
+    forwards = recording_image_forwards(monkeypatch)
     _, ours = _compare(model_cache, tmp_path, arch, per_device_train_batch_size=2, gradient_accumulation_steps=4,
                        steps_per_generation=4, ours_only=dict(shuffle_groups=False), system_prompt_length=320,
                        once_per_pass=True)  # fmt: skip
     assert ours.held_forward_tokens > 0
+    assert any(kind == "source" and groups >= 2 for kind, groups, _ in forwards)
 
 
 @pytest.mark.parametrize("arch, length", [("qwen2_vl", 24), ("gemma3_vlm", 48)])

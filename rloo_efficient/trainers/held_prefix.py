@@ -24,6 +24,7 @@ from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
+from ..core.layers.vision import layout_reason
 from ..core.tree.holds import plan_holds
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
@@ -62,6 +63,7 @@ class HeldPrefixMixin:
     held_forward_tokens = 0  # tokens the source forwards processed (part of `packed_forward_tokens`; read by tests)
 
     _hold_training = False  # whether training micro-batches hold prompts too (the no-grad passes may alone)
+    _warned_zero3_images = False
 
     def _init_holds(self, budget_gib: float | None) -> None:
         """Turns holding on within `budget_gib` GiB (None: a quarter of the device's memory; 0: off)."""
@@ -108,15 +110,36 @@ class HeldPrefixMixin:
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
         held = None
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
-        if all(ROWS_KEY in batch for batch in batches) and self._within_period(width):
-            images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
+        images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
+        if all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
+                not images or self._images_packed(batches)):  # fmt: skip
+            image_cost = (self._image_tokens, self._held_image_bytes()) if images else None
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
-                              by_group=images)  # fmt: skip
+                              by_group=images, image_cost=image_cost)  # fmt: skip
             if plan is not None:
                 held = HeldScope(plan, training=True, kv_source=self._kv_source())
         self._train_scope = TrainScope(held, batches)
         return self._train_scope
+
+    def _images_packed(self, batches: list) -> bool:
+        """Whether every micro-batch's images will be packed ([`packed.PackedForwardMixin._rows_for`]): a micro-batch
+        running stock's forward inside a training scope would leave the prompts held for it without their backward.
+        Not under DeepSpeed ZeRO-3 (one warning)."""
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            if not self._warned_zero3_images:
+                self._warned_zero3_images = True
+                warnings.warn("rloo_efficient: under DeepSpeed ZeRO-3, training micro-batches with images forward "
+                              "their rows' prompts (not held across micro-batches): a held prompt's vision tower is "
+                              "backpropagated in a later micro-batch than its forward, which did not give stock's "
+                              "gradient under ZeRO-3 in our tests (text prompts and the no-grad passes still hold).",
+                              stacklevel=3)  # fmt: skip
+            return False
+        return self._vision_reason is None and all(
+            layout_reason(batch, batch.get("num_images") or [], self._vision["pixels"]) is None
+            for batch in batches if batch.get("pixel_values") is not None)  # fmt: skip
 
     def _close_train_scope(self) -> None:
         if self._train_scope is not None:
@@ -175,6 +198,21 @@ class HeldPrefixMixin:
             return kv
         saved = config.hidden_size * (1 if self.args.gradient_checkpointing else SAVED_PER_LAYER) * config.num_hidden_layers
         return kv + kv // size * 4 + saved * size
+
+    def _held_image_bytes(self) -> int:
+        """What a held image placeholder token's graph keeps in the vision tower in training, estimated from the
+        vision config: its patches' activations (Qwen merges `spatial_merge_size`^2 patches into a token) in every
+        tower layer, [`SAVED_PER_LAYER`] hidden sizes each (one under gradient checkpointing). 0 without one."""
+        model = self.accelerator.unwrap_model(self.model)
+        config = getattr(model.config, "vision_config", None)
+        if config is None:
+            return 0
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "embed_dim", None) or 0
+        layers = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None) or 0
+        patches = (getattr(config, "spatial_merge_size", None) or 1) ** 2
+        size = 2 if (self.args.bf16 or self.args.fp16) else next(model.parameters()).element_size()
+        per_layer = 1 if self.args.gradient_checkpointing else SAVED_PER_LAYER
+        return hidden * layers * per_layer * patches * size
 
     def _hold_reason(self) -> str | None:
         """Why prompts cannot be held across micro-batches in training, or None."""

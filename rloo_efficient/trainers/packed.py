@@ -39,6 +39,7 @@ class PackedForwardMixin:
         images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
         rows = self._rows_for(input_ids, logits_to_keep, images)
         if rows is None:
+            self._check_nothing_held()
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal_kwargs,
@@ -119,6 +120,7 @@ class PackedForwardMixin:
                     packed, chunk_images = self._with_images(unwrapped, packed, images, input_ids, attention_mask,
                                                              start, logits_to_keep)  # fmt: skip
                 if isinstance(packed, str):
+                    self._check_nothing_held()
                     self._fall_back(packed, permanent=False)
                     stock = super()._get_per_token_logps_and_entropies.__func__
                     stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
@@ -152,6 +154,15 @@ class PackedForwardMixin:
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
         return logps, entropies, aux_loss
+
+    def _check_nothing_held(self) -> None:
+        """Refuses stock's forward for a training micro-batch while prompts held for its training scope wait for their
+        backward: it would not read them, and their gradient would be lost ([`held_prefix`])."""
+        scope = self._active_scope
+        if torch.is_grad_enabled() and scope is not None and scope.held is not None and scope.held.sources:
+            raise RuntimeError("rloo_efficient: a training micro-batch would run stock's forward while prompts held "
+                               "across its micro-batches wait for their backward (their gradient would be lost). "
+                               "Set held_prefix_budget_gib=0 to forward each micro-batch's prompts itself.")  # fmt: skip
 
     def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, logits_to_keep: int):
         """

@@ -180,14 +180,16 @@ class HoldPlan:
 
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
-               by_group: bool = False) -> HoldPlan | None:  # fmt: skip
+               by_group: bool = False, image_cost: tuple[set[int], int] | None = None) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
     [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
     chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
     scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
     bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
-    placeholder tokens agree where their images differ), so that each held node is one group's prompt.
+    placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
+    `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
+    vision tower's saved activations for its patches).
     """
     chunk_of, local, sequences, plens, groups = [], [], [], [], []
     for index, (group, plen, scored, tokens) in enumerate(chunks):
@@ -248,14 +250,19 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
     last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
     length = np.array([end - begin for begin, end, _, _ in kept])
+    cost = length * token_bytes
+    if image_cost is not None:
+        placeholders = np.fromiter(image_cost[0], dtype=np.int64)
+        cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
+                                                for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
     held = np.zeros(len(kept), dtype=bool)
     for chunk in range(len(chunks)):
-        alive = int((length * held)[(first < chunk) & (last >= chunk)].sum()) * token_bytes
+        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
         for x in np.flatnonzero(first == chunk):
             parent = kept[x][3]
-            if (parent < 0 or held[parent]) and (budget is None or alive + length[x] * token_bytes <= budget):
+            if (parent < 0 or held[parent]) and (budget is None or alive + cost[x] <= budget):
                 held[x] = True
-                alive += length[x] * token_bytes
+                alive += cost[x]
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
