@@ -60,11 +60,14 @@ def _close_process_group() -> None:
     Destroys the default process group once training is done (TRL's scripts leave it to interpreter exit). Left
     alive, Gloo's worker threads may still hold finished work whose tensors Python frees during finalization, and the
     rank aborts (SIGABRT) after a run that completed; seen on CPU under `accelerate launch` with two processes
-    (pytorch/pytorch#179291). Each rank destroys its own group: not a collective for Gloo.
+    (pytorch/pytorch#179291), also after this destroy where one rank finished while another still wrote the model: so
+    the ranks first wait for each other (a run that failed on another rank never gets here: the launcher stops this
+    one). Each rank then destroys its own group: not a collective for Gloo.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

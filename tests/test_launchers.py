@@ -156,8 +156,8 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
         assert ours["share_prefix"] and ours["shared_prefill_tokens"] > 0 and ours["packed_forward_tokens"] > 0
         # A process's group split over its 2 micro-batches (2 rows each): its prompt forwarded once for both, in the
         # scoring passes and in training, whose one backward of it ran in the second's (DDP's gradient sync, ZeRO's
-        # partitioned gradients); images are not held
-        if layout == "group_split_across_processes" and case not in IMAGE_CASES:
+        # partitioned gradients); with images under ZeRO-3, in the scoring passes only
+        if layout == "group_split_across_processes":
             assert ours["held_forward_tokens"] > 0
         # Each generation on a process: 2 rows x 2 accumulated micro-batches, of 4 // k prompts (or 1 when k > 4)
         distinct = max(1, 4 // LAYOUTS[layout]["num_generations"])
@@ -166,8 +166,10 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
             assert ours["reward_forward_tokens"] > 0
             kind = {"separate": "DeepSpeedEngine", "hydra": "HydraReward"}[reward]
             assert ours["reward_funcs"][-1] == kind and stock["reward_funcs"][-1] == "DeepSpeedEngine"
-        if case in IMAGE_CASES:  # each call's rows are one group: its image encoded once, where stock's once per row
-            assert len(ours["images_encoded"]) == len(stock["images_encoded"]) > 0
+        if case in IMAGE_CASES:  # each call's rows are one group: its image encoded once, where stock's once per row;
+            # a scoring pass's two chunks encode it once for both (the first chunk's held prompt): per step, stock's
+            # generation, 2 scoring chunks and 2 training micro-batches; ours' generation, 1 and 2
+            assert len(stock["images_encoded"]) == 5 * 3 and len(ours["images_encoded"]) == 4 * 3
             assert set(ours["images_encoded"]) == {1} and min(stock["images_encoded"]) >= 2
         if zero_stage == 3:  # really sharded: each rank holds half of each model between forwards
             for model in ("policy", "reference", *(["reward"] if reward == "separate" else [])):

@@ -229,12 +229,14 @@ def test_image_prompts_held_across_micro_batches(model_cache, tmp_path, exact_he
 
 
 def test_image_prompts_held_beside_prompts_forwarded_in_place(model_cache, tmp_path, exact_head, monkeypatch):
-    """Three rows per micro-batch, groups of two ([AAB][BCC][DDE][EFF]): a micro-batch reads one group's held prompt
-    and forwards another's whole, its images with it (and Qwen's positions of both groups)."""
+    """Five rows per micro-batch, groups of two ([AABBC][CDDEE]): a micro-batch reads one group's held prompt and
+    forwards two others' whole, their images with them (and Qwen's positions of every group), the two apart although
+    their prompts open with one system prompt."""
     forwards = recording_image_forwards(monkeypatch)
-    _compare(model_cache, tmp_path, "qwen2_vl", num_generations=2, per_device_train_batch_size=3,
-             gradient_accumulation_steps=4, steps_per_generation=4, once_per_pass=True)  # fmt: skip
-    assert any(kind == "chunk" and 0 < encoded < groups for kind, groups, encoded in forwards)
+    _compare(model_cache, tmp_path, "qwen2_vl", num_generations=2, per_device_train_batch_size=5,
+             gradient_accumulation_steps=2, steps_per_generation=2, once_per_pass=True,
+             system_prompt_length=320)  # fmt: skip
+    assert any(kind == "chunk" and 2 <= encoded < groups for kind, groups, encoded in forwards)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3_vlm"])

@@ -161,8 +161,8 @@ class PackedForwardMixin:
         scope = self._active_scope
         if torch.is_grad_enabled() and scope is not None and scope.held is not None and scope.held.sources:
             raise RuntimeError("rloo_efficient: a training micro-batch would run stock's forward while prompts held "
-                               "across its micro-batches wait for their backward (their gradient would be lost). "
-                               "Set held_prefix_budget_gib=0 to forward each micro-batch's prompts itself.")  # fmt: skip
+                               "across its micro-batches wait for their backward (their gradient would be lost). Set "
+                               "held_prefix_budget_gib=0 to forward each micro-batch's prompts itself.")  # fmt: skip
 
     def _with_images(self, model, packed, images: dict, input_ids, attention_mask, start: int, logits_to_keep: int):
         """
