@@ -24,7 +24,6 @@ from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
-from ..core.layers.vision import layout_reason
 from ..core.tree.holds import plan_holds
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
@@ -63,7 +62,6 @@ class HeldPrefixMixin:
     held_forward_tokens = 0  # tokens the source forwards processed (part of `packed_forward_tokens`; read by tests)
 
     _hold_training = False  # whether training micro-batches hold prompts too (the no-grad passes may alone)
-    _warned_zero3_images = False
 
     def _init_holds(self, budget_gib: float | None) -> None:
         """Turns holding on within `budget_gib` GiB (None: a quarter of the device's memory; 0: off)."""
@@ -129,17 +127,13 @@ class HeldPrefixMixin:
         from transformers.integrations import is_deepspeed_zero3_enabled
 
         if is_deepspeed_zero3_enabled():
-            if not self._warned_zero3_images:
-                self._warned_zero3_images = True
-                warnings.warn("rloo_efficient: under DeepSpeed ZeRO-3, training micro-batches with images forward "
-                              "their rows' prompts (not held across micro-batches): a held prompt's vision tower is "
-                              "backpropagated in a later micro-batch than its forward, which did not give stock's "
-                              "gradient under ZeRO-3 in our tests (text prompts and the no-grad passes still hold).",
-                              stacklevel=3)  # fmt: skip
+            self._warn_once("rloo_efficient: under DeepSpeed ZeRO-3, training micro-batches with images forward their "
+                            "rows' prompts (not held across micro-batches): a held prompt's vision tower is "
+                            "backpropagated in a later micro-batch than its forward, which did not give stock's "
+                            "gradient under ZeRO-3 in our tests (text prompts and the no-grad passes still "
+                            "hold).")  # fmt: skip
             return False
-        return self._vision_reason is None and all(
-            layout_reason(batch, batch.get("num_images") or [], self._vision["pixels"]) is None
-            for batch in batches if batch.get("pixel_values") is not None)  # fmt: skip
+        return all(self._images_reason(batch) is None for batch in batches if batch.get("pixel_values") is not None)
 
     def _close_train_scope(self) -> None:
         if self._train_scope is not None:
@@ -189,10 +183,8 @@ class HeldPrefixMixin:
     def _held_token_bytes(self, training: bool) -> int:
         """What holding one prompt token costs: its keys and values in every layer (in training, also a float32 bank
         of their gradient, and what its graph keeps: see [`SAVED_PER_LAYER`]), estimated from the config."""
-        model = self.accelerator.unwrap_model(self.model)
-        config = model.config.get_text_config(decoder=True)
-        dtype = torch.bfloat16 if (self.args.bf16 or self.args.fp16) else next(model.parameters()).dtype
-        size = torch.finfo(dtype).bits // 8
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        size = self._held_element_size()
         kv = kv_token_bytes(config, size)
         if not training:
             return kv
@@ -210,9 +202,14 @@ class HeldPrefixMixin:
         hidden = getattr(config, "hidden_size", None) or getattr(config, "embed_dim", None) or 0
         layers = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None) or 0
         patches = (getattr(config, "spatial_merge_size", None) or 1) ** 2
-        size = 2 if (self.args.bf16 or self.args.fp16) else next(model.parameters()).element_size()
         per_layer = 1 if self.args.gradient_checkpointing else SAVED_PER_LAYER
-        return hidden * layers * per_layer * patches * size
+        return hidden * layers * per_layer * patches * self._held_element_size()
+
+    def _held_element_size(self) -> int:
+        """Bytes per value of what a held prompt keeps: bf16 under mixed precision, else the model's dtype."""
+        if self.args.bf16 or self.args.fp16:
+            return 2
+        return next(self.accelerator.unwrap_model(self.model).parameters()).element_size()
 
     def _hold_reason(self) -> str | None:
         """Why prompts cannot be held across micro-batches in training, or None."""

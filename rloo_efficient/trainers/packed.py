@@ -54,7 +54,7 @@ class PackedForwardMixin:
         if not self._share_prefix or rows is None:
             return None
         if images.get("pixel_values") is not None:  # a batch with images: stock's forward where they cannot be packed
-            reason = self._vision_reason or layout_reason(images, images.get("num_images") or [], self._vision["pixels"])
+            reason = self._images_reason(images)
             if reason is not None:
                 self._fall_back(reason, permanent=False)
                 return None
@@ -154,6 +154,10 @@ class PackedForwardMixin:
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
         aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None  # as TRL averages its chunks'
         return logps, entropies, aux_loss
+
+    def _images_reason(self, images: dict) -> str | None:
+        """Why a batch's image kwargs (TRL's, `pixel_values` among them) cannot be packed, or None."""
+        return self._vision_reason or layout_reason(images, images.get("num_images") or [], self._vision["pixels"])
 
     def _check_nothing_held(self) -> None:
         """Refuses stock's forward for a training micro-batch while prompts held for its training scope wait for their
