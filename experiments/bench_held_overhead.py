@@ -50,11 +50,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt_length", type=int, default=1024)
     parser.add_argument("--completion_length", type=int, default=128)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="the model's layers (default: the preset's)")
     parser.add_argument("--op_counts", action="store_true", help="also each forward's operators, per layer")
     args = parser.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    workload = WorkloadConfig(prompt_length=args.prompt_length, **({"preset": args.preset} if args.preset else {}))
+    workload = WorkloadConfig(prompt_length=args.prompt_length, **({"preset": args.preset} if args.preset else {}),
+                              **({"num_hidden_layers": args.layers} if args.layers else {}))
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(workload), dtype=dtype).to(device).eval()
     add_fused_lm_head(model, outputs=("log_probs",))
     install(model)

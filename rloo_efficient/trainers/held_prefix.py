@@ -144,7 +144,7 @@ class HeldPrefixMixin:
         """Whether a batch `width` columns wide may hold prompts: within Llama 4's scaling period
         ([`core.layers.families.position_period`]) every position scales alike, so a held node may sit at other rows'
         columns; past it, it may not. True for a model without one."""
-        period = position_period(self.accelerator.unwrap_model(self.model))
+        period = position_period(self._unwrapped())
         return period is None or width <= period
 
     def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool, width: int):
@@ -178,12 +178,12 @@ class HeldPrefixMixin:
                 self._close_train_scope()
 
     def _kv_source(self) -> list[int]:
-        return kv_sources(self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True))
+        return kv_sources(self._unwrapped().config.get_text_config(decoder=True))
 
     def _held_token_bytes(self, training: bool) -> int:
         """What holding one prompt token costs: its keys and values in every layer (in training, also a float32 bank
         of their gradient, and what its graph keeps: see [`SAVED_PER_LAYER`]), estimated from the config."""
-        config = self.accelerator.unwrap_model(self.model).config.get_text_config(decoder=True)
+        config = self._unwrapped().config.get_text_config(decoder=True)
         size = self._held_element_size()
         kv = kv_token_bytes(config, size)
         if not training:
@@ -195,7 +195,7 @@ class HeldPrefixMixin:
         """What a held image placeholder token's graph keeps in the vision tower in training, estimated from the
         vision config: its patches' activations (Qwen merges `spatial_merge_size`^2 patches into a token) in every
         tower layer, [`SAVED_PER_LAYER`] hidden sizes each (one under gradient checkpointing). 0 without one."""
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._unwrapped()
         config = getattr(model.config, "vision_config", None)
         if config is None:
             return 0
@@ -209,7 +209,7 @@ class HeldPrefixMixin:
         """Bytes per value of what a held prompt keeps: bf16 under mixed precision, else the model's dtype."""
         if self.args.bf16 or self.args.fp16:
             return 2
-        return next(self.accelerator.unwrap_model(self.model).parameters()).element_size()
+        return next(self._unwrapped().parameters()).element_size()
 
     def _hold_reason(self) -> str | None:
         """Why prompts cannot be held across micro-batches in training, or None."""

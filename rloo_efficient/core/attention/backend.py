@@ -37,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..tree.layout import LAYOUT_KWARG
 from .checks import attention_forward, softcapped
 from .held import capturing
-from .tree import TreeAttention
+from .tree import tree_attention
 from .windows import apply_sinks, decode_window_biases
 
 
@@ -236,13 +236,18 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         held = _compute_dtype(query, *layout.held.attention(module.layer_idx))[1:] if layout.held_parts else ()
         query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
         history, held = rest[: len(history)], rest[len(history) :]
-        with softcapped(kwargs.get("softcap")):  # Gemma 2's attention-logit cap: the math path's
-            out = TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding,
-                                      tuple(history) or None, *held)  # fmt: skip
+        with _softcapped(kwargs.get("softcap")):  # Gemma 2's attention-logit cap: the math path's
+            out = tree_attention(query, key, value, sinks, layout, window, scale, sliding, tuple(history) or None,
+                                 *held)  # fmt: skip
     else:
-        with softcapped(kwargs.get("softcap")):
+        with _softcapped(kwargs.get("softcap")):
             out = _decode_attention(module, query, key, value, cache, window, sinks, scale)
     return (out if out.shape[-1] == value_dim else out[..., :value_dim]), None
+
+
+def _softcapped(softcap: float | None):
+    """[`checks.softcapped`] where a layer caps its scores; nothing to enter elsewhere (no call is inside another's)."""
+    return contextlib.nullcontext() if softcap is None else softcapped(softcap)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -258,8 +263,18 @@ def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # Under `torch.compile` the function runs as Python, outside the graph (a graph break per attention call): what it
 # does depends on host structure (the layout's buckets, the decoding cache in its context) that a compiled graph would
-# freeze at its first trace; the rest of each layer stays compiled
-AttentionInterface.register(ATTENTION_NAME, torch._dynamo.disable(prefix_attention, recursive=True))
+# freeze at its first trace; the rest of each layer stays compiled. Eager calls skip dynamo's wrapper (host time per
+# layer: it switches the frame evaluation off and on around every call)
+_outside_graph = torch._dynamo.disable(prefix_attention, recursive=True)
+
+
+def _registered_attention(module, query, key, value, attention_mask, **kwargs):
+    if torch.compiler.is_compiling():
+        return _outside_graph(module, query, key, value, attention_mask, **kwargs)
+    return prefix_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, _registered_attention)
 
 
 def _attention_modules(model: nn.Module):

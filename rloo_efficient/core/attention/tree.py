@@ -28,6 +28,8 @@ are applied once, to the merged output. Gemma's image blocks (an image's tokens 
 to the nodes holding them, on the layers they apply to (in padded buckets, with their mask).
 """
 
+from types import SimpleNamespace
+
 import torch
 
 from ..tree.layout import Blocks, HeldPart, Part, Rows, TreeLayout
@@ -165,19 +167,43 @@ def _buckets(layout: TreeLayout):
         yield index, blocks, True
 
 
+def _run_of(x: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    return x if first == 0 and count == x.shape[0] else x.narrow(0, first, count)
+
+
 def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
-    """The keys (or values) of a folded nodes' call: each node's held ancestors' then its own, gathered from the flat
-    `own` `(N, Hkv, D)` and the slots' `held` `(1, Hkv, Ns, D)`."""
+    """The keys (or values) of a folded nodes' call: each node's held ancestors' then its own, from the flat `own`
+    `(N, Hkv, D)` and the slots' `held` `(1, Hkv, Ns, D)`: its runs joined (one row's: its held prompt, then itself),
+    or gathered."""
+    if fold.pieces is not None:
+        sources = [_flat(x) for x in held]
+        runs = [_run_of(own if source < 0 else sources[source], first, count) for source, first, count in fold.pieces]
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
     return torch.cat([own, *(_flat(x) for x in held)]).index_select(0, fold.keys.scatter)
 
 
 def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dtype) -> list[torch.Tensor]:
     """The gradient of [`_held_keys`]'s gathered keys `(K, Hkv, D)`, summed back (in `dtype`) to the flat sequence's
-    `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`."""
+    `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`. A tensor read by
+    one run that covers it is that run's gradient itself (a view: nothing to sum)."""
     sizes = [tokens, *(x.shape[0] for x in held)]
-    every = gathered.new_zeros(sum(sizes), *gathered.shape[1:], dtype=dtype)
-    every.index_add_(0, fold.keys.scatter, gathered.to(dtype))
-    return list(every.split(sizes))
+    if fold.pieces is None:
+        every = gathered.new_zeros(sum(sizes), *gathered.shape[1:], dtype=dtype)
+        every.index_add_(0, fold.keys.scatter, gathered.to(dtype))
+        return list(every.split(sizes))
+    grads = gathered.split([count for _, _, count in fold.pieces])
+    out = []
+    for source, size in enumerate(sizes, start=-1):
+        runs = [(first, count, grad) for (of, first, count), grad in zip(fold.pieces, grads, strict=True)
+                if of == source]  # fmt: skip
+        if len(runs) == 1 and runs[0][:2] == (0, size):
+            out.append(runs[0][2])
+            continue
+        total = gathered.new_zeros(size, *gathered.shape[1:], dtype=dtype)
+        for first, count, grad in runs:
+            total.narrow(0, first, count).add_(grad)
+        out.append(total)
+    return out
 
 
 class TreeAttention(torch.autograd.Function):
@@ -194,10 +220,6 @@ class TreeAttention(torch.autograd.Function):
         q, k, v = _flat(query), _flat(key), _flat(value)
         work = _work_dtype(query.dtype)
         lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
-        # padding slots write (and read back what they wrote there), so nothing needs zeroing
-        out = q.new_empty(tokens + 1, heads, dim, dtype=work)
-        lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
         states = []
         # On a device with a variable-length kernel ([`attention.checks.varlen_config`]): the nodes as one causal call
         # over the flat sequence, and each level's part without its key padding (under a window a level's mask depends
@@ -225,6 +247,10 @@ class TreeAttention(torch.autograd.Function):
             ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, [state], sliding
             ctx.packed = (True, set(), True)
             return result.unsqueeze(0)
+        # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
+        # padding slots write (and read back what they wrote there), so nothing needs zeroing
+        out = q.new_empty(tokens + 1, heads, dim, dtype=work)
+        lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
         if nodes_config is not None and not folded:
             packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
                                                     nodes.max_k, True, scale, node_window)  # fmt: skip
@@ -392,3 +418,13 @@ class TreeAttention(torch.autograd.Function):
         return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
                 None, None, None, None,
                 *(None if g is None else token_major(g, x) for g, x in zip(grad_held, held, strict=True)))  # fmt: skip
+
+
+def tree_attention(query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
+                   sliding: bool = False, history: tuple | None = None, *held) -> torch.Tensor:  # fmt: skip
+    """[`TreeAttention`]; where nothing needs a gradient (a no-grad pass) its forward alone, without an autograd node,
+    which is host time per layer and forward where a GPU waits on the host (small micro-batches)."""
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (query, key, value, sinks, *held)):
+        return TreeAttention.apply(query, key, value, sinks, layout, window, scale, sliding, history, *held)
+    return TreeAttention.forward(SimpleNamespace(needs_input_grad=()), query, key, value, sinks, layout, window, scale,
+                                 sliding, history, *held)  # fmt: skip

@@ -332,8 +332,12 @@ def recurrent_layers(model: nn.Module):
 
 
 def has_recurrent_layers(model: nn.Module) -> bool:
-    """Whether `model` has a layer this module forks (a packed layout then needs the tree's levels)."""
-    return any(True for _ in recurrent_layers(model))
+    """Whether `model` has a layer this module forks (a packed layout then needs the tree's levels); looked up once per
+    model (every packed forward asks)."""
+    known = model.__dict__.get("_rloo_has_recurrent_layers")
+    if known is None:
+        known = model.__dict__["_rloo_has_recurrent_layers"] = any(True for _ in recurrent_layers(model))
+    return known
 
 
 def install(model: nn.Module) -> int:

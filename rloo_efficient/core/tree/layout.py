@@ -50,6 +50,9 @@ SMALL_PADDING = 256
 # Devices whose layouts also carry the variable-length calls ([`Packed`]): flash's on CUDA, where it runs
 # ([`attention.checks.varlen_config`]); elsewhere the length buckets, which the CPU kernel needs
 VARLEN_DEVICES = ("cuda",)
+# At most this many runs of keys (a held prompt's, a row's own) are joined by one concatenation of views: past it one
+# gather (the rows of a large micro-batch), as a view costs host time per run where the gather is one operator
+MAX_JOINED_RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,9 @@ class Packed:
     max_q: int
     max_k: int
     depth: int = 0  # a level's (its [`Part`]s', which pad the same call where the kernel fails)
+    # Host: the keys as runs `(source, first, count)` one after another, `source` -1 for the flat sequence and `s` for
+    # slot `s` (a few where a node reads its held prompt: then they are joined without an index)
+    pieces: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -346,15 +352,21 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
         slot_tokens = dict(sorted({read[0]: read[1] for read in held_reads}.items()))
         slot_start = dict(zip(slot_tokens, n + np.cumsum([0, *slot_tokens.values()])[:-1], strict=True))
         order = np.argsort(tree.start, kind="stable")
-        pieces, key_lengths = [], []
+        pieces, key_lengths, runs = [], [], []
         for node in order:  # a few roots: the rows of one micro-batch
             start, length = int(tree.start[node]), int(tree.length[node])
             ancestors = sorted((depth, slot, k_first, k_count) for slot, _, depth, q_first, q_count, k_first, k_count, _
                                in held_reads if q_first <= start < q_first + q_count)  # fmt: skip
-            runs = [slot_start[slot] + np.arange(k_first, k_first + k_count) for _, slot, k_first, k_count in ancestors]
-            pieces += [*runs, np.arange(start, start + length)]
-            key_lengths.append(sum(len(run) for run in runs) + length)
+            node_runs = [(slot, int(k_first), int(k_count)) for _, slot, k_first, k_count in ancestors]
+            for source, first, count in [*node_runs, (-1, start, length)]:
+                pieces.append((slot_start[source] if source >= 0 else 0) + np.arange(first, first + count))
+                if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][2] == first:  # one run: joined
+                    runs[-1] = (source, runs[-1][1], runs[-1][2] + count)
+                else:
+                    runs.append((source, first, count))
+            key_lengths.append(sum(count for _, _, count in node_runs) + length)
         key_lengths = np.asarray(key_lengths, dtype=np.int64)
+        plan["held_runs"] = tuple(runs) if len(runs) <= MAX_JOINED_RUNS else None
         arrays.extend([np.concatenate(pieces), np.concatenate([[0], np.cumsum(tree.length[order])]),
                        np.concatenate([[0], np.cumsum(key_lengths)])])  # fmt: skip
         plan["held_nodes"] = (int(tree.length.max()), int(key_lengths.max()))
@@ -421,7 +433,8 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     if "held_nodes" in plan:
         max_q, max_k = plan["held_nodes"]
         key_index, cu_q, cu_k = take(), take().to(torch.int32), take().to(torch.int32)
-        held_nodes = Packed(Rows(None, (0, n)), Rows(key_index, None), cu_q, cu_k, max_q, max_k)
+        held_nodes = Packed(Rows(None, (0, n)), Rows(key_index, None), cu_q, cu_k, max_q, max_k,
+                            pieces=plan["held_runs"])  # fmt: skip
     levels, roots = [], []
     for depth, plans in enumerate(plan["levels"]):
         runs = []
