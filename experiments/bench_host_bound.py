@@ -122,7 +122,8 @@ def run(method: str, rows: int, args) -> dict:
             "--generation_kwargs", f'{{"min_new_tokens": {args.completion_length}}}', "--max_steps", str(args.steps),
             "--beta", "0.05", "--bf16", "false", "--per_device_train_batch_size", str(rows),
             "--gradient_accumulation_steps", str(steps), "--steps_per_generation", str(steps),
-            "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true"]  # fmt: skip
+            "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1",
+            "--disable_tqdm", "true"]  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         COUNTER = PhaseOps()
         try:
@@ -136,8 +137,9 @@ def run(method: str, rows: int, args) -> dict:
     for phase in PHASES:
         ops = counted.by_phase[phase]
         per = micro_batches[phase]
+        time_ms = 1e3 * statistics.median(s["phases"][phase]["time_s"] for s in later) / steps
         phases[phase] = {"launching": ops.launching / per, "all": ops.total / per, "ops": ops, "per": per,
-                         "time_ms": 1e3 * statistics.median(s["phases"][phase]["time_s"] for s in later) / steps}  # fmt: skip
+                         "time_ms": time_ms}  # fmt: skip
     phases["step"] = {"time_ms": 1e3 * result["median_step_time_s"]}
     return phases
 
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     gpu_path()
     lines = [f"# python experiments/bench_host_bound.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-             f"# GRPO, tiny Qwen3 ({args.layers} layers, hidden 64), P={args.prompt_length}, C={args.completion_length}, "
+             f"# GRPO, tiny Qwen3 ({args.layers} layers, hidden 64), P={args.prompt_length}, "
+             f"C={args.completion_length}, "
              f"k=8, 2 prompts per step, beta 0.05, float32, CPU (torch threads 1); per micro-batch: operators that run "
              f"a kernel, all operators, ms (median of steps 2-{args.steps} over {args.repeats} repeats)",
              "| rows | phase | stock launching | ours launching | ratio | stock all | ours all | stock ms | ours ms "

@@ -45,8 +45,12 @@ def record_forwards(trainer) -> list:
     """Every (log-probs, entropies) the trainer's forward returns, in order."""
     calls = []
     forward = trainer._get_per_token_logps_and_entropies
+    trainer.stock_scoring_chunks = 0  # the chunks stock's no-grad passes forward (TRL's, by its batch size)
 
     def recorded(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            rows, batch_size = args[1].size(0), (args[4] if len(args) > 4 else kwargs.get("batch_size")) or args[1].size(0)
+            trainer.stock_scoring_chunks += -(-rows // batch_size)
         logps, entropies, aux = forward(*args, **kwargs)
         calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone()))
         return logps, entropies, aux
@@ -157,4 +161,9 @@ def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp
     overrides = {"steps_per_generation": overrides["gradient_accumulation_steps"], **overrides}
     stock, ours = compare(path, dataset, tmp_path, rtol=rtol, ours_only=ours_only, **overrides)
     assert ours.held_forward_tokens > 0  # prompts were held, not forwarded by each micro-batch
+    # The no-grad passes' chunks merged within stock's forward size: per pass each group's prompt forwarded alone
+    # (held) and its rows in about one forward beside the other group's (k = 4 here: 5 forwards for stock's 8 at one
+    # row per chunk, held forwards counted)
+    assert 0 < ours.scoring_forward_calls * (8 if "one_row" in layout else 1) <= stock.stock_scoring_chunks * (
+        5 if "one_row" in layout else 1)  # fmt: skip
     assert not ours._train_scope or not ours._train_scope.held or not ours._train_scope.held.sources  # all released

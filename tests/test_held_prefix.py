@@ -288,3 +288,33 @@ def test_a_training_micro_batch_cannot_skip_prompts_held_for_it():
     waiting._active_scope.held.sources = {}
     with torch.enable_grad():
         PackedForwardMixin._check_nothing_held(waiting)
+
+
+def test_a_scoring_pass_forwards_as_many_rows_as_one_of_stocks_forwards_holds():
+    """At one row per chunk, a no-grad pass's rows are merged into chunks no larger than one of stock's forwards (a
+    row of the batch's width), each group's prompt forwarded once and held: a group's eight rows take about two
+    forwards and its prompt's, and each packed forward (the prompt's too) is within stock's. Where the prompts are not
+    held, the merge is refused."""
+    from rloo_efficient.core.tree.holds import prompts_held, scoring_chunks
+    from rloo_efficient.core.tree.rows import row_tokens
+
+    prompts, completions = rl_rows(seed=3, groups=2, k=8, system=70, task=40)
+    input_ids, _, width_c, structure = stock_batch(prompts, completions)
+    group, plen, scored, _ = row_tokens(structure)
+    budget = input_ids.shape[1]  # one row of stock's batch
+    chunks = scoring_chunks(group, plen, scored, budget)
+    assert len(chunks) <= 4  # stock: 16 (each group's prompt held: its rows count their own tokens only)
+    assert [start for start, _ in chunks[1:]] == [end for _, end in chunks[:-1]] and chunks[-1][1] == len(prompts)
+    plan = plan_holds(chunk_tables(structure, [np.arange(*chunk) for chunk in chunks]), full=False)
+    assert prompts_held(plan, chunks, group, plen, scored)
+    scope = HeldScope(plan, training=False)
+    with torch.no_grad():
+        for index, (start, end) in enumerate(chunks):
+            source = plan.chunks[index].source
+            if source is not None:
+                forwarded = scope.forward_source(source, lambda **inputs: None, input_ids.shape[1] - width_c, "cpu",
+                                                 recurrent=False)  # fmt: skip
+                assert forwarded <= budget
+            packed = scope.pack(index, input_ids[start:end], width_c, structure[start:end], recurrent=False)
+            assert packed.num_tokens <= budget  # within one of stock's forwards
+    assert not prompts_held(None, chunks, group, plen, scored)  # nothing held: a later chunk would forward its prompt

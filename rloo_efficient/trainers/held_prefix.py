@@ -24,7 +24,7 @@ from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
-from ..core.tree.holds import plan_holds
+from ..core.tree.holds import plan_holds, prompts_held, scoring_chunks
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
 
@@ -167,6 +167,23 @@ class HeldPrefixMixin:
         if plan is None:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
+
+    def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: bool, width: int):
+        """A no-grad pass's chunks merged ([`core.tree.holds.scoring_chunks`]), each no larger than one of stock's
+        forwards (`chunks`: stock's, of its batch size), where every prompt they count once is held: `(scope, chunk
+        indices, closes, chunks)`, else None (stock's chunks)."""
+        if self._hold_budget is None or len(chunks) < 2:
+            return None
+        group, plen, scored, _ = row_tokens(rows)
+        merged = scoring_chunks(group, plen, scored, (chunks[0][1] - chunks[0][0]) * width)
+        if len(merged) >= len(chunks):
+            return None
+        scope, indices, closes = self._held_chunks(rows, merged, False, images, width)
+        if not prompts_held(scope.plan if scope is not None else None, merged, group, plen, scored):
+            if closes:
+                scope.close()
+            return None
+        return scope, indices, closes, merged
 
     def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
         """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""

@@ -92,6 +92,7 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         self._prefix_warned: set[str] = set()
         self._active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
+        self.scoring_forward_calls = 0  # model calls of the packed no-grad passes, held prompts' included (tests)
         self.tree_tokens = 0  # the real tokens of the prefix trees those forwards packed (each shared run once)
         self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
         self.reward_forward_tokens = 0  # tokens the packed reward forward processed (read by tests)

@@ -100,11 +100,19 @@ class PackedForwardMixin:
         with_positions = bool(images) and self._vision["positions"] == "rope_index"  # Qwen's, from each group's row
         recurrent = has_recurrent_layers(unwrapped)
         chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
-        # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]
+        # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]; a
+        # no-grad pass's chunks as many rows as fit what one of stock's forwards
         period = position_period(unwrapped)
-        scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images), input_ids.size(1))
+        merged = None
+        if not torch.is_grad_enabled() and not compute_aux_loss:
+            merged = self._merged_chunks(rows, chunks, bool(images), input_ids.size(1))
+        if merged is not None:
+            scope, indices, closes, chunks = merged
+        else:
+            scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images), input_ids.size(1))
 
         def call(**inputs):  # LongRoPE's factors as stock's forward of the padded chunk chooses them
+            self.scoring_forward_calls += not torch.is_grad_enabled()
             with self.accelerator.autocast(), rope_length(unwrapped, input_ids.size(1)):
                 return model(**inputs, fused_lm_head=True, **extra)
 
@@ -141,7 +149,7 @@ class PackedForwardMixin:
                     stock = super()._get_per_token_logps_and_entropies.__func__
                     stock = getattr(stock, "__wrapped__", stock)  # TRL's forward without its timer: this call is timed
                     logps, entropies, aux = stock(self, model, input_ids[start:end], attention_mask[start:end],
-                                                  logits_to_keep, end - start, compute_entropy, compute_aux_loss,
+                                                  logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                                                   **(self._images_of_rows(images, start, end) if images else {}))  # fmt: skip
                 else:
                     self.packed_forward_tokens += packed.num_tokens

@@ -30,6 +30,7 @@ to the nodes holding them, on the layers they apply to (in padded buckets, with 
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from ..tree.layout import Blocks, HeldPart, Part, Rows, TreeLayout
@@ -184,8 +185,9 @@ def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
 
 def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dtype) -> list[torch.Tensor]:
     """The gradient of [`_held_keys`]'s gathered keys `(K, Hkv, D)`, summed back (in `dtype`) to the flat sequence's
-    `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`. A tensor read by
-    one run that covers it is that run's gradient itself (a view: nothing to sum)."""
+    `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`. From the runs
+    (`fold.pieces`): a tensor read whole by each of its runs gets their sum (by one: its gradient itself, a view), one
+    read in runs one after another their gradients joined, any other the runs added into zeros."""
     sizes = [tokens, *(x.shape[0] for x in held)]
     if fold.pieces is None:
         every = gathered.new_zeros(sum(sizes), *gathered.shape[1:], dtype=dtype)
@@ -194,15 +196,21 @@ def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dt
     grads = gathered.split([count for _, _, count in fold.pieces])
     out = []
     for source, size in enumerate(sizes, start=-1):
-        runs = [(first, count, grad) for (of, first, count), grad in zip(fold.pieces, grads, strict=True)
-                if of == source]  # fmt: skip
-        if len(runs) == 1 and runs[0][:2] == (0, size):
-            out.append(runs[0][2])
-            continue
-        total = gathered.new_zeros(size, *gathered.shape[1:], dtype=dtype)
-        for first, count, grad in runs:
-            total.narrow(0, first, count).add_(grad)
-        out.append(total)
+        runs = sorted(((first, count, grad) for (of, first, count), grad in zip(fold.pieces, grads, strict=True)
+                       if of == source), key=lambda run: run[:2])  # fmt: skip
+        if runs and all(run[:2] == (0, size) for run in runs):  # each run all of it: their sum (one: itself, a view)
+            total = runs[0][2]
+            for _, _, grad in runs[1:]:
+                total = total.to(dtype) + grad
+            out.append(total)
+        elif [first for first, _, _ in runs] == list(np.cumsum([0, *(count for _, count, _ in runs)])[:-1]) and (
+                sum(count for _, count, _ in runs) == size):  # runs one after another: joined  # fmt: skip
+            out.append(torch.cat([grad for _, _, grad in runs]))
+        else:
+            total = gathered.new_zeros(size, *gathered.shape[1:], dtype=dtype)
+            for first, count, grad in runs:
+                total.narrow(0, first, count).add_(grad)
+            out.append(total)
     return out
 
 
