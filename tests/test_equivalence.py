@@ -49,7 +49,8 @@ def record_forwards(trainer) -> list:
 
     def recorded(*args, **kwargs):
         if not torch.is_grad_enabled():
-            rows, batch_size = args[1].size(0), (args[4] if len(args) > 4 else kwargs.get("batch_size")) or args[1].size(0)
+            rows = args[1].size(0)
+            batch_size = (args[4] if len(args) > 4 else kwargs.get("batch_size")) or rows
             trainer.stock_scoring_chunks += -(-rows // batch_size)
         logps, entropies, aux = forward(*args, **kwargs)
         calls.append((logps.detach().clone(), None if entropies is None else entropies.detach().clone()))

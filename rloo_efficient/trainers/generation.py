@@ -81,7 +81,7 @@ class SharedGenerationMixin:
         if "pixel_values" in multimodal_fields:
             fields = multimodal_fields
             if self._vision["pixels"] == "tiles":  # InternVL: each row's tiles, from its image tokens
-                model = self.accelerator.unwrap_model(self.model)
+                model = self._unwrapped()
                 fields = {**fields, "num_tiles": row_tiles(model, prompt_ids, len(fields["pixel_values"]))}
             return layout_reason(fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
                                  self._vision["pixels"])  # fmt: skip
@@ -89,7 +89,7 @@ class SharedGenerationMixin:
 
     def _all_ranks_can(self, can: bool) -> bool:
         """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
-        if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
+        if not self._forwards_are_collective(self._unwrapped(self.model_wrapped)):
             return can
         import torch.distributed as dist
 

@@ -64,7 +64,7 @@ class RewardSharingMixin:
     def _reward_model_shares(self, reward_func) -> bool:
         if not self._settings.share_reward_prefix:
             return False
-        model = self.accelerator.unwrap_model(reward_func)
+        model = self._unwrapped(reward_func)
         reason = reward_model_reason(model)
         if reason is not None:
             self._fall_back_reward(f"{type(model).__name__}: {reason}")

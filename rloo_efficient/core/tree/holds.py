@@ -202,7 +202,7 @@ def scoring_chunks(group: np.ndarray, plen: np.ndarray, scored: np.ndarray, budg
             if tokens + int(plen[row]) + total[key] > budget:
                 held.add(key)
         cost = int(scored[row]) + (int(plen[row]) if key not in held and first_row[key] == row else 0)
-        whole_here = key in held and row == last[key] and first_row[key] >= start and row > start
+        whole_here = key in held and row == last[key] and first_row[key] >= start
         if row > start and (tokens + cost > budget or whole_here):  # (a held group never lies in one chunk)
             chunks.append((start, row))
             start, tokens = row, 0
