@@ -89,7 +89,7 @@ class SharedGenerationMixin:
 
     def _all_ranks_can(self, can: bool) -> bool:
         """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
-        if not self._forwards_are_collective(self._unwrapped(self.model_wrapped)):
+        if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
             return can
         import torch.distributed as dist
 
