@@ -5,8 +5,9 @@ workload (models pre-built by the test), and writes this rank's metrics, complet
 `<out>/<name>_rank<r>.json`.
 
 A run: {"name", "method": "stock"|"ours", "num_generations", "per_device_train_batch_size",
-"gradient_accumulation_steps", "reward": "rule"|"separate"|"hydra", "images": bool}; with "images", the workload is a
-tiny Qwen2-VL checkpoint with its processor and an image per prompt, scored by a rule on the completion's tokens.
+"gradient_accumulation_steps", "reward": "rule"|"separate"|"hydra", "images": bool, and for ours optionally
+"held_prefix_budget_gib"}; with "images", the workload is a tiny Qwen2-VL checkpoint with its processor and an image per
+prompt, scored by a rule on the completion's tokens.
 """
 
 import argparse
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 warnings.filterwarnings("ignore")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
@@ -67,6 +69,8 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
                     gradient_accumulation_steps=run["gradient_accumulation_steps"], steps_per_generation=None,
                     max_steps=3, optim="sgd", learning_rate=1e-1, use_cpu=True, model_init_kwargs=None,
                     **({"config_class": trl.RLOOConfig} if stock else {}))  # fmt: skip
+    if not stock and "held_prefix_budget_gib" in run:
+        settings["held_prefix_budget_gib"] = run["held_prefix_budget_gib"]
     args = training_args(out / run["name"], **settings)
     trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
     trainer = trainer_class(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
@@ -93,6 +97,25 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         return generate(prompt_ids, images, multimodal_fields)
 
     trainer._generate_single_turn = recorded
+    agreed = []  # whether the processes' plans of held prompts agreed, per plan: [training (else a no-grad pass), agreed]
+    if hasattr(trainer, "_all_ranks_agree"):
+        agree = trainer._all_ranks_agree
+
+        def recorded_agree(values):
+            agreed.append([torch.is_grad_enabled(), agree(values)])
+            return agreed[-1][1]
+
+        trainer._all_ranks_agree = recorded_agree
+    scoring_chunks = []  # the chunks stock's no-grad log-prob passes forward (TRL's, by its batch size)
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def recorded_forward(model, input_ids, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or input_ids.size(0)
+            scoring_chunks.append(-(-input_ids.size(0) // batch_size))
+        return forward(model, input_ids, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = recorded_forward
     trainer.train()
     return {
         "generations": generations,
@@ -107,6 +130,9 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         "shared_prefill_tokens": getattr(trainer, "shared_prefill_tokens", None),
         "packed_forward_tokens": getattr(trainer, "packed_forward_tokens", None),
         "held_forward_tokens": getattr(trainer, "held_forward_tokens", None),
+        "plans_agreed": agreed,
+        "stock_scoring_chunks": sum(scoring_chunks),
+        "scoring_forward_calls": getattr(trainer, "scoring_forward_calls", None),
         "reward_forward_tokens": getattr(trainer, "reward_forward_tokens", None),
         "share_prefix": getattr(trainer, "_share_prefix", None),
         "reward_funcs": [type(func).__name__ for func in trainer.reward_funcs],

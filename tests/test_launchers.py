@@ -41,16 +41,25 @@ LAYOUTS = {
     "whole_groups_per_process": {"num_generations": 2, "per_device_train_batch_size": 2},
     # k = 8 over 2 processes x 4 rows: the one group is split across the processes
     "group_split_across_processes": {"num_generations": 8, "per_device_train_batch_size": 2},
+    # k = 2, 2 rows per process (1 per micro-batch x 2 accumulated): each process one group, its prompt held
+    "one_row_per_micro_batch": {"num_generations": 2, "per_device_train_batch_size": 1},
 }
 CONFIG_FILES = {"ddp": "multi_gpu", "zero2": "zero2", "zero3": "zero3"}  # launcher -> shipped config
+BOTH = ("whole_groups_per_process", "group_split_across_processes")
 CASES = {  # launcher -> {case: (layout, reward)}
-    "ddp": {layout: (layout, "rule") for layout in LAYOUTS},
-    "zero2": {layout: (layout, "rule") for layout in LAYOUTS},
-    "zero3": {**{layout: (layout, "rule") for layout in LAYOUTS},
+    "ddp": {layout: (layout, "rule") for layout in BOTH},
+    "zero2": {layout: (layout, "rule") for layout in BOTH},
+    "zero3": {**{layout: (layout, "rule") for layout in BOTH},
               "separate_reward_model": ("group_split_across_processes", "separate"),
               "hydra_reward_adapter": ("group_split_across_processes", "hydra"),
-              "image_prompts": ("group_split_across_processes", "rule")},  # fmt: skip
+              "image_prompts": ("group_split_across_processes", "rule"),
+              "holds_differ_across_processes": ("one_row_per_micro_batch", "rule")},  # fmt: skip
 }
+# Ours' hold budget in a case: room for a training hold of 46 prompt tokens (768 bytes each on this model: keys and
+# values, their float32 gradient bank, a hidden state per layer under gradient checkpointing), which at some step holds
+# one process's prompt and not the other's (the test asserts it): their plans differ, and under ZeRO-3 a held prompt's
+# forward on one process alone would wait forever for the other's parameter gathers
+BUDGETS = {"holds_differ_across_processes": 46 * 768 / 1024**3}
 IMAGE_CASES = {"image_prompts"}  # a Qwen2-VL checkpoint, its processor, an image per prompt
 EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),
             "zero3": ("DistributedType.DEEPSPEED", 3)}  # fmt: skip
@@ -108,7 +117,8 @@ def launched(model_cache, tmp_path_factory):
         if launcher not in done:
             out = tmp_path_factory.mktemp(launcher)
             runs = [{"name": f"{method}_{case}", "method": method, "reward": reward, "images": case in IMAGE_CASES,
-                     "gradient_accumulation_steps": GRADIENT_ACCUMULATION, **LAYOUTS[layout]}
+                     "gradient_accumulation_steps": GRADIENT_ACCUMULATION, **LAYOUTS[layout],
+                     **({"held_prefix_budget_gib": BUDGETS[case]} if case in BUDGETS and method == "ours" else {})}
                     for case, (layout, reward) in CASES[launcher].items() for method in ("stock", "ours")]  # fmt: skip
             command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                        str(cpu_config(CONFIG_FILES[launcher], out)), "--num_processes", "2", "--main_process_port", str(free_port()),
@@ -154,14 +164,16 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
             assert ours["rewards"][name] == pytest.approx(stock["rewards"][name], rel=RTOL, abs=ATOL)
         # Our sharing ran: each prompt prefilled once, the log-prob and training forwards packed
         assert ours["share_prefix"] and ours["shared_prefill_tokens"] > 0 and ours["packed_forward_tokens"] > 0
-        # A process's group split over its 2 micro-batches (2 rows each): its prompt forwarded once for both, in the
-        # scoring passes and in training, whose one backward of it ran in the second's (DDP's gradient sync, ZeRO's
-        # partitioned gradients); with images under ZeRO-3, in the scoring passes only
-        if layout == "group_split_across_processes":
-            assert ours["held_forward_tokens"] > 0
-        # Each generation on a process: 2 rows x 2 accumulated micro-batches, of 4 // k prompts (or 1 when k > 4)
-        distinct = max(1, 4 // LAYOUTS[layout]["num_generations"])
-        assert [(g["rows"], len(g["prompts"])) for g in ours["generations"]] == [(4, distinct)] * 3
+        # A process's group split over its 2 micro-batches: its prompt forwarded once for both, in training (held,
+        # its one backward in the second's: DDP's gradient sync, ZeRO's partitioned gradients) and in the scoring
+        # passes (held, or the two chunks merged into one forward); with images under ZeRO-3, in the scoring passes
+        # only, and with a PEFT policy (TRL's reentrant checkpointing) too
+        if layout != "whole_groups_per_process":
+            assert ours["held_forward_tokens"] > 0 or ours["scoring_forward_calls"] < stock["stock_scoring_chunks"]
+        # Each generation on a process: its rows per micro-batch x 2 accumulated, of rows // k prompts (or 1)
+        rows = LAYOUTS[layout]["per_device_train_batch_size"] * GRADIENT_ACCUMULATION
+        distinct = max(1, rows // LAYOUTS[layout]["num_generations"])
+        assert [(g["rows"], len(g["prompts"])) for g in ours["generations"]] == [(rows, distinct)] * 3
         if reward != "rule":
             assert ours["reward_forward_tokens"] > 0
             kind = {"separate": "DeepSpeedEngine", "hydra": "HydraReward"}[reward]
@@ -181,7 +193,15 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
           f"{max(gaps, key=lambda g: g[2])[2]:.2e} absolute")  # read with pytest -s
     # Whole groups: the processes generated for different prompts; split: for the same one
     prompts = [{p for g in results["ours", rank]["generations"] for p in g["prompts"]} for rank in (0, 1)]
-    if layout == "whole_groups_per_process":
-        assert not prompts[0] & prompts[1]
-    else:
+    if layout == "group_split_across_processes":
         assert prompts[0] == prompts[1]
+    else:
+        assert not prompts[0] & prompts[1]
+    # Under ZeRO-3 the processes hold prompts only where their plans agree (each forward gathers parameters from
+    # both; a plan disagreeing on one process alone would hang): their training plans with a budget between their
+    # prompts' lengths (below the no-grad passes' holds, which cost less) disagree at some steps and agree at others
+    agreed = [results["ours", rank]["plans_agreed"] for rank in (0, 1)]
+    assert agreed[0] == agreed[1]
+    if zero_stage == 3:
+        training = {ok for grad, ok in agreed[0] if grad}
+        assert training == {True, False} if case in BUDGETS else False not in training

@@ -6,6 +6,7 @@ its images encoded once; vLLM and continuous batching go to TRL untouched.
 
 import contextlib
 
+import numpy as np
 import torch
 
 from ..core.generation.generate import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, row_tiles, text_only
@@ -96,6 +97,18 @@ class SharedGenerationMixin:
         flag = torch.tensor([int(can)], device=self.accelerator.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+    def _all_ranks_agree(self, values) -> bool:
+        """Whether every process has the same integer `values` (a 1-D array of one length on all of them), by one
+        all-reduce where each forward gathers parameters from all of them (else True)."""
+        if not self._forwards_are_collective(self._unwrapped()):
+            return True
+        import torch.distributed as dist
+
+        both = torch.as_tensor(np.concatenate([values, -np.asarray(values)]), device=self.accelerator.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        highest, lowest = both.chunk(2)
+        return bool(torch.equal(highest, -lowest))
 
     @contextlib.contextmanager
     def _shared_prefill(self, prompt_ids: list[list[int]], images: list | None = None):

@@ -18,13 +18,14 @@ micro-batches).
 
 import warnings
 
+import numpy as np
 import torch
 
 from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
-from ..core.tree.holds import plan_holds, prompts_held, scoring_chunks
+from ..core.tree.holds import HoldPlan, plan_holds, prompts_held, scoring_chunks
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
 
@@ -32,6 +33,12 @@ from ..core.tree.rows import ROWS_KEY, row_tokens
 # 34 h bytes per token and layer in half precision, 17 h values): what a held prompt's graph keeps without
 # checkpointing; with it, the checkpoint's input (one hidden state per layer)
 SAVED_PER_LAYER = 17
+# Under DeepSpeed ZeRO-3 and FSDP every forward and backward gathers parameters from all processes, so that all of them
+# must run the same ones: a held prompt's forward (and its backward, in training) is one more
+PLANS_DIFFER = ("rloo_efficient: prompts held across micro-batches (and a no-grad pass's merged chunks) are used only "
+                "where every process would make the same forwards and backwards, each of them gathering parameters "
+                "from all processes; where the processes' plans differ (their prompts' lengths, or how their rows fall "
+                "in micro-batches), each process forwards its rows' prompts per micro-batch, in stock's chunks.")
 
 
 class TrainScope:
@@ -106,7 +113,7 @@ class HeldPrefixMixin:
         if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
             return None
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
-        held = None
+        plan = None
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
         images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
         if all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
@@ -115,8 +122,8 @@ class HeldPrefixMixin:
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
                               by_group=images, image_cost=image_cost)  # fmt: skip
-            if plan is not None:
-                held = HeldScope(plan, training=True, kv_source=self._kv_source())
+        plan = self._agreed(plan, count, training=True)
+        held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
         self._train_scope = TrainScope(held, batches)
         return self._train_scope
 
@@ -152,18 +159,17 @@ class HeldPrefixMixin:
         the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
         where nothing is held. `closes`: the caller closes the scope when done. `width`: the batch's columns
         ([`_within_period`])."""
-        if self._hold_budget is None or not self._within_period(width):
+        if self._hold_budget is None:
             return None, range(len(chunks)), False
         if torch.is_grad_enabled():
             scope = self._active_scope
-            if scope is None or scope.held is None or len(chunks) != 1:
+            if scope is None or scope.held is None or len(chunks) != 1 or not self._within_period(width):
                 return None, range(len(chunks)), False
             return scope.held, [scope.cursor], False
         if len(chunks) < 2:
             return None, range(len(chunks)), False
-        plan = plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
-                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
-                          by_group=images)  # fmt: skip
+        plan = self._agreed(self._scoring_plan(rows, chunks, compute_aux_loss, images, width), len(chunks),
+                            training=False)  # fmt: skip
         if plan is None:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
@@ -176,14 +182,43 @@ class HeldPrefixMixin:
             return None
         group, plen, scored, _ = row_tokens(rows)
         merged = scoring_chunks(group, plen, scored, (chunks[0][1] - chunks[0][0]) * width)
-        if len(merged) >= len(chunks):
+        plan = None
+        if len(merged) < len(chunks):
+            plan = self._scoring_plan(rows, merged, False, images, width)
+        if len(merged) >= len(chunks) or not prompts_held(plan, merged, group, plen, scored):
+            merged, plan = None, None
+        # Every process makes the same forwards where each is a collective (the merged chunks follow its own lengths)
+        pattern = np.zeros((2, len(chunks)), dtype=np.int64)
+        if plan is not None:
+            pattern = plan.forward_pattern(len(chunks), training=False)
+        if not self._all_ranks_agree(np.append(pattern.ravel(), len(merged) if merged else 0)):
+            self._warn_once(PLANS_DIFFER)
             return None
-        scope, indices, closes = self._held_chunks(rows, merged, False, images, width)
-        if not prompts_held(scope.plan if scope is not None else None, merged, group, plen, scored):
-            if closes:
-                scope.close()
+        if merged is None:
             return None
-        return scope, indices, closes, merged
+        if plan is None:
+            return None, range(len(merged)), False, merged
+        return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(merged)), True, merged
+
+    def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool, width: int):
+        """The [`HoldPlan`] of a no-grad pass over `chunks` of `rows`, or None."""
+        if not self._within_period(width):
+            return None
+        return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
+                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
+                          by_group=images)  # fmt: skip
+
+    def _agreed(self, plan: HoldPlan | None, chunks: int, training: bool) -> HoldPlan | None:
+        """`plan` (of a scope of `chunks` chunks), where every process's plan adds the same forwards and backwards to
+        the same chunks, or where the processes' forwards are independent; else None on every process (one
+        warning)."""
+        if not self._forwards_are_collective(self._unwrapped()):
+            return plan
+        pattern = np.zeros((2, chunks), dtype=np.int64) if plan is None else plan.forward_pattern(chunks, training)
+        if self._all_ranks_agree(pattern.ravel()):
+            return plan
+        self._warn_once(PLANS_DIFFER)
+        return None
 
     def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
         """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""

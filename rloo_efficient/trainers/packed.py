@@ -104,8 +104,7 @@ class PackedForwardMixin:
         # no-grad pass's chunks as many rows as fit what one of stock's forwards
         period = position_period(unwrapped)
         merged = None
-        # (not where every forward is a collective: the merged chunks follow each rank's own lengths)
-        if not torch.is_grad_enabled() and not compute_aux_loss and not self._forwards_are_collective(unwrapped):
+        if not torch.is_grad_enabled() and not compute_aux_loss:
             merged = self._merged_chunks(rows, chunks, bool(images), input_ids.size(1))
         if merged is not None:
             scope, indices, closes, chunks = merged

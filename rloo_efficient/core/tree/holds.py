@@ -139,6 +139,16 @@ class HoldPlan:
     def held_tokens(self) -> int:
         return int(self.nodes.length.sum())
 
+    def forward_pattern(self, chunks: int, training: bool) -> np.ndarray:
+        """What the scope adds to each of its `chunks` chunks, `(2, chunks)`: whether it forwards a source first, and
+        (in training) how many sources' backward runs in its own. Where every forward and backward gathers parameters
+        from all processes, the processes' patterns must agree."""
+        pattern = np.zeros((2, chunks), dtype=np.int64)
+        pattern[0, self.source_chunk] = 1
+        if training:
+            np.add.at(pattern[1], self.backprop_chunk, 1)
+        return pattern
+
     def source_tokens(self, source: int) -> int:
         return int(self.nodes.length[self.nodes.source == source].sum())
 
