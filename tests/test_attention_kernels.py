@@ -11,6 +11,7 @@ from rloo_efficient.core.attention.checks import attention_backward, attention_f
 from rloo_efficient.core.attention.kernels import math_attention
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.install import install
+from rloo_efficient.core.tree import layout as layouts
 from rloo_efficient.core.tree.radix import build_tree
 
 
@@ -135,15 +136,18 @@ def test_the_variable_length_check_rejects_a_kernel_that_is_slightly_wrong(monke
         assert "output off by" in checks.check_kernel(config)
 
 
-@pytest.mark.parametrize("failure", ["check", "raises"])
+@pytest.mark.parametrize("failure", ["check", "raises", "raises_folded"])
 def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_checks, monkeypatch, failure):
     """A variable-length kernel that fails its first-use check: the packed forward pads its length buckets instead;
-    one that raises after its check: that call and later ones in the buckets. The same attention either way, and one
-    warning per configuration, naming the kernel."""
+    one that raises after its check: that call and later ones in the buckets (the nodes' call, or the one folded call
+    reading every ancestor's keys). The same attention either way, and one warning per configuration, naming the
+    kernel."""
     from .conftest import emulate_varlen
     from .test_tree import check_against_dense
 
     calls = emulate_varlen(monkeypatch)
+    if failure != "raises_folded":  # the nodes' call and the level's (not the one folded call)
+        monkeypatch.setattr(layouts, "FOLD_COPIES", 0)
     rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [3, 4, 13], [3, 4, 14, 15]]
     tree = build_tree(rows, min_saved=0)
     if failure == "check":
@@ -166,7 +170,8 @@ def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_che
             check_against_dense(tree, 0)
     messages = [str(w.message) for w in caught if "attention kernel" in str(w.message)]
     # One warning per configuration: both fail their check (the nodes' causal call, the level's), or the nodes' call
-    # raises (then its buckets run, in this forward and the next) while the level's runs on, in both forwards
+    # raises (then its buckets run, in this forward and the next) while the level's runs on, in both forwards; or the
+    # folded call raises (its causal configuration disabled: the nodes' buckets and the level's call, in both)
     uses = ["varlen causal", "varlen)"] if failure == "check" else ["varlen causal"]
     assert len(messages) == len(uses) and all(use in message for use, message in zip(uses, messages))
     assert all("math_varlen on cpu" in message and "padded length buckets" in message for message in messages)

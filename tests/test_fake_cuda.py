@@ -318,21 +318,29 @@ def fake_model(arch: str, dtype: torch.dtype):
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("varlen", [True, False])  # False: the padded length buckets (flash's variable-length call off)
-def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, varlen):
+# folded: flash's variable-length call, each node's ancestors' keys joined before its own; levels: its calls for the
+# nodes and for each level (the fold off); buckets: the padded length buckets (the variable-length call off)
+@pytest.mark.parametrize("path", ["folded", "levels", "buckets"])
+def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dtype, path):
     # Two groups, prompts of 20 and 14 tokens (nodes of other lengths: the level's part carries a bias), 3 rows each
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [5, 4, 3, 5, 2, 1], 5, seed=0)
+    varlen = path != "buckets"
     if not varlen:
         monkeypatch.setattr(layouts, "VARLEN_DEVICES", ())
+    if path == "levels":
+        monkeypatch.setattr(layouts, "FOLD_COPIES", 0)
     with fake_cuda(monkeypatch) as chosen:
         model = fake_model(arch, dtype)
         packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
         layout = packed.layout
         assert packed.input_ids.device == CUDA and len(layout.parts) == 1 and layout.parts[0].padded_keys
         assert (layout.packed_nodes is not None, len(layout.packed_parts)) == ((True, 1) if varlen else (False, 0))
+        assert (layout.held_nodes is not None) == (path == "folded")
         logits = model(**packed.model_inputs()).logits
         assert (logits.shape, logits.dtype, logits.device) == ((1, packed.num_tokens, 64), dtype, CUDA)
-        if varlen:  # per layer: the nodes in one causal call, the level's part in one more: flash's, no padding
+        if path == "folded":  # per layer one call: the nodes, each reading its prompt's keys before its own
+            assert chosen == [("cuda_flash_varlen", 2)] * 2
+        elif varlen:  # per layer: the nodes in one causal call, the level's part in one more: flash's, no padding
             assert chosen == [("cuda_flash_varlen", 2)] * 2 * 2
         else:  # each length bucket of nodes (causal) on flash; the level's part (the rows' queries over their prompt)
             # on the efficient kernel (its keys padded: a bias) with its grouped heads folded; never the math path
@@ -447,14 +455,18 @@ def test_two_decoding_steps_from_the_prompt_cache_run_the_fused_kernels_on_cuda(
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))
-@pytest.mark.parametrize("varlen", [True, False])
-def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch, varlen):
+@pytest.mark.parametrize("path", ["folded", "levels", "buckets"])  # as in the test above
+def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch, path):
     """A sliding window shorter than the packed prompts (20 and 14 tokens) and rows, and GPT-OSS's sinks: windowed
     flash for the nodes longer than the window (one variable-length call, or per length bucket), the efficient kernel
-    for the prompts' tails read by their subtrees; the tree attention's backward too."""
+    for the prompts' tails read by their subtrees (or each node reading its prompt's keys in the one windowed call);
+    the tree attention's backward too."""
     ids, rows = stock_batch([20, 14], [0, 0, 0, 1, 1, 1], [12, 4, 3, 11, 2, 1], 12, seed=0)
+    varlen = path != "buckets"
     if not varlen:
         monkeypatch.setattr(layouts, "VARLEN_DEVICES", ())
+    if path == "levels":
+        monkeypatch.setattr(layouts, "FOLD_COPIES", 0)
     windows = []
     forward = checks.varlen_forward
     monkeypatch.setattr(checks, "varlen_forward", lambda *args: windows.append(args[10]) or forward(*args))
@@ -468,7 +480,11 @@ def test_windows_and_sinks_run_the_fused_kernels_on_cuda(monkeypatch, arch, varl
         # copied per query head); the full layer as without a window
         kernels_run = [entry for entry in chosen if entry[0] != "expanded keys"]
         buckets = len(packed.layout.buckets)
-        if varlen:  # the sliding layer's nodes under flash's window (8 - 1 keys before each query), its level's part
+        if path == "folded":  # per layer one call, the sliding layer's under flash's window (8 - 1 keys before each
+            # query, its prompt's last among them)
+            assert kernels_run == [("cuda_flash_varlen", 2)] * 2
+            assert windows == [8, None]
+        elif varlen:  # the sliding layer's nodes under flash's window (8 - 1 keys before each query), its level's part
             # masked per query; the full layer's nodes and part in flash's variable-length calls, no window
             assert kernels_run == [("cuda_flash_varlen", 2), ("cuda_efficient", 2)] + [("cuda_flash_varlen", 2)] * 2
             assert windows == [8, None, None]
@@ -524,8 +540,8 @@ def test_wide_global_heads_and_narrow_values_run_the_fused_kernels_on_cuda(monke
         out, _ = prefix_attention.prefix_attention(None, q, k, v, layouts.NO_MASK, scaling=0.2,
                                                    **{layouts.LAYOUT_KWARG: packed.layout})  # fmt: skip
         assert out.shape == (1, tokens, 4, 12) and out.dtype == torch.bfloat16
-        # head_dim 24 in half precision: flash's variable-length calls (the nodes; the level's part)
-        assert [entry[0] for entry in chosen] == ["cuda_flash_varlen"] * 2
+        # head_dim 24 in half precision: flash's variable-length call (each node reading its prompt's keys)
+        assert [entry[0] for entry in chosen] == ["cuda_flash_varlen"]
     assert all(reason is None for reason in checks._status.values())  # no kernel fell back to the math path
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rloo_efficient.core.attention.backend import prefix_attention
+from rloo_efficient.core.tree import layout as layouts
 from rloo_efficient.core.tree.layout import tree_layout
 from rloo_efficient.core.tree.radix import END, build_tree
 
@@ -145,19 +146,25 @@ def test_tree_attention_with_a_sliding_window_and_sinks_equals_dense_attention(s
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), min_saved=st.sampled_from(THRESHOLDS),
-       window=st.one_of(st.none(), st.integers(1, 20)), sinks=st.booleans())  # fmt: skip
-def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, min_saved, window, sinks):
+       window=st.one_of(st.none(), st.integers(1, 20)), sinks=st.booleans(), fold=st.booleans())  # fmt: skip
+def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, min_saved, window, sinks, fold):
     """The layout's variable-length calls (flash's on CUDA; the math reference here): every node in one causal call
-    (under a window too), each level's part in one call without key padding; the same trees as above."""
+    (under a window too), each level's part in one call without key padding; or (`fold`) the whole attention in one
+    call, each node reading its ancestors' keys joined before its own; the same trees as above."""
     tree = build_tree(random_rows(seed), min_saved=min_saved)
     with pytest.MonkeyPatch.context() as patch:
         calls = emulate_varlen(patch)
-        check_against_dense(tree, seed, window=window, sinks=sinks)
+        patch.setattr(layouts, "FOLD_COPIES", layouts.FOLD_COPIES if fold else 0)
+        layout = tree_layout(tree, torch.device("cpu"))[0]
+        check_against_dense(tree, seed, window=window, sinks=sinks, layout=layout)
     # The nodes' call, and one per level with descendants (without a window: a window's levels pad their buckets; a
-    # window as long as the rows masks nothing and is dropped)
+    # window as long as the rows masks nothing and is dropped); folded, the one call
     levels = len(set(tree.depth[tree.subtree_end > tree.start + tree.length].tolist()))
     windowed = window is not None and tree.num_tokens and window < (tree.position + tree.length).max()
-    assert len(calls) == (1 + (0 if windowed else levels) if tree.num_tokens else 0)
+    folded = layout.held_nodes is not None
+    assert folded == (fold and levels > 0 and tree.num_tokens > 0 and (
+        sum(tree.length[a].sum() for a in layouts._paths(tree)) <= layouts.FOLD_COPIES * tree.num_tokens))  # fmt: skip
+    assert len(calls) == (1 + (0 if windowed or folded else levels) if tree.num_tokens else 0)
 
 
 def test_padding_slots_stay_finite_with_large_scores():
@@ -171,6 +178,7 @@ def test_padding_slots_stay_finite_with_large_scores():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_a_node_attending_to_a_sibling_fails(monkeypatch, varlen):
     calls = emulate_varlen(monkeypatch) if varlen else []
+    monkeypatch.setattr(layouts, "FOLD_COPIES", 0)  # the levels' calls (the folded call: the test below)
     rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [5, 6, 7, 13]]
     tree = build_tree(rows, min_saved=0)
     check_against_dense(tree, 0)
@@ -191,6 +199,7 @@ def test_a_variable_length_call_reading_the_next_sequences_keys_fails(monkeypatc
     import dataclasses
 
     emulate_varlen(monkeypatch)
+    monkeypatch.setattr(layouts, "FOLD_COPIES", 0)
     rows = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12], [3, 4, 13], [3, 4, 14, 15]]
     tree = build_tree(rows, min_saved=0)
     layout = tree_layout(tree, torch.device("cpu"))[0]
@@ -210,3 +219,33 @@ def test_a_variable_length_call_reading_the_next_sequences_keys_fails(monkeypatc
     for wrong in (wrong_keys, wrong_nodes):
         with pytest.raises(AssertionError):
             check_against_dense(tree, 0, layout=wrong)
+
+
+@pytest.mark.parametrize("mistake", ["root_dropped", "sibling_added", "ancestors_reversed"])
+def test_a_folded_call_reading_other_keys_than_its_ancestors_fails(monkeypatch, mistake):
+    """The whole attention in one call (each node's ancestors' keys joined before its own): right on a tree two levels
+    deep (a shared prompt, two tasks, their completions), wrong where a node's path leaves out its root, adds the
+    sibling before it, or (under a window, where the keys' order is their distance) joins its ancestors leaf first."""
+    calls = emulate_varlen(monkeypatch)
+    rows = [[5, 6, 7, 8, 9, 20], [5, 6, 7, 8, 9, 21, 22], [5, 6, 7, 10, 11, 23], [5, 6, 7, 10, 11, 24, 25, 26]]
+    tree = build_tree(rows, min_saved=0)
+    layout = tree_layout(tree, torch.device("cpu"))[0]
+    assert layout.held_nodes is not None and int(tree.depth.max()) == 2
+    check_against_dense(tree, 0, layout=layout)
+    assert len(calls) == 1  # the folded call alone
+    paths = layouts._paths
+
+    def wrong(tree):
+        right = paths(tree)
+        if mistake == "root_dropped":
+            return [path[1:] for path in right]
+        if mistake == "ancestors_reversed":
+            return [path[::-1] for path in right]
+        return [np.append(path, node - 1) if len(path) and tree.parent[node - 1] == tree.parent[node] else path
+                for node, path in enumerate(right)]  # fmt: skip
+
+    window = 3 if mistake == "ancestors_reversed" else None
+    check_against_dense(tree, 0, window=window, layout=layout)
+    monkeypatch.setattr(layouts, "_paths", wrong)
+    with pytest.raises(AssertionError):
+        check_against_dense(tree, 0, window=window, layout=tree_layout(tree, torch.device("cpu"))[0])

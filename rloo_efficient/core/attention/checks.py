@@ -168,7 +168,8 @@ def _mismatch(got: tuple, want: tuple, dtype: torch.dtype) -> str | None:
 # sequences longer than a kernel block (queries and keys), others of other lengths (causal: queries = keys); and a
 # level whose subtrees are all one token (flash then swaps grouped heads into the query length)
 VARLEN_PROBLEMS = {"causal": [((24, 1, 200, 7), (24, 1, 200, 7)),
-                              # keys opening with a held prompt's: the causal mask aligned at the last query and key
+                              # keys opening with ancestors' (held, or in the tree: a folded call), the causal mask
+                              # aligned at the last query and key
                               ((24, 1, 200, 7), (324, 65, 205, 7))],
                    "prefix": [((12, 300, 1), (300, 64, 3)), ((1, 1, 1), (24, 300, 5))]}  # fmt: skip
 

@@ -173,9 +173,9 @@ def _run_of(x: torch.Tensor, first: int, count: int) -> torch.Tensor:
 
 
 def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
-    """The keys (or values) of a folded nodes' call: each node's held ancestors' then its own, from the flat `own`
-    `(N, Hkv, D)` and the slots' `held` `(1, Hkv, Ns, D)`: its runs joined (one row's: its held prompt, then itself),
-    or gathered."""
+    """The keys (or values) of a folded nodes' call: each node's held ancestors', its ancestors' in the tree, then its
+    own, from the flat `own` `(N, Hkv, D)` and the slots' `held` `(1, Hkv, Ns, D)`: its runs joined (one row's: its
+    held prompt, then itself), or gathered."""
     if fold.pieces is not None:
         sources = [_flat(x) for x in held]
         runs = [_run_of(own if source < 0 else sources[source], first, count) for source, first, count in fold.pieces]
@@ -233,12 +233,9 @@ class TreeAttention(torch.autograd.Function):
         # over the flat sequence, and each level's part without its key padding (under a window a level's mask depends
         # on each query's position: its padded buckets)
         nodes, parts = layout.packed_nodes, layout.packed_parts
-        node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
-        nodes_config = varlen_config(q, k, True, node_window) if nodes is not None else None
-        parts_config = varlen_config(q, k, False) if parts and window is None else None
         packed_nodes = None  # the nodes' variable-length call (None: its kernel is not used or raised: the buckets)
-        folded = False  # whether it read the held parts' keys too (every node a root: [`tree.layout.TreeLayout`])
-        fold = layout.held_nodes if layout.held_parts else None
+        folded = False  # whether it read its ancestors' keys too, held and in the tree ([`tree.layout.TreeLayout`])
+        fold = layout.held_nodes if not layout.history else None
         if fold is not None:
             fold_window = window if window is not None and fold.max_k > window else None
             fold_config = varlen_config(q, k, True, fold_window)
@@ -247,7 +244,11 @@ class TreeAttention(torch.autograd.Function):
                 packed_nodes = varlen_attention_forward(fold_config, q, keys, values, fold.cu_q, fold.cu_k,
                                                         fold.max_q, fold.max_k, True, scale, fold_window)  # fmt: skip
                 folded = packed_nodes is not None
-        if folded and sinks is None:  # the one call (every node a root: no part): its output is the attention's
+        # (after the folded call: a kernel that raised there is disabled here too)
+        node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
+        nodes_config = varlen_config(q, k, True, node_window) if nodes is not None and not folded else None
+        parts_config = varlen_config(q, k, False) if parts and window is None and not folded else None
+        if folded and sinks is None:  # the one call (every ancestor's keys in it): its output is the attention's
             out_n, lse_n, state = packed_nodes
             result, lse = out_n, lse_n.t()  # (N, H, D) in the query's dtype; (N, H) float32, a view of flash's
             if any(ctx.needs_input_grad[:4]) or any(ctx.needs_input_grad[9:]):
@@ -280,7 +281,7 @@ class TreeAttention(torch.autograd.Function):
             _write(out, blocks, _rows(out_b).to(work))
             _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
         packed_depths = set()  # the levels whose part ran as one variable-length call; the others in their buckets
-        for call in parts if parts_config is not None else ():
+        for call in parts if parts_config is not None and not folded else ():
             packed = varlen_attention_forward(parts_config, _read(q, call.queries), _read(k, call.keys),
                                               _read(v, call.keys), call.cu_q, call.cu_k, call.max_q, call.max_k,
                                               False, scale)  # fmt: skip
@@ -290,7 +291,7 @@ class TreeAttention(torch.autograd.Function):
             states.append(state)
             _merge_rows(out, lse, call.queries, out_p, lse_p.t())
             packed_depths.add(call.depth)
-        for index, part in enumerate(layout.parts):
+        for index, part in enumerate(() if folded else layout.parts):
             if part.depth in packed_depths:
                 continue
             keys, bias = _keys_of(layout, index, part, window, query.dtype)

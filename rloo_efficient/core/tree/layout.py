@@ -15,7 +15,8 @@ batched kernel call over padded blocks gathered from the flat sequence (the flat
 
 On a device with a variable-length kernel (CUDA: [`VARLEN_DEVICES`]) the layout also carries the same parts as
 variable-length calls ([`Packed`]): the nodes as the flat sequence's sequences, and per level the nodes' subtrees and
-tokens gathered without padding, with their offsets.
+tokens gathered without padding, with their offsets; and, where copying each node's ancestors' keys costs little
+([`FOLD_COPIES`]), the whole attention as one call, each node reading its ancestors' keys joined before its own.
 
 The parts are merged by log-sum-exp ([`attention.tree`]). The number of kernel calls per layer is the number of
 buckets, a few per level: it does not grow with the number of rows or nodes. A recurrent layer runs level by level,
@@ -53,6 +54,15 @@ VARLEN_DEVICES = ("cuda",)
 # At most this many runs of keys (a held prompt's, a row's own) are joined by one concatenation of views: past it one
 # gather (the rows of a large micro-batch), as a view costs host time per run where the gather is one operator
 MAX_JOINED_RUNS = 8
+# On a variable-length device the whole attention is one causal call per layer where each node's keys can be its
+# ancestors' (held or in the tree) joined before its own ([`TreeLayout.held_nodes`]): no level's call, no log-sum-exp
+# merge (with its backward, about a dozen operators per level and layer, each a launch a small micro-batch's GPU waits
+# for). It copies each node's ancestors' keys and values (and sums their gradients back), so only where those copies,
+# in tokens, are at most this many times the flat sequence. An estimate of where the bytes break even: the copies move
+# about 24 bytes per copied token, key/value head and dimension (half precision; forward, checkpointing's recompute,
+# backward); a level's merge about 150 per query token, query head and dimension (float32, several operators each
+# way); with 4 query heads per key/value head and half the flat tokens reading a level, about 12 copies per flat token
+FOLD_COPIES = 4
 
 
 @dataclass(frozen=True)
@@ -189,9 +199,10 @@ class TreeLayout:
     # ([`attention.held.HeldReads`], set by the caller), and per root bucket of the levels the row of each root's held
     # parent's state in the slots' concatenated states (its last row, zeros, for a root without one)
     held_parts: tuple[HeldPart, ...] = ()
-    # Where every node is a root and the variable-length kernel runs: each node's own causal call with its held
-    # ancestors' keys before its own (aligned at its last query and key: every held key, then its own causally), keys
-    # gathered from [the flat sequence | each slot's, in slot order]: the held parts and the nodes in one call
+    # Where the variable-length kernel runs and the copies allow ([`FOLD_COPIES`]): each node's own causal call with its
+    # held ancestors' keys, then its ancestors' in the tree, before its own (aligned at its last query and key: every
+    # ancestor's key, then its own causally), keys gathered from [the flat sequence | each slot's, in slot order]: the
+    # nodes, the levels' parts and the held parts in one call
     held_nodes: Packed | None = None
     held: object = None
     held_roots: tuple[torch.Tensor, ...] = ()
@@ -246,6 +257,14 @@ def _contiguous(starts: np.ndarray, lengths: np.ndarray) -> tuple[int, int] | No
     if len(starts) == 0 or (starts[1:] != starts[:-1] + lengths[:-1]).any():
         return None
     return int(starts[0]), int(lengths.sum())
+
+
+def _paths(tree: Tree) -> list[np.ndarray]:
+    """Each node's ancestors in `tree`, root first (depth-first order: a parent comes before its children)."""
+    paths: list[np.ndarray] = []
+    for parent in tree.parent:
+        paths.append(np.append(paths[parent], parent) if parent >= 0 else np.zeros(0, dtype=np.int64))
+    return paths
 
 
 def bucketed_blocks(starts: np.ndarray, lengths: np.ndarray, tokens: int,
@@ -348,16 +367,19 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             arrays.extend([gather, scatter, k_count, key_end])
             plan["held"].append((slot, slot_tokens, query_plan, (gather.shape, _run(k_first, k_count)),
                                  bool((k_count < k_count.max()).any())))  # fmt: skip
-    if varlen and held_reads and not with_images.any() and (tree.depth == 0).all():
+    paths = _paths(tree)  # each node's ancestors in the tree, root first
+    copies = sum(int(tree.length[path].sum()) for path in paths)
+    if varlen and (held_reads or copies) and not with_images.any() and copies <= FOLD_COPIES * n:
         slot_tokens = dict(sorted({read[0]: read[1] for read in held_reads}.items()))
         slot_start = dict(zip(slot_tokens, n + np.cumsum([0, *slot_tokens.values()])[:-1], strict=True))
         order = np.argsort(tree.start, kind="stable")
         pieces, key_lengths, runs = [], [], []
-        for node in order:  # a few roots: the rows of one micro-batch
+        for node in order:
             start, length = int(tree.start[node]), int(tree.length[node])
             ancestors = sorted((depth, slot, k_first, k_count) for slot, _, depth, q_first, q_count, k_first, k_count, _
                                in held_reads if q_first <= start < q_first + q_count)  # fmt: skip
             node_runs = [(slot, int(k_first), int(k_count)) for _, slot, k_first, k_count in ancestors]
+            node_runs += [(-1, int(tree.start[a]), int(tree.length[a])) for a in paths[node]]
             for source, first, count in [*node_runs, (-1, start, length)]:
                 pieces.append((slot_start[source] if source >= 0 else 0) + np.arange(first, first + count))
                 if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][2] == first:  # one run: joined
