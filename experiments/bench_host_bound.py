@@ -14,11 +14,13 @@ that run a kernel (views and bare allocations left out), all of them, and the ti
 steps after the first and the repeats, stock and ours alternating in one process.
 
     python experiments/bench_host_bound.py --rows 1 2 --repeats 3 --output results/host_bound.md
+    python experiments/bench_host_bound.py --rows 2 --ours_args="--held_prefix_budget_gib 0"  # nothing held
 """
 
 import argparse
 import collections
 import contextlib
+import shlex
 import statistics
 import sys
 import tempfile
@@ -116,6 +118,7 @@ def gpu_path() -> None:
 def run(method: str, rows: int, args) -> dict:
     global COUNTER
     steps = ROWS // rows
+    extra = shlex.split(args.ours_args) if method == "ours" else []
     argv = ["--method", method, "--trainer", "grpo", "--arch", "qwen3", "--num_hidden_layers", str(args.layers),
             "--hidden_size", "64", "--intermediate_size", "64", "--prompt_length", str(args.prompt_length),
             "--num_generations", "8", "--num_prompts", "16", "--max_completion_length", str(args.completion_length),
@@ -123,7 +126,7 @@ def run(method: str, rows: int, args) -> dict:
             "--beta", "0.05", "--bf16", "false", "--per_device_train_batch_size", str(rows),
             "--gradient_accumulation_steps", str(steps), "--steps_per_generation", str(steps),
             "--save_strategy", "no", "--report_to", "none", "--logging_steps", "1",
-            "--disable_tqdm", "true"]  # fmt: skip
+            "--disable_tqdm", "true", *extra]  # fmt: skip
     with tempfile.TemporaryDirectory() as out:
         COUNTER = PhaseOps()
         try:
@@ -154,11 +157,13 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=0, help="also the operators ours dispatches more, per micro-batch")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--ours_args", default="", help="more arguments for ours' run (e.g. '--held_prefix_budget_gib "
+                                                        "0': nothing held across micro-batches)")  # fmt: skip
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     gpu_path()
-    lines = [f"# python experiments/bench_host_bound.py {' '.join(argv if argv is not None else sys.argv[1:])}",
+    lines = [f"# python experiments/bench_host_bound.py {shlex.join(argv if argv is not None else sys.argv[1:])}",
              f"# GRPO, tiny Qwen3 ({args.layers} layers, hidden 64), P={args.prompt_length}, "
              f"C={args.completion_length}, "
              f"k=8, 2 prompts per step, beta 0.05, float32, CPU (torch threads 1); per micro-batch: operators that run "
