@@ -7,7 +7,8 @@
 #     STEPS="doctor tree_kernels bench_gpu_0.6b" bash experiments/gpu_session.sh   # the steps named (~7 minutes)
 #
 # 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
-#    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at that setting;
+#    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at one and two rows per micro-batch, held and
+#    not (on the CPU stand-in for a host-bound GPU, training held was slower at two rows: results/host_bound.md);
 # 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
 # 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
 #    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree/layout.py VARLEN_DEVICES);
@@ -23,7 +24,7 @@ set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-ALL="bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 agent static_generation doctor tree_kernels"
+ALL="bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 bench_gpu_rows2 agent static_generation doctor tree_kernels"
 STEPS="${STEPS:-$ALL bench_gpu_0.6b decode_cost_k8}"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
@@ -42,7 +43,10 @@ run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --pr
     --completion_length 256
 run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
-run 220 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
+run 300 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --ablations held_prefix_budget_gib=0 \
+    --output "$OUT/bench_gpu_rows1.md"
+run 300 bench_gpu_rows2 python3 experiments/bench_gpu.py --workloads 0.6b-rows2 --ablations held_prefix_budget_gib=0 \
+    --output "$OUT/bench_gpu_rows2.md"
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
 run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
