@@ -18,7 +18,8 @@ from trl.trainer.utils import add_fused_lm_head
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
-from rloo_efficient.core.tree.holds import plan_holds
+from rloo_efficient.core.tree import layout as layouts
+from rloo_efficient.core.tree.holds import chunks_encoding, plan_holds
 from rloo_efficient.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
@@ -88,8 +89,8 @@ def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights
 @pytest.mark.parametrize("varlen", [False, True])  # True: as on CUDA (flash's variable-length calls, emulated)
 def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_model, exact_head, monkeypatch, bs,
                                                                          order, min_saved, varlen):  # fmt: skip
-    """Where every node of a chunk is a root (its rows share nothing but held prompts) and the variable-length kernel
-    runs, each node's call reads its held ancestors' keys before its own (one call, no held parts)."""
+    """Where the variable-length kernel runs, each node's call reads its held ancestors' keys, then its ancestors' in
+    the chunk's tree, before its own (one call, no held parts); against each chunk's tree in its padded buckets."""
     calls = emulate_varlen(monkeypatch) if varlen else None
     folded_calls = []
     if varlen:
@@ -104,8 +105,10 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
         rows = np.random.default_rng(0).permutation(rows)
     chunks = [rows[i : i + bs] for i in range(0, len(rows), bs)]
     weights = torch.linspace(-1, 1, input_ids.shape[0] * width_c, dtype=torch.float64).view(-1, width_c)
-    want_logps, want_entropy, want_grads, _ = run_chunks(scoring_model, input_ids, width_c, structure, chunks, False,
-                                                         weights)  # fmt: skip
+    with pytest.MonkeyPatch.context() as buckets:  # the reference: each chunk's tree in its padded buckets
+        buckets.setattr(layouts, "VARLEN_DEVICES", ())
+        want_logps, want_entropy, want_grads, _ = run_chunks(scoring_model, input_ids, width_c, structure, chunks,
+                                                             False, weights)  # fmt: skip
     logps, entropy, grads, scope = run_chunks(scoring_model, input_ids, width_c, structure, chunks, True, weights,
                                               min_saved)  # fmt: skip
     if min_saved == 0:
@@ -318,3 +321,21 @@ def test_a_scoring_pass_forwards_as_many_rows_as_one_of_stocks_forwards_holds():
             packed = scope.pack(index, input_ids[start:end], width_c, structure[start:end], recurrent=False)
             assert packed.num_tokens <= budget  # within one of stock's forwards
     assert not prompts_held(None, chunks, group, plen, scored)  # nothing held: a later chunk would forward its prompt
+
+
+def test_a_chunks_own_forward_encodes_images_where_a_member_reads_no_held_prompt():
+    """What processes whose every forward is a collective compare beside the held sources: which chunks' own forwards
+    call the vision tower (a vision tower called on one process alone would wait for the others' parameter gathers).
+    Two groups over three chunks, each prompt held: only the sources encode; nothing held: every chunk with images."""
+    group = np.array([0, 0, 0, 1, 1, 1])
+    prompts = {0: list(range(1, 71)), 1: list(range(101, 171))}
+    tokens = [np.array(prompts[g] + [200 + row, 300 + row]) for row, g in enumerate(group)]
+    plen, scored = np.full(6, 70), np.full(6, 2)
+    chunks = [(0, 2), (2, 4), (4, 6)]
+    plan = plan_holds([(group[a:b], plen[a:b], scored[a:b], tokens[a:b]) for a, b in chunks], full=False, by_group=True)
+    assert plan is not None and plan.forward_pattern(3, training=False)[0].tolist() == [1, 1, 0]
+    with_images = np.ones(6, dtype=bool)
+    assert chunks_encoding(plan, chunks, scored, with_images, False).tolist() == [0, 0, 0]
+    assert chunks_encoding(None, chunks, scored, with_images, False).tolist() == [1, 1, 1]
+    with_images[4:] = False  # the last chunk's rows without images
+    assert chunks_encoding(None, chunks, scored, with_images, False).tolist() == [1, 1, 0]

@@ -25,7 +25,7 @@ from ..core.forward.scope import HeldScope
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
-from ..core.tree.holds import HoldPlan, plan_holds, prompts_held, scoring_chunks
+from ..core.tree.holds import HoldPlan, chunks_encoding, plan_holds, prompts_held, scoring_chunks
 from ..core.tree.rows import ROWS_KEY, row_tokens
 
 
@@ -92,8 +92,8 @@ class HeldPrefixMixin:
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
         self._active_scope = None
-        if self._hold_training and self._share_prefix and self.model.training and isinstance(inputs, dict) and (
-                ROWS_KEY in inputs):  # fmt: skip
+        # (a batch without rows too: where forwards are collective, every process plans, and agrees, each scope)
+        if self._hold_training and self._share_prefix and self.model.training and isinstance(inputs, dict):
             self._active_scope = self._training_scope(inputs)
         return inputs
 
@@ -154,11 +154,12 @@ class HeldPrefixMixin:
         period = position_period(self._unwrapped())
         return period is None or width <= period
 
-    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool, width: int):
+    def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
+                     width: int):  # fmt: skip
         """`(scope, chunk indices, closes)` for a packed forward over `chunks` (`(start, end)` row ranges of `rows`):
         the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
-        where nothing is held. `closes`: the caller closes the scope when done. `width`: the batch's columns
-        ([`_within_period`])."""
+        where nothing is held. `closes`: the caller closes the scope when done. `images`: an image batch's rows with
+        images, else None. `width`: the batch's columns ([`_within_period`])."""
         if self._hold_budget is None:
             return None, range(len(chunks)), False
         if torch.is_grad_enabled():
@@ -168,13 +169,15 @@ class HeldPrefixMixin:
             return scope.held, [scope.cursor], False
         if len(chunks) < 2:
             return None, range(len(chunks)), False
-        plan = self._agreed(self._scoring_plan(rows, chunks, compute_aux_loss, images, width), len(chunks),
-                            training=False)  # fmt: skip
+        plan = self._scoring_plan(rows, chunks, compute_aux_loss, images, width)
+        encodes = None if images is None else chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
+                                                              compute_aux_loss)  # fmt: skip
+        plan = self._agreed(plan, len(chunks), training=False, encodes=encodes)
         if plan is None:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
 
-    def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: bool, width: int):
+    def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: np.ndarray | None, width: int):
         """A no-grad pass's chunks merged ([`core.tree.holds.scoring_chunks`]), each no larger than one of stock's
         forwards (`chunks`: stock's, of its batch size), where every prompt they count once is held: `(scope, chunk
         indices, closes, chunks)`, else None (stock's chunks)."""
@@ -188,9 +191,11 @@ class HeldPrefixMixin:
         if len(merged) >= len(chunks) or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
         # Every process makes the same forwards where each is a collective (the merged chunks follow its own lengths)
-        pattern = np.zeros((2, len(chunks)), dtype=np.int64)
+        pattern = np.zeros((3, len(chunks)), dtype=np.int64)
         if plan is not None:
-            pattern = plan.forward_pattern(len(chunks), training=False)
+            pattern[:2] = plan.forward_pattern(len(chunks), training=False)
+        if merged is not None and images is not None:
+            pattern[2, : len(merged)] = chunks_encoding(plan, merged, scored, images, False)
         if not self._all_ranks_agree(np.append(pattern.ravel(), len(merged) if merged else 0)):
             self._warn_once(PLANS_DIFFER)
             return None
@@ -206,15 +211,19 @@ class HeldPrefixMixin:
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
                           token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
-                          by_group=images)  # fmt: skip
+                          by_group=images is not None)  # fmt: skip
 
-    def _agreed(self, plan: HoldPlan | None, chunks: int, training: bool) -> HoldPlan | None:
+    def _agreed(self, plan: HoldPlan | None, chunks: int, training: bool,
+                encodes: np.ndarray | None = None) -> HoldPlan | None:  # fmt: skip
         """`plan` (of a scope of `chunks` chunks), where every process's plan adds the same forwards and backwards to
-        the same chunks, or where the processes' forwards are independent; else None on every process (one
-        warning)."""
+        the same chunks, and (`encodes`, an image batch's) encodes images in the same chunks' own forwards
+        ([`core.tree.holds.chunks_encoding`]), or where the processes' forwards are independent; else None on every
+        process (one warning)."""
         if not self._forwards_are_collective(self._unwrapped()):
             return plan
         pattern = np.zeros((2, chunks), dtype=np.int64) if plan is None else plan.forward_pattern(chunks, training)
+        if encodes is not None:
+            pattern = np.vstack([pattern, encodes])
         if self._all_ranks_agree(pattern.ravel()):
             return plan
         self._warn_once(PLANS_DIFFER)

@@ -54,6 +54,10 @@ class PackedForwardMixin:
         """TRL's forward, or the packed one when the active group structure matches the batch."""
         images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
         rows = self._rows_for(input_ids, logits_to_keep, images)
+        if self._hold_budget is not None and not torch.is_grad_enabled() and self._forwards_are_collective(
+                self._unwrapped()):  # fmt: skip
+            # Every process packs or none does: the packed pass agrees its plans with all of them ([`held_prefix`])
+            rows = rows if self._all_ranks_can(rows is not None) else None
         if rows is None:
             self._check_nothing_held()
             return super()._get_per_token_logps_and_entropies(
@@ -103,13 +107,17 @@ class PackedForwardMixin:
         # Prompts held across chunks (a no-grad pass's, or this micro-batch of a training scope's): [`held_prefix`]; a
         # no-grad pass's chunks as many rows as fit what one of stock's forwards
         period = position_period(unwrapped)
+        with_images = None  # an image batch's rows with images
+        if images:
+            counts = images["num_images"]
+            with_images = np.asarray(counts.cpu() if isinstance(counts, torch.Tensor) else counts) > 0
         merged = None
         if not torch.is_grad_enabled() and not compute_aux_loss:
-            merged = self._merged_chunks(rows, chunks, bool(images), input_ids.size(1))
+            merged = self._merged_chunks(rows, chunks, with_images, input_ids.size(1))
         if merged is not None:
             scope, indices, closes, chunks = merged
         else:
-            scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, bool(images), input_ids.size(1))
+            scope, indices, closes = self._held_chunks(rows, chunks, compute_aux_loss, with_images, input_ids.size(1))
 
         def call(**inputs):  # LongRoPE's factors as stock's forward of the padded chunk chooses them
             self.scoring_forward_calls += not torch.is_grad_enabled()

@@ -236,6 +236,20 @@ def prompts_held(plan: "HoldPlan | None", chunks: list[tuple[int, int]], group: 
     return True
 
 
+def chunks_encoding(plan: "HoldPlan | None", chunks: list[tuple[int, int]], scored: np.ndarray,
+                    with_images: np.ndarray, full: bool) -> np.ndarray:  # fmt: skip
+    """Per chunk `(start, end)` of `scored` rows (`with_images`: the rows with images), whether its own forward encodes
+    images: a member row (as [`plan_holds`] counts them, `full` alike) reading no held prompt has images. Those
+    forwards call the vision tower, the others not: where every forward gathers parameters from all processes, they
+    must agree too."""
+    out = np.zeros(len(chunks), dtype=np.int64)
+    for index, (start, end) in enumerate(chunks):
+        members = np.arange(end - start) if full or not scored[start:end].any() else np.flatnonzero(scored[start:end])
+        key = plan.chunks[index].key[members] if plan is not None else np.full(len(members), -1)
+        out[index] = bool((with_images[start + members] & (key < 0)).any())
+    return out
+
+
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
                by_group: bool = False, image_cost: tuple[set[int], int] | None = None) -> HoldPlan | None:  # fmt: skip

@@ -367,19 +367,25 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
             arrays.extend([gather, scatter, k_count, key_end])
             plan["held"].append((slot, slot_tokens, query_plan, (gather.shape, _run(k_first, k_count)),
                                  bool((k_count < k_count.max()).any())))  # fmt: skip
-    paths = _paths(tree)  # each node's ancestors in the tree, root first
-    copies = sum(int(tree.length[path].sum()) for path in paths)
-    if varlen and (held_reads or copies) and not with_images.any() and copies <= FOLD_COPIES * n:
+    order = np.argsort(tree.start, kind="stable")
+    ancestor_runs, copies = [], 0  # each node's ancestors' keys, held then in the tree; what a fold would copy
+    if varlen and (held_reads or (tree.depth > 0).any()) and not with_images.any():
+        paths = _paths(tree)  # each node's ancestors in the tree, root first
+        for node in order:
+            start = int(tree.start[node])
+            held = sorted((depth, slot, k_first, k_count) for slot, _, depth, q_first, q_count, k_first, k_count, _
+                          in held_reads if q_first <= start < q_first + q_count)  # fmt: skip
+            runs = [(slot, int(k_first), int(k_count)) for _, slot, k_first, k_count in held]
+            runs += [(-1, int(tree.start[a]), int(tree.length[a])) for a in paths[node]]
+            ancestor_runs.append(runs)
+            if tree.depth[node] > 0:  # (a root's held prompt: read in one call whatever it costs, as measured)
+                copies += sum(count for _, _, count in runs)
+    if ancestor_runs and copies <= FOLD_COPIES * n:
         slot_tokens = dict(sorted({read[0]: read[1] for read in held_reads}.items()))
         slot_start = dict(zip(slot_tokens, n + np.cumsum([0, *slot_tokens.values()])[:-1], strict=True))
-        order = np.argsort(tree.start, kind="stable")
         pieces, key_lengths, runs = [], [], []
-        for node in order:
+        for node, node_runs in zip(order, ancestor_runs, strict=True):
             start, length = int(tree.start[node]), int(tree.length[node])
-            ancestors = sorted((depth, slot, k_first, k_count) for slot, _, depth, q_first, q_count, k_first, k_count, _
-                               in held_reads if q_first <= start < q_first + q_count)  # fmt: skip
-            node_runs = [(slot, int(k_first), int(k_count)) for _, slot, k_first, k_count in ancestors]
-            node_runs += [(-1, int(tree.start[a]), int(tree.length[a])) for a in paths[node]]
             for source, first, count in [*node_runs, (-1, start, length)]:
                 pieces.append((slot_start[source] if source >= 0 else 0) + np.arange(first, first + count))
                 if runs and runs[-1][0] == source and runs[-1][1] + runs[-1][2] == first:  # one run: joined
