@@ -105,7 +105,8 @@ class SharedGenerationMixin:
             return True
         import torch.distributed as dist
 
-        both = torch.as_tensor(np.concatenate([values, -np.asarray(values)]), device=self.accelerator.device)
+        values = np.asarray(values, dtype=np.int64)
+        both = torch.as_tensor(np.concatenate([values, -values]), device=self.accelerator.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         highest, lowest = both.chunk(2)
         return bool(torch.equal(highest, -lowest))

@@ -122,7 +122,8 @@ class HeldPrefixMixin:
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
                               by_group=images, image_cost=image_cost)  # fmt: skip
-        plan = self._agreed(plan, count, training=True)
+        if not self._plans_agree(plan, count, training=True):
+            plan = None
         held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
         self._train_scope = TrainScope(held, batches)
         return self._train_scope
@@ -170,10 +171,10 @@ class HeldPrefixMixin:
         if len(chunks) < 2:
             return None, range(len(chunks)), False
         plan = self._scoring_plan(rows, chunks, compute_aux_loss, images, width)
-        encodes = None if images is None else chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
-                                                              compute_aux_loss)  # fmt: skip
-        plan = self._agreed(plan, len(chunks), training=False, encodes=encodes)
-        if plan is None:
+        encodes = None if images is None else lambda: chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
+                                                                      compute_aux_loss)  # fmt: skip
+        agreed = self._plans_agree(plan, len(chunks), training=False, encodes=encodes)  # (every process, plan or not)
+        if plan is None or not agreed:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
 
@@ -190,14 +191,10 @@ class HeldPrefixMixin:
             plan = self._scoring_plan(rows, merged, False, images, width)
         if len(merged) >= len(chunks) or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
-        # Every process makes the same forwards where each is a collective (the merged chunks follow its own lengths)
-        pattern = np.zeros((3, len(chunks)), dtype=np.int64)
-        if plan is not None:
-            pattern[:2] = plan.forward_pattern(len(chunks), training=False)
-        if merged is not None and images is not None:
-            pattern[2, : len(merged)] = chunks_encoding(plan, merged, scored, images, False)
-        if not self._all_ranks_agree(np.append(pattern.ravel(), len(merged) if merged else 0)):
-            self._warn_once(PLANS_DIFFER)
+        # (the merged chunks follow each process's own lengths: their number agreed too)
+        encodes = None if merged is None or images is None else lambda: chunks_encoding(plan, merged, scored, images,
+                                                                                        False)  # fmt: skip
+        if not self._plans_agree(plan, len(chunks), training=False, encodes=encodes, merged=len(merged or ())):
             return None
         if merged is None:
             return None
@@ -205,7 +202,8 @@ class HeldPrefixMixin:
             return None, range(len(merged)), False, merged
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(merged)), True, merged
 
-    def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: bool, width: int):
+    def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
+                      width: int):  # fmt: skip
         """The [`HoldPlan`] of a no-grad pass over `chunks` of `rows`, or None."""
         if not self._within_period(width):
             return None
@@ -213,21 +211,24 @@ class HeldPrefixMixin:
                           token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
                           by_group=images is not None)  # fmt: skip
 
-    def _agreed(self, plan: HoldPlan | None, chunks: int, training: bool,
-                encodes: np.ndarray | None = None) -> HoldPlan | None:  # fmt: skip
-        """`plan` (of a scope of `chunks` chunks), where every process's plan adds the same forwards and backwards to
-        the same chunks, and (`encodes`, an image batch's) encodes images in the same chunks' own forwards
-        ([`core.tree.holds.chunks_encoding`]), or where the processes' forwards are independent; else None on every
-        process (one warning)."""
+    def _plans_agree(self, plan: HoldPlan | None, chunks: int, training: bool, encodes=None,
+                     merged: int = 0) -> bool:  # fmt: skip
+        """Whether every process's `plan` (of a scope of at most `chunks` chunks, `merged` of them where a no-grad
+        pass's were merged) adds the same forwards and backwards to the same chunks, and (`encodes()`, an image batch's)
+        encodes images in the same chunks' own forwards ([`core.tree.holds.chunks_encoding`]); True where the
+        processes' forwards are independent. Where they differ, one warning: the caller holds nothing."""
         if not self._forwards_are_collective(self._unwrapped()):
-            return plan
-        pattern = np.zeros((2, chunks), dtype=np.int64) if plan is None else plan.forward_pattern(chunks, training)
+            return True
+        pattern = np.zeros((3, chunks), dtype=np.int64)  # one length on every process, images or not
+        if plan is not None:
+            pattern[:2] = plan.forward_pattern(chunks, training)
         if encodes is not None:
-            pattern = np.vstack([pattern, encodes])
-        if self._all_ranks_agree(pattern.ravel()):
-            return plan
+            encoded = encodes()
+            pattern[2, : len(encoded)] = encoded
+        if self._all_ranks_agree(np.append(pattern.ravel(), merged)):
+            return True
         self._warn_once(PLANS_DIFFER)
-        return None
+        return False
 
     def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
         """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""

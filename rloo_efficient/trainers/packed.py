@@ -54,10 +54,9 @@ class PackedForwardMixin:
         """TRL's forward, or the packed one when the active group structure matches the batch."""
         images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
         rows = self._rows_for(input_ids, logits_to_keep, images)
-        if self._hold_budget is not None and not torch.is_grad_enabled() and self._forwards_are_collective(
-                self._unwrapped()):  # fmt: skip
-            # Every process packs or none does: the packed pass agrees its plans with all of them ([`held_prefix`])
-            rows = rows if self._all_ranks_can(rows is not None) else None
+        if self._hold_budget is not None and not torch.is_grad_enabled() and not self._all_ranks_agree(
+                np.array([rows is not None])):  # fmt: skip
+            rows = None  # every process packs or none does: the packed pass agrees its plans with all ([`held_prefix`])
         if rows is None:
             self._check_nothing_held()
             return super()._get_per_token_logps_and_entropies(
