@@ -50,7 +50,7 @@ ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"]
              # generate's own decoding loop instead of static buffers captured as a CUDA graph (the default on CUDA)
              "static_decoding=False": ["--static_decoding", "false"],
              # each micro-batch forwarding its rows' prompts (on a CPU stand-in of a host-bound GPU, training at two
-             # rows per micro-batch ran faster so: results/host_bound.md)
+             # rows per micro-batch dispatched fewer operators so: results/host_bound.md)
              "held_prefix_budget_gib=0": ["--held_prefix_budget_gib", "0"]}  # fmt: skip
 GIB = "gib"
 

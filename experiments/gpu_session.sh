@@ -8,7 +8,8 @@
 #
 # 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
 #    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at one and two rows per micro-batch, held and
-#    not (on the CPU stand-in for a host-bound GPU, training held was slower at two rows: results/host_bound.md);
+#    not (on the CPU stand-in for a host-bound GPU, training held dispatched more operators at two rows:
+#    results/host_bound.md);
 # 1. the doctor (versions, every kernel check incl. the variable-length calls, stock vs ours on a small model);
 # 2. the tree's attention as flash's variable-length calls against padded length buckets (time, log-prob difference)
 #    at Qwen3-0.6B's shape: the measurement behind the CUDA kernel choice (core/tree/layout.py VARLEN_DEVICES);
