@@ -339,3 +339,37 @@ def test_a_chunks_own_forward_encodes_images_where_a_member_reads_no_held_prompt
     assert chunks_encoding(None, chunks, scored, with_images, False).tolist() == [1, 1, 1]
     with_images[4:] = False  # the last chunk's rows without images
     assert chunks_encoding(None, chunks, scored, with_images, False).tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
+    """A row with an empty prompt runs stock's forward ([`pack_rows`]: nothing to condition its completion on). Its
+    scope holds nothing (a training micro-batch on stock's forward while prompts wait for their backward would lose
+    their gradient), and a no-grad pass keeps stock's chunks (stock's forward would split a merged chunk by its batch
+    size: more forwards on one process than on the others, each a collective under ZeRO-3)."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.core.tree.rows import row_tokens
+    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+
+    def batch(system: int, task: int):
+        prompts, completions = rl_rows(seed=5, groups=2, k=4, system=system, task=task)
+        if empty:
+            prompts[4:] = [[]] * 4  # the second group's prompt
+        input_ids, _, _, structure = stock_batch(prompts, completions)
+        return input_ids.shape[1], structure
+
+    width, structure = batch(system=70, task=40)  # long prompts, one row per chunk: worth holding
+    chunks = [(row, row + 1) for row in range(8)]
+    assert (plan_holds([row_tokens(structure[a:b]) for a, b in chunks], full=False) is None) == empty
+    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True,
+                              _held_token_bytes=lambda training: 1, _kv_source=lambda: None,
+                              _plans_agree=lambda *args, **kwargs: True)  # fmt: skip
+    trainer._scoring_plan = lambda *args: HeldPrefixMixin._scoring_plan(trainer, *args)
+    # Short prompts, four rows per chunk: both groups merged whole into one chunk, nothing held
+    width, structure = batch(system=6, task=4)
+    chunks = [(0, 4), (4, 8)]
+    merged = HeldPrefixMixin._merged_chunks(trainer, structure, chunks, None, width)
+    assert (merged is None) == empty
+    if not empty:
+        assert merged[0] is None and len(merged[3]) < len(chunks)

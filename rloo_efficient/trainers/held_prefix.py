@@ -189,7 +189,8 @@ class HeldPrefixMixin:
         plan = None
         if len(merged) < len(chunks):
             plan = self._scoring_plan(rows, merged, False, images, width)
-        if len(merged) >= len(chunks) or not prompts_held(plan, merged, group, plen, scored):
+        # (a row with an empty prompt runs stock's forward, which would split a merged chunk by stock's batch size)
+        if len(merged) >= len(chunks) or (plen == 0).any() or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
         # (the merged chunks follow each process's own lengths: their number agreed too)
         encodes = None if merged is None or images is None else lambda: chunks_encoding(plan, merged, scored, images,

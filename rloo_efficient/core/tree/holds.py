@@ -263,6 +263,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
     vision tower's saved activations for its patches).
     """
+    if any((plen == 0).any() for _, plen, _, _ in chunks):
+        return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
     chunk_of, local, sequences, plens, groups = [], [], [], [], []
     for index, (group, plen, scored, tokens) in enumerate(chunks):
         members = np.arange(len(group)) if full or not scored.any() else np.flatnonzero(scored > 0)
