@@ -19,7 +19,7 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree import layout as layouts
-from rloo_efficient.core.tree.holds import chunks_encoding, plan_holds
+from rloo_efficient.core.tree.holds import chunks_encoding, hoisted_sources, plan_holds
 from rloo_efficient.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
@@ -52,7 +52,8 @@ def rl_rows(seed: int, groups: int = 3, k: int = 4, system: int = 70, task: int 
     return prompts, completions
 
 
-def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights, min_saved: int = 64):
+def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights, min_saved: int = 64,
+               source_cap: int | None = None):  # fmt: skip
     """Each chunk forwarded and backpropagated on its own, as a Trainer's micro-batches; returns the (B, C) log-probs
     and entropies in row order, the accumulated gradients and the scope (None without holds)."""
     model.zero_grad()
@@ -60,7 +61,7 @@ def run_chunks(model, input_ids, width_c, structure, chunks, hold: bool, weights
     entropy = torch.zeros_like(logps)
     scope = None
     if hold:
-        plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=min_saved)
+        plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=min_saved, source_cap=source_cap)
         assert plan is not None
         scope = HeldScope(plan, training=True)
     prompt_width = input_ids.shape[1] - width_c
@@ -110,9 +111,12 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
         want_logps, want_entropy, want_grads, _ = run_chunks(scoring_model, input_ids, width_c, structure, chunks,
                                                              False, weights)  # fmt: skip
     logps, entropy, grads, scope = run_chunks(scoring_model, input_ids, width_c, structure, chunks, True, weights,
-                                              min_saved)  # fmt: skip
+                                              min_saved, source_cap=bs * input_ids.shape[1])  # as the trainer's  # fmt: skip
     if min_saved == 0:
         assert (scope.plan.nodes.parent >= 0).any()  # a held node under another
+    if bs > 1 and order == "group_major":  # a later group's prompt forwarded in an earlier chunk's source (within
+        # one of stock's forwards: two of the three prompts at two rows per chunk, all three at three)
+        assert len(scope.plan.source_chunk) < len(np.unique(scope.plan.nodes.first))
     if varlen:
         assert calls and set(calls) == {"math_varlen"} and folded_calls  # the folded call ran (held keys read in it)
     mask = attention_mask[:, -width_c:].bool()
@@ -373,3 +377,18 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
     assert (merged is None) == empty
     if not empty:
         assert merged[0] is None and len(merged[3]) < len(chunks)
+
+
+def test_a_source_forwards_later_chunks_nodes_within_stocks_forward_and_the_budget():
+    """Two nodes, first read in chunks 0 and 2 (read to chunks 1 and 3): one source in chunk 0 where both fit one of
+    stock's forwards (`cap` tokens) and the held bytes while both are alive; else each in its own first chunk. A node
+    first read in a source's own chunk joins it whatever its size."""
+    first, last, length, cost = np.array([0, 2]), np.array([1, 3]), np.array([10, 10]), np.array([5, 5])
+    assert hoisted_sources(first, last, length, cost, budget=10, cap=20, chunks=4).tolist() == [0, 0]
+    assert hoisted_sources(first, last, length, cost, budget=None, cap=20, chunks=4).tolist() == [0, 0]
+    assert hoisted_sources(first, last, length, cost, budget=9, cap=20, chunks=4).tolist() == [0, 2]  # alive at once
+    assert hoisted_sources(first, last, length, cost, budget=10, cap=19, chunks=4).tolist() == [0, 2]  # one forward
+    assert hoisted_sources(np.array([0, 0]), last, length, cost, budget=10, cap=1, chunks=4).tolist() == [0, 0]
+    three = hoisted_sources(np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([10, 10, 10]), np.array([1, 1, 1]),
+                            budget=None, cap=20, chunks=3)  # fmt: skip
+    assert three.tolist() == [0, 0, 2]  # the third over the cap: a source of its own

@@ -121,7 +121,8 @@ class HeldPrefixMixin:
             image_cost = (self._image_tokens, self._held_image_bytes()) if images else None
             plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
-                              by_group=images, image_cost=image_cost)  # fmt: skip
+                              by_group=images, image_cost=image_cost,
+                              source_cap=min(len(batch[ROWS_KEY]) for batch in batches) * width)  # fmt: skip
         if not self._plans_agree(plan, count, training=True):
             plan = None
         held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
@@ -170,7 +171,7 @@ class HeldPrefixMixin:
             return scope.held, [scope.cursor], False
         if len(chunks) < 2:
             return None, range(len(chunks)), False
-        plan = self._scoring_plan(rows, chunks, compute_aux_loss, images, width)
+        plan = self._scoring_plan(rows, chunks, compute_aux_loss, images, width, chunks[0][1] - chunks[0][0])
         encodes = None if images is None else lambda: chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
                                                                       compute_aux_loss)  # fmt: skip
         agreed = self._plans_agree(plan, len(chunks), training=False, encodes=encodes)  # (every process, plan or not)
@@ -188,7 +189,7 @@ class HeldPrefixMixin:
         merged = scoring_chunks(group, plen, scored, (chunks[0][1] - chunks[0][0]) * width)
         plan = None
         if len(merged) < len(chunks):
-            plan = self._scoring_plan(rows, merged, False, images, width)
+            plan = self._scoring_plan(rows, merged, False, images, width, chunks[0][1] - chunks[0][0])
         # (a row with an empty prompt runs stock's forward, which would split a merged chunk by stock's batch size)
         if len(merged) >= len(chunks) or (plen == 0).any() or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
@@ -204,13 +205,14 @@ class HeldPrefixMixin:
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(merged)), True, merged
 
     def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
-                      width: int):  # fmt: skip
-        """The [`HoldPlan`] of a no-grad pass over `chunks` of `rows`, or None."""
+                      width: int, batch_size: int):  # fmt: skip
+        """The [`HoldPlan`] of a no-grad pass over `chunks` of `rows`, or None; a source forward within one of stock's
+        (`batch_size` rows of `width` columns)."""
         if not self._within_period(width):
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
                           token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
-                          by_group=images is not None)  # fmt: skip
+                          by_group=images is not None, source_cap=batch_size * width)  # fmt: skip
 
     def _plans_agree(self, plan: HoldPlan | None, chunks: int, training: bool, encodes=None,
                      merged: int = 0) -> bool:  # fmt: skip

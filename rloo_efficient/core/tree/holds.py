@@ -12,8 +12,9 @@ inside one optimizer step) are planned together, on the host, from their rows' t
   token: the position that predicts a completion's first token is its prompt's last token, the first input of the
   row's own tokens;
 - the *sources*: the chunk where a held node's rows first appear forwards it (with the other nodes first needed there,
-  in one packed forward whose keys and values, recurrent states and router logits are held: [`attention.held`]); every
-  later chunk holding one of its rows reads them;
+  in one packed forward whose keys and values, recurrent states and router logits are held: [`attention.held`]), or an
+  earlier chunk's source where that forward stays within one of stock's ([`hoisted_sources`]); every later chunk
+  holding one of its rows reads them;
 - each chunk's own part: each row's inputs after its deepest held node, packed as their prefix tree ([`forward.packing`]).
 
 In training a node's gradient reaches it from every chunk that reads it, and its source's one backward must come last:
@@ -252,7 +253,8 @@ def chunks_encoding(plan: "HoldPlan | None", chunks: list[tuple[int, int]], scor
 
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
-               by_group: bool = False, image_cost: tuple[set[int], int] | None = None) -> HoldPlan | None:  # fmt: skip
+               by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
+               source_cap: int | None = None) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
     [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
@@ -261,7 +263,9 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
     placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
-    vision tower's saved activations for its patches).
+    vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
+    stock's forwards) when it forwards nodes first read by later chunks too ([`hoisted_sources`]); None: each source
+    forwards the nodes first read by its own chunk.
     """
     if any((plen == 0).any() for _, plen, _, _ in chunks):
         return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
@@ -358,9 +362,12 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     tokens = [sequences[member_of[x][0]][position[x] : position[x] + length[x]] for x in range(len(keep))]
     first_row = np.array([local[rows[chunk_of[rows] == first[x]][0]] for x, rows in enumerate(member_of)],
                          dtype=np.int64)  # fmt: skip
-    # Sources: the nodes first read by each chunk, in one forward, in depth-first order
-    source_chunk = np.unique(first)
-    source = np.searchsorted(source_chunk, first)
+    # Sources: the nodes each chunk forwards first, in one forward, in depth-first order
+    source_first = first
+    if source_cap is not None and not by_group:  # (an image batch's source encodes its own chunk's rows' images)
+        source_first = hoisted_sources(first, last, length, cost[keep], budget, source_cap, len(chunks))
+    source_chunk = np.unique(source_first)
+    source = np.searchsorted(source_chunk, source_first)
     offset = np.zeros(len(keep), dtype=np.int64)
     for s in range(len(source_chunk)):
         nodes = np.flatnonzero(source == s)
@@ -402,6 +409,31 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
                                      int(sources[0]) if len(sources) else None))  # fmt: skip
     return HoldPlan(nodes, source_chunk, backprop, tuple(chunk_plans))
+
+
+def hoisted_sources(first: np.ndarray, last: np.ndarray, length: np.ndarray, cost: np.ndarray, budget: int | None,
+                    cap: int, chunks: int) -> np.ndarray:  # fmt: skip
+    """
+    The chunk forwarding each held node (depth-first, read from chunk `first` to `last`, `length` tokens, `cost` bytes):
+    a node joins the latest source before its first chunk where that forward stays within `cap` tokens and the held
+    state, alive from its forward to its last reader, within `budget` bytes at every chunk; else it opens a source in
+    its first chunk. Each source is one more forward (and in training one more backward): at two rows per micro-batch,
+    a step's groups' prompts in one forward instead of one per group. A parent's source is never after its child's
+    (nodes are taken by first chunk, parents first).
+    """
+    at = first.copy()
+    alive = np.zeros(chunks, dtype=np.int64)
+    current, tokens = -1, 0
+    for x in np.lexsort((np.arange(len(first)), first)):
+        joins = current >= 0 and (current == first[x] or tokens + length[x] <= cap)
+        if joins and budget is not None and current < first[x]:  # alive from `current` on instead of `first[x]`
+            joins = int(alive[current : first[x]].max()) + int(cost[x]) <= budget
+        if not joins:
+            current, tokens = int(first[x]), 0
+        at[x] = current
+        tokens += int(length[x])
+        alive[current : last[x] + 1] += int(cost[x])
+    return at
 
 
 def read_runs(plan: HoldPlan, reads: np.ndarray, key_of_query: np.ndarray,
