@@ -370,6 +370,7 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
                               _held_token_bytes=lambda training: 1, _kv_source=lambda: None,
                               _plans_agree=lambda *args, **kwargs: True)  # fmt: skip
     trainer._scoring_plan = lambda *args: HeldPrefixMixin._scoring_plan(trainer, *args)
+    trainer._agreed_plan = lambda *args, **kwargs: HeldPrefixMixin._agreed_plan(trainer, *args, **kwargs)
     # Short prompts, four rows per chunk: both groups merged whole into one chunk, nothing held
     width, structure = batch(system=6, task=4)
     chunks = [(0, 4), (4, 8)]
@@ -392,3 +393,61 @@ def test_a_source_forwards_later_chunks_nodes_within_stocks_forward_and_the_budg
     three = hoisted_sources(np.array([0, 1, 2]), np.array([0, 1, 2]), np.array([10, 10, 10]), np.array([1, 1, 1]),
                             budget=None, cap=20, chunks=3)  # fmt: skip
     assert three.tolist() == [0, 0, 2]  # the third over the cap: a source of its own
+    # A node's held time extended by joining counts for the nodes after it
+    assert hoisted_sources(np.array([0, 1, 2]), np.array([0, 1, 2]), np.ones(3, dtype=np.int64), np.full(3, 5),
+                           budget=10, cap=100, chunks=3).tolist() == [0, 0, 2]  # fmt: skip
+    # A node first read in the source's own chunk adds its tokens too
+    assert hoisted_sources(np.array([0, 0, 1]), np.array([0, 0, 1]), np.array([10, 10, 5]), np.ones(3, dtype=np.int64),
+                           budget=None, cap=15, chunks=2).tolist() == [0, 0, 1]  # fmt: skip
+
+
+def test_a_source_is_held_whole_until_its_last_reader_within_the_budget():
+    """A source is released whole (in training after its backward): where a prompt joining an earlier source keeps it
+    alive past the budget beside a later source, each prompt is forwarded by its own first chunk. Group A's rows in
+    chunks 0 and 1, B's and C's in 2 and 3; a source of two prompts at most."""
+    from rloo_efficient.core.tree.holds import held_peak
+
+    prompts = {g: list(range(10 + 30 * g, 30 + 30 * g)) for g in range(3)}  # 20 tokens each, 19 held
+    chunk_groups = [[0], [0], [1, 2], [1, 2]]
+    chunks = [(np.array(groups), np.full(len(groups), 20), np.full(len(groups), 2),
+               [np.array(prompts[g] + [1, 2]) for g in groups]) for groups in chunk_groups]  # fmt: skip
+    plan = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, source_cap=38)
+    assert plan.source_chunk.tolist() == [0, 2] and plan.nodes.source.tolist() == [0, 0, 1]  # B joins A's source
+    plan = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, budget=38, source_cap=38)
+    assert plan.nodes.source.tolist() == [0, 1, 1]  # A's source would hold A and B to chunk 3, beside C
+    assert held_peak(np.array([0, 0, 2]), np.array([1, 3, 3]), np.full(3, -1), np.full(3, 19), 4) == 57
+    assert held_peak(np.array([0, 2, 2]), np.array([1, 3, 3]), np.full(3, -1), np.full(3, 19), 4) == 38
+
+
+def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
+    """Each process hoists by its own prompts' lengths: where every forward is a collective (ZeRO-3, FSDP) and the
+    hoisted plans differ, the plans without hoisting are compared next, and held where they agree; where those differ
+    too, nothing is held, with one warning."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+
+    prompts = {g: list(range(10 + 30 * g, 30 + 30 * g)) for g in range(3)}
+    chunk_groups = [[0], [0], [1, 2], [1, 2]]
+    chunks = [(np.array(groups), np.full(len(groups), 20), np.full(len(groups), 2),
+               [np.array(prompts[g] + [1, 2]) for g in groups]) for groups in chunk_groups]  # fmt: skip
+
+    def plan_for(hoist):
+        return plan_holds(chunks, full=False, min_saved=0, source_cap=38 if hoist else None)
+
+    def pattern(plan):  # what _plans_agree all-reduces
+        rows = np.zeros((3, 4), dtype=np.int64)
+        rows[:2] = plan.forward_pattern(4, training=True)
+        return np.append(rows.ravel(), 0).tolist()
+
+    assert pattern(plan_for(True)) != pattern(plan_for(False))  # hoisted: B's prompt in chunk 0's source
+    trainer = SimpleNamespace(_forwards_are_collective=lambda model: True, _unwrapped=lambda: None, warned=[])
+    trainer._warn_once = trainer.warned.append
+    trainer._plans_agree = lambda *args: HeldPrefixMixin._plans_agree(trainer, *args)
+    for other, held in ((pattern(plan_for(True)), True), (pattern(plan_for(False)), False), (None, None)):
+        trainer._all_ranks_agree = lambda values, other=other: values.tolist() == other  # the other process's pattern
+        plan = HeldPrefixMixin._agreed_plan(trainer, plan_for, 4, training=True)
+        if held is None:
+            assert plan is False and trainer.warned  # neither agrees: nothing held, one warning
+        else:
+            assert pattern(plan) == pattern(plan_for(held)) and not trainer.warned

@@ -113,18 +113,21 @@ class HeldPrefixMixin:
         if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
             return None
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
-        plan = None
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
         images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
-        if all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
-                not images or self._images_packed(batches)):  # fmt: skip
-            image_cost = (self._image_tokens, self._held_image_bytes()) if images else None
-            plan = plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
+        holds = all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
+            not images or self._images_packed(batches))  # fmt: skip
+
+        def plan_for(hoist: bool) -> HoldPlan | None:
+            if not holds:
+                return None
+            return plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
                               token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
-                              by_group=images, image_cost=image_cost,
-                              source_cap=min(len(batch[ROWS_KEY]) for batch in batches) * width)  # fmt: skip
-        if not self._plans_agree(plan, count, training=True):
-            plan = None
+                              by_group=images, image_cost=(self._image_tokens, self._held_image_bytes()) if images
+                              else None, source_cap=min(len(batch[ROWS_KEY]) for batch in batches) * width if hoist
+                              else None)  # fmt: skip
+
+        plan = self._agreed_plan(plan_for, count, training=True) or None
         held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
         self._train_scope = TrainScope(held, batches)
         return self._train_scope
@@ -171,11 +174,13 @@ class HeldPrefixMixin:
             return scope.held, [scope.cursor], False
         if len(chunks) < 2:
             return None, range(len(chunks)), False
-        plan = self._scoring_plan(rows, chunks, compute_aux_loss, images, width, chunks[0][1] - chunks[0][0])
-        encodes = None if images is None else lambda: chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
-                                                                      compute_aux_loss)  # fmt: skip
-        agreed = self._plans_agree(plan, len(chunks), training=False, encodes=encodes)  # (every process, plan or not)
-        if plan is None or not agreed:
+        batch_size = chunks[0][1] - chunks[0][0]
+        encodes = None if images is None else lambda plan: chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
+                                                                           compute_aux_loss)  # fmt: skip
+        plan = self._agreed_plan(lambda hoist: self._scoring_plan(rows, chunks, compute_aux_loss, images, width,
+                                                                  batch_size if hoist else None),
+                                 len(chunks), training=False, encodes=encodes)  # (every process, plan or not)  # fmt: skip
+        if not plan:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
 
@@ -194,44 +199,58 @@ class HeldPrefixMixin:
         if len(merged) >= len(chunks) or (plen == 0).any() or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
         # (the merged chunks follow each process's own lengths: their number agreed too)
-        encodes = None if merged is None or images is None else lambda: chunks_encoding(plan, merged, scored, images,
-                                                                                        False)  # fmt: skip
-        if not self._plans_agree(plan, len(chunks), training=False, encodes=encodes, merged=len(merged or ())):
-            return None
-        if merged is None:
+        encodes = None if merged is None or images is None else lambda plan: chunks_encoding(plan, merged, scored,
+                                                                                             images, False)  # fmt: skip
+        hoisted = plan
+        plan = self._agreed_plan(lambda hoist: hoisted if hoist or hoisted is None else self._scoring_plan(
+            rows, merged, False, images, width, None), len(chunks), training=False, encodes=encodes,
+            merged=len(merged or ()))  # fmt: skip
+        if merged is None or plan is False:
             return None
         if plan is None:
             return None, range(len(merged)), False, merged
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(merged)), True, merged
 
     def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
-                      width: int, batch_size: int):  # fmt: skip
+                      width: int, batch_size: int | None):  # fmt: skip
         """The [`HoldPlan`] of a no-grad pass over `chunks` of `rows`, or None; a source forward within one of stock's
-        (`batch_size` rows of `width` columns)."""
+        (`batch_size` rows of `width` columns; None: each source in its own chunk)."""
         if not self._within_period(width):
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
                           token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
-                          by_group=images is not None, source_cap=batch_size * width)  # fmt: skip
+                          by_group=images is not None,
+                          source_cap=batch_size * width if batch_size is not None else None)  # fmt: skip
+
+    def _agreed_plan(self, plan_for, chunks: int, training: bool, encodes=None, merged: int = 0):
+        """The plan of a scope that every process agrees on ([`_plans_agree`]): `plan_for(True)`, its sources hoisted
+        ([`core.tree.holds.hoisted_sources`]); where the processes' differ, `plan_for(False)` (each process hoists by
+        its own prompts' lengths: plans without hoisting may agree where hoisted ones do not); else False, with one
+        warning. None: agreed, nothing held."""
+        plan = plan_for(True)
+        if self._plans_agree(plan, chunks, training, encodes, merged):
+            return plan
+        plan = plan_for(False)
+        if self._plans_agree(plan, chunks, training, encodes, merged):
+            return plan
+        self._warn_once(PLANS_DIFFER)
+        return False
 
     def _plans_agree(self, plan: HoldPlan | None, chunks: int, training: bool, encodes=None,
                      merged: int = 0) -> bool:  # fmt: skip
         """Whether every process's `plan` (of a scope of at most `chunks` chunks, `merged` of them where a no-grad
-        pass's were merged) adds the same forwards and backwards to the same chunks, and (`encodes()`, an image batch's)
-        encodes images in the same chunks' own forwards ([`core.tree.holds.chunks_encoding`]); True where the
-        processes' forwards are independent. Where they differ, one warning: the caller holds nothing."""
+        pass's were merged) adds the same forwards and backwards to the same chunks, and (`encodes(plan)`, an image
+        batch's) encodes images in the same chunks' own forwards ([`core.tree.holds.chunks_encoding`]); True where the
+        processes' forwards are independent."""
         if not self._forwards_are_collective(self._unwrapped()):
             return True
         pattern = np.zeros((3, chunks), dtype=np.int64)  # one length on every process, images or not
         if plan is not None:
             pattern[:2] = plan.forward_pattern(chunks, training)
         if encodes is not None:
-            encoded = encodes()
+            encoded = encodes(plan)
             pattern[2, : len(encoded)] = encoded
-        if self._all_ranks_agree(np.append(pattern.ravel(), merged)):
-            return True
-        self._warn_once(PLANS_DIFFER)
-        return False
+        return self._all_ranks_agree(np.append(pattern.ravel(), merged))
 
     def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
         """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""

@@ -43,13 +43,14 @@ class HeldNodes:
     parent: np.ndarray  # (H,) -1 at a top node
     depth: np.ndarray  # (H,) its held ancestors
     subtree_end: np.ndarray  # (H,)
-    first: np.ndarray  # (H,) the first chunk reading it (its source's)
+    first: np.ndarray  # (H,) the first chunk reading it (its source's, or later: [`hoisted_sources`])
     last: np.ndarray  # (H,) the last
     source: np.ndarray  # (H,) the source forwarding it
     offset: np.ndarray  # (H,) its first input's index in its source's flat sequence
     top_plen: np.ndarray  # (H,) the prompt length of a row through its top node (the stock column its positions take)
     tokens: list[np.ndarray]  # (H,) each node's input token ids
-    first_row: np.ndarray  # (H,) a row through it in its first chunk (that chunk's index): whose images it holds
+    first_row: np.ndarray  # (H,) a row through it in its first chunk (that chunk's index): whose images it holds (an
+    # image batch's sources are never hoisted)
 
 
 @dataclass(frozen=True)
@@ -365,21 +366,17 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     # Sources: the nodes each chunk forwards first, in one forward, in depth-first order
     source_first = first
     if source_cap is not None and not by_group:  # (an image batch's source encodes its own chunk's rows' images)
-        source_first = hoisted_sources(first, last, length, cost[keep], budget, source_cap, len(chunks))
-    source_chunk = np.unique(source_first)
-    source = np.searchsorted(source_chunk, source_first)
+        hoisted = hoisted_sources(first, last, length, cost[keep], budget, source_cap, len(chunks))
+        # A source is released whole, after its last reader's backward: a node joining an earlier source is held as
+        # long as the longest of it (hoisted_sources counts each until its own last reader)
+        if budget is None or held_peak(hoisted, last, parent, cost[keep], len(chunks)) <= max(
+                budget, held_peak(first, last, parent, cost[keep], len(chunks))):  # fmt: skip
+            source_first = hoisted
+    source_chunk, source, backprop = sources_of(source_first, last, parent)
     offset = np.zeros(len(keep), dtype=np.int64)
     for s in range(len(source_chunk)):
         nodes = np.flatnonzero(source == s)
         offset[nodes] = np.cumsum(length[nodes]) - length[nodes]
-    # A source's backward runs in the last chunk reading it, directly or through a later source reading it
-    backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
-    for s in range(len(source_chunk) - 1, -1, -1):
-        for x in np.flatnonzero((source == s) & (parent >= 0)):
-            a = parent[x]
-            while a >= 0:
-                backprop[source[a]] = max(backprop[source[a]], backprop[s])
-                a = parent[a]
     depth = np.zeros(len(keep), dtype=np.int64)
     for x in range(len(keep)):
         if parent[x] >= 0:
@@ -409,6 +406,32 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
                                      int(sources[0]) if len(sources) else None))  # fmt: skip
     return HoldPlan(nodes, source_chunk, backprop, tuple(chunk_plans))
+
+
+def sources_of(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray):
+    """The sources of held nodes (depth-first) forwarded in chunks `source_first` and read until `last`:
+    `(source_chunk (S,), each node's source (H,), each source's backprop chunk (S,))`. A source's backward runs in the
+    last chunk reading it, directly or through a later source reading it."""
+    source_chunk = np.unique(source_first)
+    source = np.searchsorted(source_chunk, source_first)
+    backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
+    for s in range(len(source_chunk) - 1, -1, -1):
+        for x in np.flatnonzero((source == s) & (parent >= 0)):
+            a = parent[x]
+            while a >= 0:
+                backprop[source[a]] = max(backprop[source[a]], backprop[s])
+                a = parent[a]
+    return source_chunk, source, backprop
+
+
+def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray, chunks: int) -> int:
+    """The most bytes held at once by nodes of `cost` forwarded in chunks `source_first`: each source's nodes from its
+    chunk to its backprop chunk ([`sources_of`]; a no-grad pass releases no later)."""
+    source_chunk, source, backprop = sources_of(source_first, last, parent)
+    alive = np.zeros(chunks + 1, dtype=np.int64)
+    np.add.at(alive, source_chunk, np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
+    np.add.at(alive, backprop + 1, -np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
+    return int(np.cumsum(alive).max())
 
 
 def hoisted_sources(first: np.ndarray, last: np.ndarray, length: np.ndarray, cost: np.ndarray, budget: int | None,
