@@ -419,6 +419,25 @@ def test_a_source_is_held_whole_until_its_last_reader_within_the_budget():
     assert held_peak(np.array([0, 2, 2]), np.array([1, 3, 3]), np.full(3, -1), np.full(3, 19), 4) == 38
 
 
+def test_a_prompt_sharing_a_source_with_a_longer_lived_one_is_counted_until_its_release():
+    """A system prompt read by every chunk and group A's task, first read in chunk 0, are one source, released whole
+    after the last chunk: A's task is held to the end, so that a budget of the system prompt and one task leaves group
+    B's task (chunks 2 and 3) to its own chunks."""
+    from rloo_efficient.core.tree.holds import held_peak
+
+    system = list(range(100, 140))
+    tasks = {g: list(range(10 + 30 * g, 30 + 30 * g)) for g in range(2)}
+    chunk_groups = [[0], [0], [1], [1]]
+    chunks = [(np.array(groups), np.full(len(groups), 60), np.full(len(groups), 2),
+               [np.array(system + tasks[g] + [1, 2]) for g in groups]) for groups in chunk_groups]  # fmt: skip
+    plan = plan_holds(chunks, full=False, min_saved=0, token_bytes=1)
+    assert plan.nodes.length.tolist() == [39, 20, 20]  # the system prompt, each task under it
+    plan = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, budget=59)
+    assert plan.nodes.length.tolist() == [39, 20]  # B's task not held: A's is, to the end, beside the system prompt
+    assert held_peak(plan.source_chunk[plan.nodes.source], plan.nodes.last, plan.nodes.parent, plan.nodes.length,
+                     4) == 59  # fmt: skip
+
+
 def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
     """Each process hoists by its own prompts' lengths: where every forward is a collective (ZeRO-3, FSDP) and the
     hoisted plans differ, the plans without hoisting are compared next, and held where they agree; where those differ

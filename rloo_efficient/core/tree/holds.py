@@ -325,7 +325,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         link(child, -1)
     if not kept:
         return None
-    # The budget, chronologically: a node is held from its first chunk to its last, if its parent is held and it fits
+    # The budget, chronologically: a node is held from its first chunk, if its parent is held and it fits
     first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
     last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
     length = np.array([end - begin for begin, end, _, _ in kept])
@@ -334,14 +334,22 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         placeholders = np.fromiter(image_cost[0], dtype=np.int64)
         cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
                                                 for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
+    # A chunk's held nodes are one source, released whole: each is held until the last reader of any of them
     held = np.zeros(len(kept), dtype=bool)
+    alive = np.zeros(len(chunks), dtype=np.int64)  # bytes held at each chunk
     for chunk in range(len(chunks)):
-        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
+        end, source_cost = chunk, 0  # this chunk's source so far: held to chunk `end`
         for x in np.flatnonzero(first == chunk):
             parent = kept[x][3]
-            if (parent < 0 or held[parent]) and (budget is None or alive + cost[x] <= budget):
+            if parent >= 0 and not held[parent]:
+                continue
+            new_end = max(end, int(last[x]))
+            need = alive[chunk : new_end + 1] + cost[x]
+            need[end + 1 - chunk :] += source_cost  # the source's earlier nodes, held longer with it
+            if budget is None or int(need.max()) <= budget:
                 held[x] = True
-                alive += cost[x]
+                alive[chunk : new_end + 1] = need
+                end, source_cost = new_end, source_cost + int(cost[x])
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
