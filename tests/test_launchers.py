@@ -53,13 +53,16 @@ CASES = {  # launcher -> {case: (layout, reward)}
               "separate_reward_model": ("group_split_across_processes", "separate"),
               "hydra_reward_adapter": ("group_split_across_processes", "hydra"),
               "image_prompts": ("group_split_across_processes", "rule"),
-              "holds_differ_across_processes": ("one_row_per_micro_batch", "rule")},  # fmt: skip
+              "holds_differ_across_processes": ("one_row_per_micro_batch", "rule"),
+              "scoring_holds_differ_across_processes": ("one_row_per_micro_batch", "rule")},  # fmt: skip
 }
 # Ours' hold budget in a case: room for a training hold of 46 prompt tokens (768 bytes each on this model: keys and
 # values, their float32 gradient bank, a hidden state per layer under gradient checkpointing), which at some step holds
 # one process's prompt and not the other's (the test asserts it): their plans differ, and under ZeRO-3 a held prompt's
-# forward on one process alone would wait forever for the other's parameter gathers
-BUDGETS = {"holds_differ_across_processes": 46 * 768 / 1024**3}
+# forward on one process alone would wait forever for the other's parameter gathers. The same 46 tokens at a no-grad
+# pass's 256 bytes (keys and values alone): its plans differ, and training holds nothing on either process
+BUDGETS = {"holds_differ_across_processes": 46 * 768 / 1024**3, "scoring_holds_differ_across_processes": 46 * 256 / 1024**3}
+DIFFER = {"holds_differ_across_processes": True, "scoring_holds_differ_across_processes": False}  # grad enabled
 IMAGE_CASES = {"image_prompts"}  # a Qwen2-VL checkpoint, its processor, an image per prompt
 EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),
             "zero3": ("DistributedType.DEEPSPEED", 3)}  # fmt: skip
@@ -199,9 +202,14 @@ def test_through_accelerate_launch_ours_matches_stock_with_sharing_on(launched, 
         assert not prompts[0] & prompts[1]
     # Under ZeRO-3 the processes hold prompts only where their plans agree (each forward gathers parameters from
     # both; a plan disagreeing on one process alone would hang): their training plans with a budget between their
-    # prompts' lengths (below the no-grad passes' holds, which cost less) disagree at some steps and agree at others
+    # prompts' lengths (below the no-grad passes' holds, which cost less) disagree at some steps and agree at others,
+    # and a no-grad pass's with a budget between its prompts' lengths
     agreed = [results["ours", rank]["plans_agreed"] for rank in (0, 1)]
     assert agreed[0] == agreed[1]
     if zero_stage == 3:
-        training = {ok for grad, ok in agreed[0] if grad}
-        assert training == {True, False} if case in BUDGETS else False not in training
+        for grad_enabled in (True, False):
+            outcomes = {ok for grad, ok in agreed[0] if grad == grad_enabled}
+            if DIFFER.get(case) == grad_enabled:
+                assert outcomes == {True, False}, grad_enabled
+            elif grad_enabled:  # (a no-grad pass's plans may differ beside the training budget's case)
+                assert False not in outcomes
