@@ -417,6 +417,22 @@ def test_a_source_is_held_whole_until_its_last_reader_within_the_budget():
     assert plan.nodes.source.tolist() == [0, 1, 1]  # A's source would hold A and B to chunk 3, beside C
     assert held_peak(np.array([0, 0, 2]), np.array([1, 3, 3]), np.full(3, -1), np.full(3, 19), 4) == 57
     assert held_peak(np.array([0, 2, 2]), np.array([1, 3, 3]), np.full(3, -1), np.full(3, 19), 4) == 38
+    assert held_peak(np.array([0, 1]), np.array([1, 1]), np.full(2, -1), np.array([5, 7]), 2) == 12  # both at chunk 1
+
+
+def test_a_source_read_through_a_later_longer_lived_one_is_charged_until_its_backward():
+    """In training a source's backward waits for a later source reading its descendant, which a longer-lived prompt
+    beside that descendant keeps to its end: P (read in chunks 0-3) and its child C (2-3), Q (2-5, in C's source),
+    R (4-5). P is held to chunk 5, beside Q and R: over a budget of 13, the prompt first read latest (R) is not held."""
+    from rloo_efficient.core.tree.holds import held_peak, within_budget
+
+    first, last, parent = np.array([0, 2, 2, 4]), np.array([3, 3, 5, 5]), np.array([-1, 0, -1, -1])
+    cost = np.array([10, 2, 1, 10])
+    assert held_peak(first, last, parent, cost, 6) == 23
+    held = within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=13, chunks=6)
+    assert held.tolist() == [True, True, True, False]
+    assert within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=23, chunks=6).all()
+    assert within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=9, chunks=6).tolist() == [False] * 4
 
 
 def test_a_prompt_sharing_a_source_with_a_longer_lived_one_is_counted_until_its_release():
@@ -470,3 +486,55 @@ def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
             assert plan is False and trainer.warned  # neither agrees: nothing held, one warning
         else:
             assert pattern(plan) == pattern(plan_for(held)) and not trainer.warned
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_plan(merge):
+    """Through the trainer's no-grad planning (stock's chunks, or merged ones): where every forward is a collective
+    and the processes' hoisted plans differ, the plan held is the unhoisted one they agree on; where neither agrees,
+    nothing is held."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.core.tree.holds import scoring_chunks
+    from rloo_efficient.core.tree.rows import row_tokens
+    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+
+    completion = 60 if merge else 2  # long completions: each group split over merged chunks, its prompt held
+    prompts = [list(range(1000 + 200 * g, 1100 + 200 * g)) for g in range(3) for _ in range(4)]
+    completions = [[7 + row] * completion for row in range(12)]
+    input_ids, _, _, structure = stock_batch(prompts, completions)
+    width = input_ids.shape[1]
+    stock = [(row, row + 2) for row in range(0, 12, 2)]  # two rows per chunk
+    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True, _held_token_bytes=lambda training: 1,
+                              _kv_source=lambda: None, _forwards_are_collective=lambda model: True,
+                              _unwrapped=lambda: None, warned=[])  # fmt: skip
+    trainer._warn_once = trainer.warned.append
+    for name in ("_scoring_plan", "_agreed_plan", "_plans_agree"):
+        setattr(trainer, name, lambda *args, name=name, **kwargs: getattr(HeldPrefixMixin, name)(trainer, *args,
+                                                                                                 **kwargs))  # fmt: skip
+    chunks = stock
+    if merge:
+        group, plen, scored, _ = row_tokens(structure)
+        chunks = scoring_chunks(group, plen, scored, 2 * width)
+    plans = {hoist: trainer._scoring_plan(structure, chunks, False, None, width, 2 if hoist else None)
+             for hoist in (True, False)}  # fmt: skip
+    assert plans[True].source_chunk.tolist() != plans[False].source_chunk.tolist()  # hoisting differs
+
+    def pattern(plan):
+        rows = np.zeros((3, len(stock)), dtype=np.int64)
+        rows[:2] = plan.forward_pattern(len(stock), training=False)
+        return np.append(rows.ravel(), len(chunks) if merge else 0).tolist()
+
+    def plan_held(other):
+        trainer._all_ranks_agree = lambda values: values.tolist() == other  # the other process's pattern
+        with torch.no_grad():
+            if merge:
+                merged = HeldPrefixMixin._merged_chunks(trainer, structure, stock, None, width)
+                return None if merged is None else merged[0] and merged[0].plan
+            scope = HeldPrefixMixin._held_chunks(trainer, structure, stock, False, None, width)[0]
+            return scope and scope.plan
+
+    for hoist in (True, False):
+        held = plan_held(pattern(plans[hoist]))
+        assert held.source_chunk.tolist() == plans[hoist].source_chunk.tolist() and not trainer.warned
+    assert plan_held(None) is None and trainer.warned  # neither agrees: nothing held, one warning

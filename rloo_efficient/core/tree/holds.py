@@ -325,7 +325,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         link(child, -1)
     if not kept:
         return None
-    # The budget, chronologically: a node is held from its first chunk, if its parent is held and it fits
+    # The budget, chronologically: a node is held from its first chunk to its last, if its parent is held and it fits
     first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
     last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
     length = np.array([end - begin for begin, end, _, _ in kept])
@@ -334,22 +334,17 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         placeholders = np.fromiter(image_cost[0], dtype=np.int64)
         cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
                                                 for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
-    # A chunk's held nodes are one source, released whole: each is held until the last reader of any of them
     held = np.zeros(len(kept), dtype=bool)
-    alive = np.zeros(len(chunks), dtype=np.int64)  # bytes held at each chunk
     for chunk in range(len(chunks)):
-        end, source_cost = chunk, 0  # this chunk's source so far: held to chunk `end`
+        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
         for x in np.flatnonzero(first == chunk):
             parent = kept[x][3]
-            if parent >= 0 and not held[parent]:
-                continue
-            new_end = max(end, int(last[x]))
-            need = alive[chunk : new_end + 1] + cost[x]
-            need[end + 1 - chunk :] += source_cost  # the source's earlier nodes, held longer with it
-            if budget is None or int(need.max()) <= budget:
+            if (parent < 0 or held[parent]) and (budget is None or alive + cost[x] <= budget):
                 held[x] = True
-                alive[chunk : new_end + 1] = need
-                end, source_cost = new_end, source_cost + int(cost[x])
+                alive += cost[x]
+    if budget is not None:  # as sources release them: a chunk's held nodes together, after their backward
+        parents = np.array([parent for _, _, _, parent in kept], dtype=np.int64)
+        held = within_budget(held, first, last, parents, cost, budget, len(chunks))
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
@@ -377,8 +372,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         hoisted = hoisted_sources(first, last, length, cost[keep], budget, source_cap, len(chunks))
         # A source is released whole, after its last reader's backward: a node joining an earlier source is held as
         # long as the longest of it (hoisted_sources counts each until its own last reader)
-        if budget is None or held_peak(hoisted, last, parent, cost[keep], len(chunks)) <= max(
-                budget, held_peak(first, last, parent, cost[keep], len(chunks))):  # fmt: skip
+        if budget is None or held_peak(hoisted, last, parent, cost[keep], len(chunks)) <= budget:
             source_first = hoisted
     source_chunk, source, backprop = sources_of(source_first, last, parent)
     offset = np.zeros(len(keep), dtype=np.int64)
@@ -440,6 +434,23 @@ def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, co
     np.add.at(alive, source_chunk, np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
     np.add.at(alive, backprop + 1, -np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
     return int(np.cumsum(alive).max())
+
+
+def within_budget(held: np.ndarray, first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray,
+                  budget: int, chunks: int) -> np.ndarray:  # fmt: skip
+    """`held` (nodes in depth-first order, `parent` -1 at a top node) less the nodes first read latest, until what
+    their sources hold at once is within `budget` ([`held_peak`]: a source is released whole, after its backward, which
+    a later source reading a descendant delays)."""
+    held = held.copy()
+    while held.any():
+        index = np.flatnonzero(held)
+        rank = np.full(len(held), -1)
+        rank[index] = np.arange(len(index))
+        ranked_parent = np.where(parent[index] >= 0, rank[np.maximum(parent[index], 0)], -1)
+        if held_peak(first[index], last[index], ranked_parent, cost[index], chunks) <= budget:
+            break
+        held[index[np.lexsort((index, first[index]))[-1]]] = False  # (the deepest of the latest: no held child)
+    return held
 
 
 def hoisted_sources(first: np.ndarray, last: np.ndarray, length: np.ndarray, cost: np.ndarray, budget: int | None,
