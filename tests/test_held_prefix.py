@@ -111,7 +111,8 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
         want_logps, want_entropy, want_grads, _ = run_chunks(scoring_model, input_ids, width_c, structure, chunks,
                                                              False, weights)  # fmt: skip
     logps, entropy, grads, scope = run_chunks(scoring_model, input_ids, width_c, structure, chunks, True, weights,
-                                              min_saved, source_cap=bs * input_ids.shape[1])  # as the trainer's  # fmt: skip
+                                              min_saved, source_cap=bs * input_ids.shape[1])  # fmt: skip
+    # (the trainer's cap: one of stock's forwards)
     if min_saved == 0:
         assert (scope.plan.nodes.parent >= 0).any()  # a held node under another
     if bs > 1 and order == "group_major":  # a later group's prompt forwarded in an earlier chunk's source (within
@@ -505,8 +506,9 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
     input_ids, _, _, structure = stock_batch(prompts, completions)
     width = input_ids.shape[1]
     stock = [(row, row + 2) for row in range(0, 12, 2)]  # two rows per chunk
-    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True, _held_token_bytes=lambda training: 1,
-                              _kv_source=lambda: None, _forwards_are_collective=lambda model: True,
+    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True,
+                              _held_token_bytes=lambda training: 1, _kv_source=lambda: None,
+                              _forwards_are_collective=lambda model: True,
                               _unwrapped=lambda: None, warned=[])  # fmt: skip
     trainer._warn_once = trainer.warned.append
     for name in ("_scoring_plan", "_agreed_plan", "_plans_agree"):

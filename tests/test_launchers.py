@@ -61,7 +61,8 @@ CASES = {  # launcher -> {case: (layout, reward)}
 # one process's prompt and not the other's (the test asserts it): their plans differ, and under ZeRO-3 a held prompt's
 # forward on one process alone would wait forever for the other's parameter gathers. The same 46 tokens at a no-grad
 # pass's 256 bytes (keys and values alone): its plans differ, and training holds nothing on either process
-BUDGETS = {"holds_differ_across_processes": 46 * 768 / 1024**3, "scoring_holds_differ_across_processes": 46 * 256 / 1024**3}
+BUDGETS = {"holds_differ_across_processes": 46 * 768 / 1024**3,
+           "scoring_holds_differ_across_processes": 46 * 256 / 1024**3}
 DIFFER = {"holds_differ_across_processes": True, "scoring_holds_differ_across_processes": False}  # grad enabled
 IMAGE_CASES = {"image_prompts"}  # a Qwen2-VL checkpoint, its processor, an image per prompt
 EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),

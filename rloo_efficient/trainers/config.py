@@ -65,14 +65,15 @@ SHARING_DOC = r"""
             of once per micro-batch: TRL scores a generation batch in chunks of `per_device_train_batch_size` rows and
             trains on it in micro-batches of that size, so at one or two rows per micro-batch a group's prompt would
             be forwarded `k` or `k / 2` times. The first chunk (or micro-batch) holding one of its rows forwards it
-            (or an earlier one, with its own, within one of stock's forwards) and holds what later tokens read of it (each layer's keys and values, a recurrent layer's state and
-            convolution tail, a MoE layer's router logits); later ones read it. In training, within one optimizer step
-            (and one generation), the prompt is forwarded with grad by its first micro-batch, its gradient from the
-            others is banked, and its one backward runs inside the Trainer's backward of its last: exactly the
-            gradient of forwarding it in each micro-batch, DDP, DeepSpeed and gradient checkpointing unchanged. What
-            is held is released once its last micro-batch is done. Held state beyond this many GiB is not held (those
-            prompts are forwarded per micro-batch, as without it). `None`: a quarter of the accelerator's memory (of
-            the host's on CPU); `0`: never held. Not in training under reentrant gradient checkpointing
+            (or an earlier one, with its own, within one of stock's forwards) and holds what later tokens read of it
+            (each layer's keys and values, a recurrent layer's state and convolution tail, a MoE layer's router
+            logits); later ones read it. In training, within one optimizer step (and one generation), the prompt is
+            forwarded with grad by its first micro-batch, its gradient from the others is banked, and its one
+            backward runs inside the Trainer's backward of its last: exactly the gradient of forwarding it in each
+            micro-batch, DDP, DeepSpeed and gradient checkpointing unchanged. What is held is released once the last
+            micro-batch reading it, or a prompt forwarded with it, is done. Held state beyond this many GiB is not
+            held (those prompts are forwarded per micro-batch, as without it). `None`: a quarter of the accelerator's
+            memory (of the host's on CPU); `0`: never held. Not in training under reentrant gradient checkpointing
             (`use_reentrant=True`) or FSDP.
         static_decoding (`bool` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill`, decode from the shared prefill's cache in buffers sized for the call

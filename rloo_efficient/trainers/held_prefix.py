@@ -115,17 +115,19 @@ class HeldPrefixMixin:
         batches = [buffered[(step + t) % per_generation] for t in range(count)]
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
         images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
-        holds = all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
-            not images or self._images_packed(batches))  # fmt: skip
+        tables = None  # each micro-batch's rows, where the scope may hold
+        if all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
+                not images or self._images_packed(batches)):  # fmt: skip
+            tables = [row_tokens(batch[ROWS_KEY]) for batch in batches]
+            image_cost = (self._image_tokens, self._held_image_bytes()) if images else None
+            cap = min(len(batch[ROWS_KEY]) for batch in batches) * width  # one of stock's forwards
 
         def plan_for(hoist: bool) -> HoldPlan | None:
-            if not holds:
+            if tables is None:
                 return None
-            return plan_holds([row_tokens(batch[ROWS_KEY]) for batch in batches], full=bool(self.aux_loss_enabled),
-                              token_bytes=self._held_token_bytes(training=True), budget=self._hold_budget,
-                              by_group=images, image_cost=(self._image_tokens, self._held_image_bytes()) if images
-                              else None, source_cap=min(len(batch[ROWS_KEY]) for batch in batches) * width if hoist
-                              else None)  # fmt: skip
+            return plan_holds(tables, full=bool(self.aux_loss_enabled), budget=self._hold_budget,
+                              token_bytes=self._held_token_bytes(training=True), by_group=images,
+                              image_cost=image_cost, source_cap=cap if hoist else None)  # fmt: skip
 
         plan = self._agreed_plan(plan_for, count, training=True) or None
         held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
@@ -174,12 +176,12 @@ class HeldPrefixMixin:
             return scope.held, [scope.cursor], False
         if len(chunks) < 2:
             return None, range(len(chunks)), False
-        batch_size = chunks[0][1] - chunks[0][0]
-        encodes = None if images is None else lambda plan: chunks_encoding(plan, chunks, row_tokens(rows)[2], images,
+        batch_size, scored = chunks[0][1] - chunks[0][0], row_tokens(rows)[2]
+        encodes = None if images is None else lambda plan: chunks_encoding(plan, chunks, scored, images,
                                                                            compute_aux_loss)  # fmt: skip
         plan = self._agreed_plan(lambda hoist: self._scoring_plan(rows, chunks, compute_aux_loss, images, width,
                                                                   batch_size if hoist else None),
-                                 len(chunks), training=False, encodes=encodes)  # (every process, plan or not)  # fmt: skip
+                                 len(chunks), training=False, encodes=encodes)  # (every process, plan or not)
         if not plan:
             return None, range(len(chunks)), False
         return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
@@ -191,10 +193,11 @@ class HeldPrefixMixin:
         if self._hold_budget is None or len(chunks) < 2:
             return None
         group, plen, scored, _ = row_tokens(rows)
-        merged = scoring_chunks(group, plen, scored, (chunks[0][1] - chunks[0][0]) * width)
+        batch_size = chunks[0][1] - chunks[0][0]
+        merged = scoring_chunks(group, plen, scored, batch_size * width)
         plan = None
         if len(merged) < len(chunks):
-            plan = self._scoring_plan(rows, merged, False, images, width, chunks[0][1] - chunks[0][0])
+            plan = self._scoring_plan(rows, merged, False, images, width, batch_size)
         # (a row with an empty prompt runs stock's forward, which would split a merged chunk by stock's batch size)
         if len(merged) >= len(chunks) or (plen == 0).any() or not prompts_held(plan, merged, group, plen, scored):
             merged, plan = None, None
