@@ -167,6 +167,51 @@ def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, mi
     assert len(calls) == (1 + (0 if windowed or folded else levels) if tree.num_tokens else 0)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_nodes_that_read_no_other_are_the_variable_length_call_alone(monkeypatch, window):
+    """Rows that share nothing (one row per micro-batch, a source's prompts): each layer is the nodes' one call, its
+    output and gradients handed back as the kernel made them: no buffer filled, copied or summed into around it (on
+    a GPU each is a launch, and at one row per micro-batch the host is the limit)."""
+    from rloo_efficient.core.attention import checks as kernel_checks
+    from rloo_efficient.profiling.op_count import OpCounter
+
+    class Around(OpCounter):  # the operators dispatched outside the kernel's calls
+        inside = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.inside:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    counter = Around()
+
+    def kernel(function):
+        def call(*args):
+            counter.inside += 1
+            try:
+                return function(*args)
+            finally:
+                counter.inside -= 1
+
+        return call
+
+    calls = emulate_varlen(monkeypatch)
+    monkeypatch.setattr(kernel_checks, "varlen_forward", kernel(kernel_checks.varlen_forward))
+    monkeypatch.setattr(kernel_checks, "varlen_backward", kernel(kernel_checks.varlen_backward))
+    tree = build_tree([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [15, 16]], min_saved=0)
+    layout = tree_layout(tree, torch.device("cpu"))[0]
+    check_against_dense(tree, 0, window=window, layout=layout)
+    assert len(calls) == 1 and not layout.parts
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, tree.num_tokens, DIM, generator=g, dtype=torch.float64).requires_grad_()
+               for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
+    with counter:
+        out, _ = prefix_attention(None, q, k, v, None, scaling=0.3, rloo_prefix_layout=layout, sliding_window=window)
+        out.sum().backward()
+    launched = {name for name in counter.counts if counter.counts[name] > counter.metadata[name]}
+    assert launched <= {"aten::sum", "aten::ones_like", "aten::expand"}, launched  # the test's loss alone
+
+
 def test_padding_slots_stay_finite_with_large_scores():
     """Nodes of different lengths leave padding slots in every part; with scores beyond exp's range their
     probabilities must still be computed against a finite log-sum-exp (no inf * 0 = NaN in the gradients)."""

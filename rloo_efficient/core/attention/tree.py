@@ -183,6 +183,12 @@ def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
     return torch.cat([own, *(_flat(x) for x in held)]).index_select(0, fold.keys.scatter)
 
 
+def _nodes_alone(layout: TreeLayout, held: tuple) -> bool:
+    """Whether the nodes' own causal call is all of a layer's attention: no node reads another's keys (a single
+    node per row, a source's prompts), held or in the tree."""
+    return not (layout.parts or layout.packed_parts or layout.held_parts or layout.history or held)
+
+
 def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dtype) -> list[torch.Tensor]:
     """The gradient of [`_held_keys`]'s gathered keys `(K, Hkv, D)`, summed back (in `dtype`) to the flat sequence's
     `(N, Hkv, D)` and each slot's `(Ns, Hkv, D)` (`held`: the slots' keys, flat): `[own, *slots]`. From the runs
@@ -248,21 +254,22 @@ class TreeAttention(torch.autograd.Function):
         node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
         nodes_config = varlen_config(q, k, True, node_window) if nodes is not None and not folded else None
         parts_config = varlen_config(q, k, False) if parts and window is None and not folded else None
-        if folded and sinks is None:  # the one call (every ancestor's keys in it): its output is the attention's
+        if nodes_config is not None:
+            packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
+                                                    nodes.max_k, True, scale, node_window)  # fmt: skip
+        if packed_nodes is not None and sinks is None and (folded or _nodes_alone(layout, held)):
+            # The one call (folded: every ancestor's keys in it; else nodes that read no other's): the attention
             out_n, lse_n, state = packed_nodes
             result, lse = out_n, lse_n.t()  # (N, H, D) in the query's dtype; (N, H) float32, a view of flash's
             if any(ctx.needs_input_grad[:4]) or any(ctx.needs_input_grad[9:]):
                 ctx.save_for_backward(query, key, value, sinks, result, lse, *held)
             ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, [state], sliding
-            ctx.packed = (True, set(), True)
+            ctx.packed = (True, set(), folded)
             return result.unsqueeze(0)
         # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
         # padding slots write (and read back what they wrote there), so nothing needs zeroing
         out = q.new_empty(tokens + 1, heads, dim, dtype=work)
         lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
-        if nodes_config is not None and not folded:
-            packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
-                                                    nodes.max_k, True, scale, node_window)  # fmt: skip
         if packed_nodes is not None:
             out_n, lse_n, state = packed_nodes
             states.append(state)
@@ -365,6 +372,10 @@ class TreeAttention(torch.autograd.Function):
             return (token_major(dq, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
                     None, None, None, None, *(None if g is None else token_major(g, x)
                                               for g, x in zip(held_grads, held, strict=True)))  # fmt: skip
+        if packed_nodes and _nodes_alone(layout, held):  # the nodes' call alone, over the flat sequence itself
+            dq, dk, dv = varlen_attention_backward(next(states), grad, q, k, v, out, lse.t(), True, scale)
+            token_major = lambda x, like: x.to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+            return token_major(dq, query), token_major(dk, key), token_major(dv, value), grad_sinks, *(None,) * 5
         grad_q = q.new_zeros(tokens + 1, heads, dim, dtype=work)
         grad_k = k.new_zeros(tokens + 1, *k.shape[1:], dtype=work)
         grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
