@@ -434,6 +434,18 @@ def test_a_source_read_through_a_later_longer_lived_one_is_charged_until_its_bac
     assert held.tolist() == [True, True, True, False]
     assert within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=23, chunks=6).all()
     assert within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=9, chunks=6).tolist() == [False] * 4
+    # A no-grad pass releases P after chunk 3 (no backward to wait for): 13 bytes at most, all four held
+    assert held_peak(first, last, parent, cost, 6, training=False) == 13
+    assert within_budget(np.ones(4, dtype=bool), first, last, parent, cost, budget=13, chunks=6, training=False).all()
+    # Through plan_holds: rows reading P (chunks 0-1), P then C (2-3), Q (2-5), R (4-5), each prompt ending in a token
+    # of its own (held: 10, 2, 1 and 10 tokens)
+    p, c, q, r = (list(range(10 + 20 * i, 10 + 20 * i + size)) for i, size in enumerate((11, 2, 2, 11)))
+    chunks = [(np.arange(len(chunk)), np.array([len(x) + 1 for x in chunk]), np.full(len(chunk), 2),
+               [np.array([*x, 500 + 10 * index + row, 1, 2]) for row, x in enumerate(chunk)])
+              for index, chunk in enumerate([[p], [p], [p + c, q], [p + c, q], [q, r], [q, r]])]  # fmt: skip
+    for training, held in ((True, [10, 2, 1]), (False, [10, 2, 1, 10])):  # C and Q: one source, in chunk 2
+        plan = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, budget=13, training=training)
+        assert plan.nodes.length.tolist() == held and plan.nodes.parent.tolist()[:2] == [-1, 0]
 
 
 def test_a_prompt_sharing_a_source_with_a_longer_lived_one_is_counted_until_its_release():

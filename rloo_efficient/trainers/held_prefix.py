@@ -222,7 +222,7 @@ class HeldPrefixMixin:
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
                           token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
-                          by_group=images is not None,
+                          by_group=images is not None, training=False,
                           source_cap=batch_size * width if batch_size is not None else None)  # fmt: skip
 
     def _agreed_plan(self, plan_for, chunks: int, training: bool, encodes=None, merged: int = 0):

@@ -255,7 +255,7 @@ def chunks_encoding(plan: "HoldPlan | None", chunks: list[tuple[int, int]], scor
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
                by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
-               source_cap: int | None = None) -> HoldPlan | None:  # fmt: skip
+               source_cap: int | None = None, training: bool = True) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
     [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
@@ -266,7 +266,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
     vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
     stock's forwards) when it forwards nodes first read by later chunks too ([`hoisted_sources`]); None: each source
-    forwards the nodes first read by its own chunk.
+    forwards the nodes first read by its own chunk. `training`: the budget counts each source until its backward, else
+    (a no-grad pass) until its own nodes' last reader ([`held_peak`]).
     """
     if any((plen == 0).any() for _, plen, _, _ in chunks):
         return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
@@ -344,7 +345,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
                 alive += cost[x]
     if budget is not None:  # as sources release them: a chunk's held nodes together, after their backward
         parents = np.array([parent for _, _, _, parent in kept], dtype=np.int64)
-        held = within_budget(held, first, last, parents, cost, budget, len(chunks))
+        held = within_budget(held, first, last, parents, cost, budget, len(chunks), training)
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
@@ -372,7 +373,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         hoisted = hoisted_sources(first, last, length, cost[keep], budget, source_cap, len(chunks))
         # A source is released whole, after its last reader's backward: a node joining an earlier source is held as
         # long as the longest of it (hoisted_sources counts each until its own last reader)
-        if budget is None or held_peak(hoisted, last, parent, cost[keep], len(chunks)) <= budget:
+        if budget is None or held_peak(hoisted, last, parent, cost[keep], len(chunks), training) <= budget:
             source_first = hoisted
     source_chunk, source, backprop = sources_of(source_first, last, parent)
     offset = np.zeros(len(keep), dtype=np.int64)
@@ -426,10 +427,14 @@ def sources_of(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray):
     return source_chunk, source, backprop
 
 
-def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray, chunks: int) -> int:
+def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray, chunks: int,
+              training: bool = True) -> int:  # fmt: skip
     """The most bytes held at once by nodes of `cost` forwarded in chunks `source_first`: each source's nodes from its
-    chunk to its backprop chunk ([`sources_of`]; a no-grad pass releases no later)."""
+    chunk to its backprop chunk ([`sources_of`]), or (not `training`) to its own nodes' last reader, as
+    [`HoldPlan.released_after`] releases them."""
     source_chunk, source, backprop = sources_of(source_first, last, parent)
+    if not training:  # (no backward to wait for; a descendant's readers read its ancestors, whose `last` is later)
+        backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
     alive = np.zeros(chunks + 1, dtype=np.int64)
     np.add.at(alive, source_chunk, np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
     np.add.at(alive, backprop + 1, -np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
@@ -437,17 +442,17 @@ def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, co
 
 
 def within_budget(held: np.ndarray, first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray,
-                  budget: int, chunks: int) -> np.ndarray:  # fmt: skip
+                  budget: int, chunks: int, training: bool = True) -> np.ndarray:  # fmt: skip
     """`held` (nodes in depth-first order, `parent` -1 at a top node) less the nodes first read latest, until what
-    their sources hold at once is within `budget` ([`held_peak`]: a source is released whole, after its backward, which
-    a later source reading a descendant delays)."""
+    their sources hold at once is within `budget` ([`held_peak`]: a source is released whole, in training after its
+    backward, which a later source reading a descendant delays)."""
     held = held.copy()
     while held.any():
         index = np.flatnonzero(held)
         rank = np.full(len(held), -1)
         rank[index] = np.arange(len(index))
         ranked_parent = np.where(parent[index] >= 0, rank[np.maximum(parent[index], 0)], -1)
-        if held_peak(first[index], last[index], ranked_parent, cost[index], chunks) <= budget:
+        if held_peak(first[index], last[index], ranked_parent, cost[index], chunks, training) <= budget:
             break
         held[index[np.lexsort((index, first[index]))[-1]]] = False  # (the deepest of the latest: no held child)
     return held
