@@ -6,6 +6,8 @@ each is compared with the same model unsharded. Transformers' Trainer does not s
 built here directly. Writes `<out>/fsdp_rank<r>.json` with the largest differences seen.
 """
 
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -140,6 +142,85 @@ def image_prompts(directory: Path) -> dict:
     return out
 
 
+def held_training(moe: bool) -> dict:
+    """
+    Training micro-batches of one row, each group's prompt held across them ([`core.tree.holds`]): forwarded with grad
+    by its first micro-batch, read detached (its gradient banked) by the next, attached by its last, whose backward
+    runs the prompt's, on the sharded model (guarded: [`core.forward.sharded`]) against the reference's micro-batches
+    each packed on its own. Llama under non-reentrant gradient checkpointing, its gradients synchronized at the last
+    micro-batch alone (as accelerate's accumulation does); a Mixtral with its load-balancing loss (held router logits).
+    Returns the held tokens, banks added and the largest gradient difference, relative to the largest gradient.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from rloo_efficient.core.layers.moe import recording_router_logits, weighted_aux_loss
+
+    torch.manual_seed(0)
+    if moe:
+        config = MixtralConfig(**CONFIG, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
+        model = MixtralForCausalLM(config).to(torch.float64)
+        reference = MixtralForCausalLM(config).to(torch.float64)
+        reference.load_state_dict(model.state_dict())
+    else:
+        model, reference = pair(LlamaForCausalLM)
+    for m in (model, reference):
+        m.config._attn_implementation = "sdpa"
+        m.config._experts_implementation = "eager"  # (torch._grouped_mm has no float64)
+        add_fused_lm_head(m, outputs=("log_probs",))
+        if not moe:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    shard(model)
+    install(reference)
+    g = torch.Generator().manual_seed(5 + dist.get_rank())  # each rank its own rows
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 6)]
+    rows, width_p, width_c = [0, 0, 0, 1, 1, 1], 9, 5
+    completions = [torch.randint(3, 64, (width_c,), generator=g).tolist() for _ in rows]
+    ids = torch.tensor([[0] * (width_p - len(prompts[r])) + prompts[r] + c for r, c in zip(rows, completions)])
+    scored = [5, 3, 5, 2, 4, 5]
+    structure = row_groups([prompts[r] for r in rows], scored, None, [c[:n] for c, n in zip(completions, scored)])
+    chunks = [np.array([row]) for row in range(len(rows))]
+    plan = plan_holds(chunk_tables(structure, chunks), full=moe, min_saved=0)
+    weights = torch.linspace(-1, 1, len(rows) * width_c, dtype=torch.float64).view(-1, width_c)
+    out, sources = {}, set()
+    for m, hold in ((model, True), (reference, False)):
+        scope = HeldScope(plan, training=True) if hold else None
+        call = lambda **inputs: m(**inputs, fused_lm_head=True)  # noqa: E731
+        routers = functools.partial(recording_router_logits, m) if moe else None
+        for index, chunk in enumerate(chunks):
+            row = torch.from_numpy(chunk)
+            if hold:
+                m.set_requires_gradient_sync(index == len(chunks) - 1)
+                if plan.chunks[index].source is not None:
+                    scope.forward_source(plan.chunks[index].source, call, width_p, ids.device, False, routers,
+                                         sharded=m)  # fmt: skip
+            pack = dict(token_weights=moe, min_saved=0)
+            packed = (scope.pack(index, ids[row], width_c, structure[row], **pack) if hold
+                      else pack_rows(ids[row], width_c, structure[row], **pack))  # fmt: skip
+            with recording_router_logits(m) if moe else contextlib.nullcontext() as logits:
+                values = packed.unpack(call(**packed.model_inputs()).log_probs)
+            loss = (values.double() * weights[row]).sum()
+            if moe:
+                held = packed.layout.held.routers() if packed.layout.held is not None else []
+                loss = loss + weighted_aux_loss(logits, packed.token_weights, m.config, held, list(packed.held_weights))
+            if hold:
+                sources.update(scope.sources.values())
+            loss.backward()
+            if hold:
+                scope.release(index)
+        if hold:
+            out["tokens"] = scope.forwarded_tokens
+            out["banks_added"] = sum(source.banks_added for source in sources)
+    grads = [full(p.grad) for p in model.parameters()]
+    want = [p.grad for p in reference.parameters()]
+    for w in want:  # FSDP averages the processes' gradients
+        dist.all_reduce(w)
+        w /= dist.get_world_size()
+    scale = max(w.abs().max().item() for w in want)
+    out["grads"] = max((a - b).abs().max().item() for a, b in zip(grads, want, strict=True)) / scale
+    return out
+
+
 def main():
     dist.init_process_group("gloo")
     out = {}
@@ -216,6 +297,7 @@ def main():
                                                                             strict=True))  # fmt: skip
 
     out.update(image_prompts(Path(sys.argv[1])))
+    out["held_training"] = {name: held_training(moe) for name, moe in (("llama", False), ("mixtral", True))}
 
     # Packed reward scoring on a sharded sequence classifier, called at its root
     model, reference = pair(LlamaForSequenceClassification, num_labels=1)

@@ -90,9 +90,9 @@ def test_the_run_script_on_two_processes_builds_its_models_once_and_writes_one_r
 
 
 def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
-    """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, a no-grad pass holding each
-    prompt across chunks of one row ([`core.tree.holds`]), the shared prefill with the
-    prompt cache once per group (text, and image prompts on a Qwen2-VL), and the packed reward scoring give the
+    """Under FSDP2 (`fully_shard`, 2 CPU processes): the packed forward and backward, a no-grad pass and training
+    holding each prompt across chunks of one row ([`core.tree.holds`], [`core.forward.sharded`]), the shared prefill
+    with the prompt cache once per group (text, and image prompts on a Qwen2-VL), and the packed reward scoring give the
     unsharded model's numbers; the ranks agree on the image prefill."""
     worker = Path(__file__).with_name("fsdp_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -112,3 +112,7 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
         assert result["image_prefill_tokens"] and result["images_encoded"]
         assert result["image_generate_same_tokens"] and result["image_generate_logits"] < 1e-6
         assert result["ranks_agree"] == [True, False]
+        # Training holding each prompt across micro-batches of one row: each group's prompt forwarded once, the banked
+        # gradients added by its last micro-batch, the unsharded model's gradient (TRL's head rounds to float32)
+        for held in result["held_training"].values():
+            assert held["tokens"] == 13 and held["banks_added"] > 0 and held["grads"] < 1e-6

@@ -7,6 +7,7 @@ resolution; the held state is released when its last chunk is done.
 """
 
 import contextlib
+import functools
 import random
 
 import numpy as np
@@ -184,8 +185,9 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
             rows = torch.from_numpy(chunk)
             pack = dict(token_weights=moe, recurrent=recurrent)
             if hold and scope.plan.chunks[index].source is not None:
+                routers = functools.partial(recording_router_logits, model) if moe else None
                 scope.forward_source(scope.plan.chunks[index].source, call, input_ids.shape[1] - width_c,
-                                     input_ids.device, recurrent, (lambda: recording_router_logits(model)) if moe else None)  # fmt: skip
+                                     input_ids.device, recurrent, routers)
             packed = (scope.pack(index, input_ids[rows], width_c, structure[rows], **pack) if hold
                       else pack_rows(input_ids[rows], width_c, structure[rows], **pack))  # fmt: skip
             with recording_router_logits(model) if moe else contextlib.nullcontext() as routers:
@@ -219,11 +221,11 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
         torch.testing.assert_close(got, want, rtol=tolerance * 10, atol=tolerance * 10 * scale)
 
 
-@pytest.mark.parametrize("case", ["reentrant_checkpointing", "fsdp"])
+@pytest.mark.parametrize("case", ["reentrant_checkpointing", "fsdp1"])
 def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_holds(workload, tmp_path, case):
-    """Reentrant checkpointing keeps no graph of a layer's keys, and FSDP gathers a layer's parameters only for a
+    """Reentrant checkpointing keeps no graph of a layer's keys, and FSDP1 gathers a layer's parameters only for a
     gradient reaching its output: training micro-batches forward their prompts (one warning naming why); the no-grad
-    passes still hold them."""
+    passes still hold them. (FSDP2 holds them: `tests/test_distributed.py`.)"""
     import warnings
 
     from rloo_efficient import RLOOTrainer
@@ -238,8 +240,9 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
     fsdp = pytest.MonkeyPatch.context()
     with warnings.catch_warnings(record=True) as caught, fsdp as patch:
         warnings.simplefilter("always")
-        if case == "fsdp":  # what the Trainer sets from accelerate's FSDP plugin (CPU processes run no FSDP), as our
-            # construction reads it (set only there: the rest of the Trainer would look for the plugin)
+        if case == "fsdp1":  # what the Trainer sets from accelerate's FSDP plugin (CPU processes run no FSDP), as our
+            # construction reads it (set only there: the rest of the Trainer would look for the plugin); accelerate's
+            # state, without a plugin, is not FSDP2
             from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
 
             init_holds = HeldPrefixMixin._init_holds
@@ -256,9 +259,23 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
                               train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
         trainer.train()
     messages = [str(w.message) for w in caught if "not held across micro-batches" in str(w.message)]
-    assert len(messages) == 1 and ("use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP") in messages[0]
+    named = "use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP1"
+    assert len(messages) == 1 and named in messages[0]
     assert not trainer._hold_training and trainer._train_scope is None
     assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
+
+
+def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
+    """Under FSDP2 a held tensor's backward first gathers the sharded module it was computed in
+    ([`core.forward.sharded`]); FSDP1's flat parameters have no such hook: there, training forwards its prompts."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+
+    args = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    for fsdp2, held in ((True, True), (False, False)):
+        trainer = SimpleNamespace(is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=fsdp2), args=args)
+        assert (HeldPrefixMixin._hold_reason(trainer) is None) == held
 
 
 def test_image_placeholders_count_against_the_budget_by_group():

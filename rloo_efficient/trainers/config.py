@@ -74,7 +74,7 @@ SHARING_DOC = r"""
             micro-batch reading it, or a prompt forwarded with it, is done. Held state beyond this many GiB is not
             held (those prompts are forwarded per micro-batch, as without it). `None`: a quarter of the accelerator's
             memory (of the host's on CPU); `0`: never held. Not in training under reentrant gradient checkpointing
-            (`use_reentrant=True`) or FSDP.
+            (`use_reentrant=True`) or FSDP1 (FSDP2 holds).
         static_decoding (`bool` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill`, decode from the shared prefill's cache in buffers sized for the call
             (each layer's keys and values, the attention mask, positions and tokens written in place; the logits

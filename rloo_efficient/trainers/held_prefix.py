@@ -300,9 +300,10 @@ class HeldPrefixMixin:
 
     def _hold_reason(self) -> str | None:
         """Why prompts cannot be held across micro-batches in training, or None."""
-        if getattr(self, "is_fsdp_enabled", False):
-            return ("under FSDP a held prompt's gradient enters each layer at its keys and values, inside the layer, "
-                    "while FSDP gathers a layer's parameters again only for a gradient reaching its output")  # fmt: skip
+        if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
+            return ("under FSDP1 a held prompt's gradient enters each layer at its keys and values, inside the layer, "
+                    "while FSDP gathers a layer's parameters again only for a gradient reaching its output (FSDP2 "
+                    "holds them)")  # fmt: skip
         if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
             return ("gradient checkpointing with use_reentrant=True keeps no graph of a layer's keys (a held prompt's "
                     "gradient could not reach it)")  # fmt: skip

@@ -7,6 +7,7 @@ across chunks and micro-batches where they can be ([`held_prefix`]); TRL's forwa
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 
 import numpy as np
@@ -131,15 +132,17 @@ class PackedForwardMixin:
                 if scope is not None:
                     source = scope.plan.chunks[index].source
                     if source is not None:  # the prompts first held here: forwarded once, for every later chunk
-                        routers = (lambda: recording_router_logits(unwrapped)) if compute_aux_loss else None
+                        routers = functools.partial(recording_router_logits, unwrapped) if compute_aux_loss else None
                         held_images = None
                         if images:  # its groups' images, encoded here once for every later chunk
                             held_images = (self._image_tokens, (end - start, input_ids.size(1)),
                                            lambda batch, start=start: self._with_images(
                                                unwrapped, batch, images, input_ids, attention_mask, start,
                                                logits_to_keep))  # fmt: skip
+                        sharded = unwrapped if getattr(self, "is_fsdp_enabled", False) else None
                         tokens = scope.forward_source(source, call, input_ids.size(1) - logits_to_keep,
-                                                      input_ids.device, recurrent, routers, held_images)  # fmt: skip
+                                                      input_ids.device, recurrent, routers, held_images,
+                                                      sharded)  # fmt: skip
                         self.packed_forward_tokens += tokens
                         self.tree_tokens += tokens
                         self.held_forward_tokens += tokens

@@ -134,24 +134,37 @@ class HeldReads:
 
 
 class Capture:
-    """What a source forward's layers hand over, collected as a [`HeldSource`]'s tensors."""
+    """What a source forward's layers hand over, collected as a [`HeldSource`]'s tensors. `owner`: under FSDP2, the
+    sharded module whose forward is running ([`forward.sharded.running_owner`]), whose parameters each held tensor's
+    backward needs gathered ([`guard`])."""
 
-    def __init__(self, kv_source: list[int] | None = None):
+    def __init__(self, kv_source: list[int] | None = None, owner=None):
         self.tensors: dict = {}
         self.kv_source = kv_source
+        self.owner = owner
 
     def attention(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.kv_source is not None and self.kv_source[layer] != layer:
             return  # a layer reading another's keys: its source's are held
-        self.tensors[("key", layer)], self.tensors[("value", layer)] = key, value
+        self.tensors[("key", layer)], self.tensors[("value", layer)] = self.guard(key), self.guard(value)
 
     def recurrent(self, layer, kind: str, value: torch.Tensor) -> None:
         """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree.layout.level_order`]."""
-        self.tensors[(kind, id(layer))] = value
+        self.tensors[(kind, id(layer))] = self.guard(value)
 
     def routers(self, logits: list[torch.Tensor]) -> None:
+        """Each MoE layer's router logits, in call order (each guarded as the forward recorded it)."""
         for index, value in enumerate(logits):
             self.tensors[("router", index)] = value
+
+    def guard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`, its backward preceded by gathering the sharded module it was computed in (under FSDP2): its
+        gradient enters that module inside it, where FSDP gathers parameters only for a gradient reaching the
+        module's output, which none may (a source's last layer: nothing reads its output)."""
+        module = self.owner() if self.owner is not None else None
+        if module is not None and tensor.grad_fn is not None:
+            tensor.grad_fn.register_prehook(lambda grad_outputs, module=module: module.unshard())
+        return tensor
 
 
 def capturing():

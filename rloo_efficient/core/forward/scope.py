@@ -16,6 +16,7 @@ from ..attention.held import Capture, HeldReads, HeldSource, holding
 from ..tree.holds import HoldPlan
 from ..tree.rows import row_tokens
 from .packing import PackedBatch, pack_rows, pack_source
+from .sharded import running_owner
 
 
 class HeldScope:
@@ -38,11 +39,12 @@ class HeldScope:
         return HeldReads(slots, self.kv_source)
 
     def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool, routers=None,
-                       images=None) -> int:  # fmt: skip
+                       images=None, sharded=None) -> int:  # fmt: skip
         """Runs `source`'s packed forward through `call`, holding what its layers hand over (and the router logits
-        `routers()` records, a context manager yielding a list, where given). With `images` (an image batch, planned
-        by group): `(placeholder ids, (rows, width) of the source's chunk, prepare)`, where `prepare(batch)` returns
-        the batch as the family needs it and the image kwargs of its nodes. Returns its tokens."""
+        `routers(on_record)` records, a context manager yielding a list, where given). With `images` (an image batch,
+        planned by group): `(placeholder ids, (rows, width) of the source's chunk, prepare)`, where `prepare(batch)`
+        returns the batch as the family needs it and the image kwargs of its nodes. `sharded`: the model, where FSDP2
+        may shard it ([`sharded`]). Returns its tokens."""
         extra = {}
         if images is None:
             batch = pack_source(self.plan, source, prompt_width, device, recurrent)
@@ -51,9 +53,11 @@ class HeldScope:
             batch, extra = prepare(pack_source(self.plan, source, prompt_width, device, recurrent, image_tokens, shape))
         reads = self.reads(batch.held_sources, int(self.plan.backprop_chunk[source]))
         inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={}), **extra}
-        capture = Capture(self.kv_source)
-        with holding(capture), (routers() if routers is not None else contextlib.nullcontext([])) as logits:
-            call(**inputs)
+        with running_owner(sharded if self.training else None) as owner:
+            capture = Capture(self.kv_source, owner)
+            recorded = routers(capture.guard) if routers is not None else contextlib.nullcontext([])
+            with holding(capture), recorded as logits:
+                call(**inputs)
         capture.routers(list(logits))
         self.sources[source] = HeldSource(capture.tensors, batch.num_tokens)
         self.forwarded_tokens += batch.num_tokens

@@ -38,15 +38,16 @@ def aux_loss_reason(model: nn.Module) -> str | None:
 
 
 @contextlib.contextmanager
-def recording_router_logits(model: nn.Module):
+def recording_router_logits(model: nn.Module, on_record=None):
     """Within the block, the returned list collects every router's logits `(N, E)` in call order (one entry per MoE
-    layer and forward). Only the block's own forwards are recorded: gradient checkpointing's recomputation, in the
-    backward, records nothing."""
+    layer and forward), each passed through `on_record` as it is recorded where given. Only the block's own forwards
+    are recorded: gradient checkpointing's recomputation, in the backward, records nothing."""
     target, index = router_recorder(model)
     recorded: list[torch.Tensor] = []
 
     def hook(module, args, output):
-        recorded.append(output[index] if isinstance(output, (tuple, list)) else output)
+        logits = output[index] if isinstance(output, (tuple, list)) else output
+        recorded.append(logits if on_record is None else on_record(logits))
 
     handles = [module.register_forward_hook(hook) for module in model.modules() if isinstance(module, target)]
     try:
