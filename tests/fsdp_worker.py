@@ -29,6 +29,7 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.forward.reward import pack_reward_rows, packed_scores  # noqa: E402
 from rloo_efficient.core.forward.scope import HeldScope, chunk_tables  # noqa: E402
+from rloo_efficient.core.forward.sharded import nested_units  # noqa: E402
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill  # noqa: E402
 from rloo_efficient.core.layers.install import install  # noqa: E402
 from rloo_efficient.core.tree.holds import plan_holds  # noqa: E402
@@ -249,9 +250,8 @@ def main():
     out["packed_grads"] = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(*grads, strict=True))
 
     # A no-grad pass in chunks of one row, each prompt held across them (forwarded by its first chunk, read by the
-    # others: [`hold_plan`]), on the sharded model, against the reference's chunks each packed on its own. (Training
-    # does not hold prompts under FSDP: its gradient would enter a layer's keys inside the layer, which FSDP has
-    # resharded, and gathers again only for a gradient reaching the layer's output.)
+    # others: [`hold_plan`]), on the sharded model, against the reference's chunks each packed on its own (training:
+    # [`held_training`])
     chunks = [np.array([row]) for row in range(len(rows))]
     plan = plan_holds(chunk_tables(structure, chunks), full=False, min_saved=0)
     logps = []
@@ -298,6 +298,11 @@ def main():
 
     out.update(image_prompts(Path(sys.argv[1])))
     out["held_training"] = {name: held_training(moe) for name, moe in (("llama", False), ("mixtral", True))}
+    # Units under the root alone (accelerate's wrapping) hold in training; a layer's MLP sharded apart does not
+    nested, _ = pair(LlamaForCausalLM)
+    for layer in nested.model.layers:
+        fully_shard(layer.mlp)
+    out["nested_units"] = [nested_units(model), nested_units(shard(nested))]
 
     # Packed reward scoring on a sharded sequence classifier, called at its root
     model, reference = pair(LlamaForSequenceClassification, num_labels=1)

@@ -116,3 +116,4 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
         # gradients added by its last micro-batch, the unsharded model's gradient (TRL's head rounds to float32)
         for held in result["held_training"].values():
             assert held["tokens"] == 13 and held["banks_added"] > 0 and held["grads"] < 1e-6
+        assert result["nested_units"] == [False, True]  # (training does not hold the second: a reader's warning)

@@ -276,6 +276,23 @@ def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
     for fsdp2, held in ((True, True), (False, False)):
         trainer = SimpleNamespace(is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=fsdp2), args=args)
         assert (HeldPrefixMixin._hold_reason(trainer) is None) == held
+    # A unit nested inside another (known once the model is sharded): the first training window says so, holds nothing
+    import warnings
+
+    from rloo_efficient.trainers import held_prefix
+
+    for nested in (True, False):
+        trainer = SimpleNamespace(is_fsdp_enabled=True, _hold_training=True, _train_scope=None, _unwrapped=lambda: None,
+                                  _close_train_scope=lambda: None, args=SimpleNamespace(steps_per_generation=2),
+                                  num_iterations=1, _step=0, current_gradient_accumulation_steps=2,
+                                  _window_position=0)  # fmt: skip
+        trainer._warn_hold = lambda reason, trainer=trainer: HeldPrefixMixin._warn_hold(trainer, reason)
+        with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            patch.setattr(held_prefix, "nested_units", lambda model, nested=nested: nested)
+            scope = HeldPrefixMixin._training_scope(trainer, {})  # (no buffered batches: nothing to plan)
+        said = [str(w.message) for w in caught if "inside another sharded one" in str(w.message)]
+        assert scope is None and trainer._hold_training == (not nested) and len(said) == nested
 
 
 def test_image_placeholders_count_against_the_budget_by_group():

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..core.forward.scope import HeldScope
+from ..core.forward.sharded import nested_units
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
@@ -104,6 +105,11 @@ class HeldPrefixMixin:
         if scope is not None and scope.expects(inputs):
             return scope
         self._close_train_scope()
+        if getattr(self, "is_fsdp_enabled", False) and nested_units(self._unwrapped()):  # (known once sharded)
+            self._hold_training = False
+            self._warn_hold("FSDP2 shards a module inside another sharded one (not only the root's), whose parameters "
+                            "a held prompt's backward would need gathered")  # fmt: skip
+            return None
         buffered = getattr(self, "_buffered_inputs", None)
         per_generation = self.args.steps_per_generation
         generate_every = per_generation * self.num_iterations

@@ -11,6 +11,12 @@ sharded module it was computed in gathers its parameters (a no-op where they are
 that forward (registered on its inputs, whose gradient comes last) reduces the gradient and frees them as usual. The
 source's backward runs after the reading micro-batch's own (its graph is older: autograd runs the newest ready node
 first), on every process in the same order, as the processes' agreed plans make the same forwards and backwards.
+
+This holds where each sharded unit's parameters are gathered by its own guard or output: units directly under the
+root (accelerate's wrapping: each decoder layer, each vision block), the root's parameters staying gathered through
+the backward. A unit nested inside another (a layer's MoE block sharded apart from its layer) is not: the enclosing
+unit's parameters (its norms) would stay freed for the last layer, and under checkpointing the recomputation would
+leave the nested unit gathered after the backward ([`nested_units`]: training does not hold there).
 """
 
 import contextlib
@@ -24,6 +30,16 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # (a build without distributed)
         return []
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def nested_units(model: nn.Module) -> bool:
+    """Whether an FSDP2 unit of `model` sits inside another one than `model` itself (the root)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    names = [name for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
+    return any(name.startswith(other + ".") for name in names for other in names)
 
 
 @contextlib.contextmanager
