@@ -42,6 +42,21 @@ PLANS_DIFFER = ("rloo_efficient: prompts held across micro-batches (and a no-gra
                 "in micro-batches), each process forwards its rows' prompts per micro-batch, in stock's chunks.")
 
 
+def zero_stale_gradients(model) -> None:
+    """
+    Zeroes DeepSpeed ZeRO-3's gradient partitions at the start of an accumulation window (`model`: its engine; anything
+    else: nothing to do). ZeRO-3 copies each parameter's gradient partition into its buffer in the window's first
+    micro-batch and adds to it in the later ones, so that a parameter whose gradient first arrives in a later
+    micro-batch adds to what the last optimizer step left there. With prompts held, a parameter only a prompt reaches
+    (a vision tower, which encodes prompts' images alone) gets its gradient in the prompt's backward, in the last
+    micro-batch reading it: zeroed first, each parameter's gradient is its micro-batches' sum. (Stock's forwards reach
+    such a parameter in every micro-batch; one none reaches in the first would add to the stale buffer there too.)
+    """
+    buffer = getattr(getattr(model, "optimizer", None), "grad_partitions_flat_buffer", None)
+    if isinstance(buffer, torch.Tensor):
+        buffer.zero_()
+
+
 class TrainScope:
     """A training scope: its held sources, the micro-batches it plans (TRL's buffered batches, in the order TRL will
     serve them), and the next one's index."""
@@ -82,6 +97,8 @@ class HeldPrefixMixin:
             self._warn_hold(reason)
 
     def training_step(self, model, inputs, num_items_in_batch):
+        if self._hold_training and self._window_position == 0:
+            zero_stale_gradients(model)
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         except BaseException:
@@ -142,17 +159,7 @@ class HeldPrefixMixin:
 
     def _images_packed(self, batches: list) -> bool:
         """Whether every micro-batch's images will be packed ([`packed.PackedForwardMixin._rows_for`]): a micro-batch
-        running stock's forward inside a training scope would leave the prompts held for it without their backward.
-        Not under DeepSpeed ZeRO-3 (one warning)."""
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled():
-            self._warn_once("rloo_efficient: under DeepSpeed ZeRO-3, training micro-batches with images forward their "
-                            "rows' prompts (not held across micro-batches): a held prompt's vision tower is "
-                            "backpropagated in a later micro-batch than its forward, which did not give stock's "
-                            "gradient under ZeRO-3 in our tests (text prompts and the no-grad passes still "
-                            "hold).")  # fmt: skip
-            return False
+        running stock's forward inside a training scope would leave the prompts held for it without their backward."""
         return all(self._images_reason(batch) is None for batch in batches if batch.get("pixel_values") is not None)
 
     def _close_train_scope(self) -> None:
