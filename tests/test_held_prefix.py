@@ -265,6 +265,40 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
     assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
 
 
+def test_zero3_gradient_partitions_are_zeroed_at_a_window_start_or_training_does_not_hold(monkeypatch):
+    """ZeRO-3 copies a parameter's gradient partition in a window's first micro-batch and adds the later ones: a held
+    prompt's vision tower, whose gradient first comes later, would add to the last step's (the launch test's image case
+    fails without this). Where the optimizer has no such buffer, the window's first micro-batch turns training holds
+    off, with one warning, before its scope is planned."""
+    import warnings
+    from types import SimpleNamespace
+
+    import transformers.integrations
+
+    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin, zero_stale_gradients
+
+    stale = torch.ones(6)
+    engine = SimpleNamespace(optimizer=SimpleNamespace(grad_partitions_flat_buffer=stale))
+    assert zero_stale_gradients(engine) and stale.tolist() == [1.0] * 6  # not ZeRO-3: left alone
+    monkeypatch.setattr(transformers.integrations, "is_deepspeed_zero3_enabled", lambda: True)
+    assert zero_stale_gradients(engine) and stale.tolist() == [0.0] * 6
+    assert not zero_stale_gradients(SimpleNamespace(optimizer=SimpleNamespace()))
+
+    class Base:
+        def training_step(self, model, inputs, num_items_in_batch):
+            return "stepped"
+
+    class Trainer(HeldPrefixMixin, Base):
+        _hold_training = True
+        accelerator = SimpleNamespace(sync_gradients=False)
+
+    trainer = Trainer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert trainer.training_step(SimpleNamespace(optimizer=None), {}, 1) == "stepped"
+    assert not trainer._hold_training and any("ZeRO-3 optimizer keeps no gradient" in str(w.message) for w in caught)
+
+
 def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
     """Under FSDP2 a held tensor's backward first gathers the sharded module it was computed in
     ([`core.forward.sharded`]); FSDP1's flat parameters have no such hook: there, training forwards its prompts."""

@@ -42,19 +42,26 @@ PLANS_DIFFER = ("rloo_efficient: prompts held across micro-batches (and a no-gra
                 "in micro-batches), each process forwards its rows' prompts per micro-batch, in stock's chunks.")
 
 
-def zero_stale_gradients(model) -> None:
+def zero_stale_gradients(model) -> bool:
     """
-    Zeroes DeepSpeed ZeRO-3's gradient partitions at the start of an accumulation window (`model`: its engine; anything
-    else: nothing to do). ZeRO-3 copies each parameter's gradient partition into its buffer in the window's first
+    Zeroes DeepSpeed ZeRO-3's gradient partitions at the start of an accumulation window (`model`: the Trainer's wrapped
+    model, ZeRO-3's engine; without ZeRO-3, nothing to do). ZeRO-3 copies each parameter's gradient partition into its buffer in the window's first
     micro-batch and adds to it in the later ones, so that a parameter whose gradient first arrives in a later
     micro-batch adds to what the last optimizer step left there. With prompts held, a parameter only a prompt reaches
     (a vision tower, which encodes prompts' images alone) gets its gradient in the prompt's backward, in the last
     micro-batch reading it: zeroed first, each parameter's gradient is its micro-batches' sum. (Stock's forwards reach
     such a parameter in every micro-batch; one none reaches in the first would add to the stale buffer there too.)
+    False where ZeRO-3 runs without the buffer this zeroes (another DeepSpeed version): training must not hold there.
     """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return True
     buffer = getattr(getattr(model, "optimizer", None), "grad_partitions_flat_buffer", None)
-    if isinstance(buffer, torch.Tensor):
-        buffer.zero_()
+    if not isinstance(buffer, torch.Tensor):
+        return False
+    buffer.zero_()
+    return True
 
 
 class TrainScope:
@@ -97,8 +104,10 @@ class HeldPrefixMixin:
             self._warn_hold(reason)
 
     def training_step(self, model, inputs, num_items_in_batch):
-        if self._hold_training and self._window_position == 0:
-            zero_stale_gradients(model)
+        if self._hold_training and self._window_position == 0 and not zero_stale_gradients(model):
+            self._hold_training = False  # (before this window's first scope is planned)
+            self._warn_hold("this DeepSpeed ZeRO-3 optimizer keeps no gradient partitions to zero at a step's start "
+                            "(a held prompt's parameters would add to the last step's gradient)")  # fmt: skip
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         except BaseException:
