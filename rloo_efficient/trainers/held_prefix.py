@@ -46,12 +46,13 @@ def zero_stale_gradients(model) -> bool:
     """
     Zeroes DeepSpeed ZeRO-3's gradient partitions at the start of an accumulation window (`model`: the Trainer's wrapped
     model, ZeRO-3's engine; without ZeRO-3, nothing to do). ZeRO-3 copies each parameter's gradient partition into its
-    buffer in the window's first micro-batch and adds to it in the later ones, so that a parameter whose gradient first
-    arrives in a later micro-batch adds to what the last optimizer step left there. With prompts held, a parameter only a prompt reaches
-    (a vision tower, which encodes prompts' images alone) gets its gradient in the prompt's backward, in the last
-    micro-batch reading it: zeroed first, each parameter's gradient is its micro-batches' sum. (Stock's forwards reach
-    such a parameter in every micro-batch; one none reaches in the first would add to the stale buffer there too.)
-    False where ZeRO-3 runs without the buffer this zeroes (another DeepSpeed version): training must not hold there.
+    buffer in the window's first micro-batch and adds to it in the later ones, so that a parameter whose gradient
+    first arrives in a later micro-batch adds to what the last optimizer step left there. With prompts held, a
+    parameter only a prompt reaches (a vision tower, which encodes prompts' images alone) gets its gradient in the
+    prompt's backward, in the last micro-batch reading it: zeroed first, each parameter's gradient is its
+    micro-batches' sum. (Stock's forwards reach such a parameter in every micro-batch; one none reaches in the first
+    would add to the stale buffer there too.) False where ZeRO-3 runs without the buffer this zeroes (another
+    DeepSpeed version): training must not hold there.
     """
     from transformers.integrations import is_deepspeed_zero3_enabled
 
