@@ -143,21 +143,32 @@ def image_prompts(directory: Path) -> dict:
     return out
 
 
-def held_training(moe: bool) -> dict:
+def held_training(kind: str) -> dict:
     """
     Training micro-batches of one row, each group's prompt held across them ([`core.tree.holds`]): forwarded with grad
     by its first micro-batch, read detached (its gradient banked) by the next, attached by its last, whose backward
     runs the prompt's, on the sharded model (guarded: [`core.forward.sharded`]) against the reference's micro-batches
     each packed on its own. Llama under non-reentrant gradient checkpointing, its gradients synchronized at the last
-    micro-batch alone (as accelerate's accumulation does); a Mixtral with its load-balancing loss (held router logits).
+    micro-batch alone (as accelerate's accumulation does); a Mixtral with its load-balancing loss (held router logits);
+    the hybrid Qwen3-Next, checkpointed too (held recurrent states and convolution tails beside keys).
     Returns the held tokens, banks added and the largest gradient difference, relative to the largest gradient.
     """
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from rloo_efficient.core.layers.moe import recording_router_logits, weighted_aux_loss
+    from rloo_efficient.core.layers.recurrent import has_recurrent_layers
+    from rloo_efficient.tiny_models import model_config, model_from_config
+    from rloo_efficient.workload import WorkloadConfig, build_tokenizer
 
+    moe = kind == "mixtral"
     torch.manual_seed(0)
-    if moe:
+    if kind == "qwen3_next":
+        cfg = WorkloadConfig(arch=kind, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=64, max_position_embeddings=512, model_dtype="float64")  # fmt: skip
+        config = model_config(cfg, build_tokenizer(cfg.vocab_size, cfg.arch))
+        model, reference = (model_from_config(cfg, config, torch.float64) for _ in range(2))
+        reference.load_state_dict(model.state_dict())
+    elif moe:
         config = MixtralConfig(**CONFIG, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
         model = MixtralForCausalLM(config).to(torch.float64)
         reference = MixtralForCausalLM(config).to(torch.float64)
@@ -173,6 +184,7 @@ def held_training(moe: bool) -> dict:
         m.train()
     shard(model)
     install(reference)
+    recurrent = has_recurrent_layers(reference)
     g = torch.Generator().manual_seed(5 + dist.get_rank())  # each rank its own rows
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (9, 6)]
     rows, width_p, width_c = [0, 0, 0, 1, 1, 1], 9, 5
@@ -183,7 +195,7 @@ def held_training(moe: bool) -> dict:
     chunks = [np.array([row]) for row in range(len(rows))]
     plan = plan_holds(chunk_tables(structure, chunks), full=moe, min_saved=0)
     weights = torch.linspace(-1, 1, len(rows) * width_c, dtype=torch.float64).view(-1, width_c)
-    out, sources = {}, set()
+    out, sources = {"recurrent": recurrent}, set()
     for m, hold in ((model, True), (reference, False)):
         scope = HeldScope(plan, training=True) if hold else None
         call = lambda **inputs: m(**inputs, fused_lm_head=True)  # noqa: E731
@@ -193,9 +205,9 @@ def held_training(moe: bool) -> dict:
             if hold:
                 m.set_requires_gradient_sync(index == len(chunks) - 1)
                 if plan.chunks[index].source is not None:
-                    scope.forward_source(plan.chunks[index].source, call, width_p, ids.device, False, routers,
+                    scope.forward_source(plan.chunks[index].source, call, width_p, ids.device, recurrent, routers,
                                          sharded=m)  # fmt: skip
-            pack = dict(token_weights=moe, min_saved=0)
+            pack = dict(token_weights=moe, min_saved=0, recurrent=recurrent)
             packed = (scope.pack(index, ids[row], width_c, structure[row], **pack) if hold
                       else pack_rows(ids[row], width_c, structure[row], **pack))  # fmt: skip
             with recording_router_logits(m) if moe else contextlib.nullcontext() as logits:
@@ -297,7 +309,7 @@ def main():
                                                                             strict=True))  # fmt: skip
 
     out.update(image_prompts(Path(sys.argv[1])))
-    out["held_training"] = {name: held_training(moe) for name, moe in (("llama", False), ("mixtral", True))}
+    out["held_training"] = {kind: held_training(kind) for kind in ("llama", "mixtral", "qwen3_next")}
     # Units under the root alone (accelerate's wrapping) hold in training; a layer's MLP sharded apart does not
     nested, _ = pair(LlamaForCausalLM)
     for layer in nested.model.layers:

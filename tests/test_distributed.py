@@ -114,6 +114,8 @@ def test_fsdp2_sharded_model_runs_our_forwards_generation_and_reward(tmp_path):
         assert result["ranks_agree"] == [True, False]
         # Training holding each prompt across micro-batches of one row: each group's prompt forwarded once, the banked
         # gradients added by its last micro-batch, the unsharded model's gradient (TRL's head rounds to float32)
+        assert set(result["held_training"]) == {"llama", "mixtral", "qwen3_next"}
+        assert result["held_training"]["qwen3_next"]["recurrent"]
         for held in result["held_training"].values():
             assert held["tokens"] == 13 and held["banks_added"] > 0 and held["grads"] < 1e-6
         assert result["nested_units"] == [False, True]  # (training does not hold the second: a reader's warning)
