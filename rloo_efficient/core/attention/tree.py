@@ -183,6 +183,11 @@ def _held_keys(fold, own: torch.Tensor, held) -> torch.Tensor:
     return torch.cat([own, *(_flat(x) for x in held)]).index_select(0, fold.keys.scatter)
 
 
+def _token_major(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A flat `(N, h, D)` gradient as `like`'s `(1, h, N, D)`, in its dtype."""
+    return x.to(like.dtype).transpose(0, 1).unsqueeze(0)
+
+
 def _nodes_alone(layout: TreeLayout, held: tuple) -> bool:
     """Whether the nodes' own causal call is all of a layer's attention: no node reads another's keys (a single
     node per row, a source's prompts), held or in the tree."""
@@ -368,14 +373,12 @@ class TreeAttention(torch.autograd.Function):
             grad_v, *slot_v = _scatter_held_keys(fold, tokens, flats[1::2], dv, work)
             held_grads = [g if needed else None for g, needed in zip(
                 (x for pair in zip(slot_k, slot_v, strict=True) for x in pair), ctx.needs_input_grad[9:])]  # fmt: skip
-            token_major = lambda x, like: x.to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
-            return (token_major(dq, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
-                    None, None, None, None, *(None if g is None else token_major(g, x)
+            return (_token_major(dq, query), _token_major(grad_k, key), _token_major(grad_v, value), grad_sinks, None,
+                    None, None, None, None, *(None if g is None else _token_major(g, x)
                                               for g, x in zip(held_grads, held, strict=True)))  # fmt: skip
         if packed_nodes and _nodes_alone(layout, held):  # the nodes' call alone, over the flat sequence itself
             dq, dk, dv = varlen_attention_backward(next(states), grad, q, k, v, out, lse.t(), True, scale)
-            token_major = lambda x, like: x.to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
-            return token_major(dq, query), token_major(dk, key), token_major(dv, value), grad_sinks, *(None,) * 5
+            return _token_major(dq, query), _token_major(dk, key), _token_major(dv, value), grad_sinks, *(None,) * 5
         grad_q = q.new_zeros(tokens + 1, heads, dim, dtype=work)
         grad_k = k.new_zeros(tokens + 1, *k.shape[1:], dtype=work)
         grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
@@ -433,7 +436,7 @@ class TreeAttention(torch.autograd.Function):
             for target, grad_part in ((grad_held[2 * part.slot], dk), (grad_held[2 * part.slot + 1], dv)):
                 if target is not None:
                     add(target, keys, grad_part)
-        token_major = lambda x, like: x[: like.shape[2]].to(like.dtype).transpose(0, 1).unsqueeze(0)  # noqa: E731
+        token_major = lambda x, like: _token_major(x[: like.shape[2]], like)  # noqa: E731 (less the dump row)
         query, key, value = saved[:3]  # (the loops above name their gradients `value`)
         return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
                 None, None, None, None,

@@ -24,21 +24,18 @@ import contextlib
 import torch.nn as nn
 
 
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+def _units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`model`'s FSDP2 modules, by name (the root's: "")."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # (a build without distributed)
         return []
-    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
 
 
 def nested_units(model: nn.Module) -> bool:
     """Whether an FSDP2 unit of `model` sits inside another one than `model` itself (the root)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    names = [name for name, module in model.named_modules() if name and isinstance(module, FSDPModule)]
+    names = [name for name, _ in _units(model) if name]
     return any(name.startswith(other + ".") for name in names for other in names)
 
 
@@ -46,7 +43,7 @@ def nested_units(model: nn.Module) -> bool:
 def running_owner(model: nn.Module | None):
     """Within the block, a function returning the innermost FSDP2 module of `model` whose forward is running (None
     outside them, or for a model FSDP2 does not shard)."""
-    modules = _fsdp_modules(model) if model is not None else []
+    modules = [module for _, module in _units(model)] if model is not None else []
     if not modules:
         yield None
         return

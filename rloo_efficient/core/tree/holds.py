@@ -100,8 +100,8 @@ class HoldPlan:
 
     def released_after(self, chunk: int, training: bool) -> list[int]:
         """The sources whose last use is chunk `chunk`: their state can go once it is done."""
-        last = self.backprop_chunk if training else np.array([self.nodes.last[self.source_nodes(s)].max()
-                                                               for s in range(len(self.source_chunk))])  # fmt: skip
+        last = self.backprop_chunk if training else last_readers(self.nodes.source, self.nodes.last,
+                                                                  len(self.source_chunk))  # fmt: skip
         return [int(s) for s in np.flatnonzero(last == chunk)]
 
     def source_tree(self, source: int) -> tuple[Tree, np.ndarray, np.ndarray]:
@@ -411,13 +411,20 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     return HoldPlan(nodes, source_chunk, backprop, tuple(chunk_plans))
 
 
+def last_readers(source: np.ndarray, last: np.ndarray, count: int) -> np.ndarray:
+    """Each of `count` sources' last reading chunk: the latest `last` of its nodes (`source`: each node's)."""
+    out = np.full(count, -1, dtype=np.int64)
+    np.maximum.at(out, source, last)
+    return out
+
+
 def sources_of(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray):
     """The sources of held nodes (depth-first) forwarded in chunks `source_first` and read until `last`:
     `(source_chunk (S,), each node's source (H,), each source's backprop chunk (S,))`. A source's backward runs in the
     last chunk reading it, directly or through a later source reading it."""
     source_chunk = np.unique(source_first)
     source = np.searchsorted(source_chunk, source_first)
-    backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
+    backprop = last_readers(source, last, len(source_chunk))
     for s in range(len(source_chunk) - 1, -1, -1):
         for x in np.flatnonzero((source == s) & (parent >= 0)):
             a = parent[x]
@@ -434,7 +441,7 @@ def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, co
     [`HoldPlan.released_after`] releases them."""
     source_chunk, source, backprop = sources_of(source_first, last, parent)
     if not training:  # (no backward to wait for; a descendant's readers read its ancestors, whose `last` is later)
-        backprop = np.array([last[source == s].max() for s in range(len(source_chunk))])
+        backprop = last_readers(source, last, len(source_chunk))
     alive = np.zeros(chunks + 1, dtype=np.int64)
     np.add.at(alive, source_chunk, np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
     np.add.at(alive, backprop + 1, -np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
