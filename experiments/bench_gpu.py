@@ -89,6 +89,63 @@ def steady(result: dict, phase: str | None, stat: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def between_steps(result: dict) -> float | None:
+    """Allocated after each steady step's optimizer step (the last optimizer segment of each step), their median:
+    what a method keeps from one step to the next beyond the weights and optimizer states."""
+    ends = {}
+    for segment in result.get("timeline", []):
+        if segment.get("phase") == "optimizer" and "allocated_gib" in segment and segment.get("step") is not None:
+            ends[segment["step"]] = segment["allocated_gib"]
+    values = [ends[step] for step in sorted(ends)[1:] or sorted(ends)]
+    return statistics.median(values) if values else None
+
+
+# The phases in which the trainable parameters' gradients exist (the optimizer step sets them to None after it)
+WITH_GRADIENTS = ("train", "optimizer")
+
+
+def fixed_state(result: dict, phase: str) -> float | None:
+    """The fixed state during `phase` (GiB): weights and optimizer states, and the gradients where they exist."""
+    if "fixed_state_gib" not in result:
+        return None
+    return result["fixed_state_gib"] - (0.0 if phase in WITH_GRADIENTS else result["gradients_gib"])
+
+
+def above_fixed(result: dict, phase: str | None, peak: str) -> float | None:
+    """A phase's steady peak less its fixed state; for phase None, the largest of the phases'."""
+    if "fixed_state_gib" not in result:
+        return None
+    if phase is None:
+        phases = {name for step in result["steps"] for name in step["phases"]}
+        values = [above_fixed(result, name, peak) for name in phases]
+        return max(value for value in values if value is not None)
+    value = steady(result, phase, peak)
+    return None if value is None else value - fixed_state(result, phase)
+
+
+def memory_cells(result: dict, stock, peak: str, reserved: str | None) -> list[str]:
+    """Peak, fixed state (with gradients), the largest phase peak above its phase's fixed state and its ratio to
+    stock's, peak reserved and its ratio, kept between steps."""
+    def ratio(value, base):
+        return f"{value / base:.2f}x" if base else ""
+
+    fixed = result.get("fixed_state_gib")
+    value = steady(result, None, peak)
+    above = above_fixed(result, None, peak)
+    base = None if isinstance(stock, str) else above_fixed(stock, None, peak)
+    cells = [f"{value:.2f}", f"{fixed:.2f}" if fixed is not None else "",
+             f"{above:.2f}" if above is not None else "", ratio(above, base) if above is not None else ""]
+    if reserved:
+        value = steady(result, None, reserved)
+        base = None if isinstance(stock, str) else steady(stock, None, reserved)
+        cells += [f"{value:.2f}", ratio(value, base)]
+    else:
+        cells += ["", ""]
+    kept = between_steps(result)
+    kept = kept - (fixed - result.get("gradients_gib", 0.0)) if kept is not None and fixed is not None else None
+    return cells + [f"{kept:.2f}" if kept is not None else ""]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", choices=list(WORKLOADS), default="gpu")
@@ -106,9 +163,14 @@ def main(argv=None) -> int:
     report = Report([
         f"# python experiments/bench_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}",
         f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB",
+        "# fixed state: weights of the policy and reference, gradients, optimizer states (the same for both methods); "
+        "above fixed: the largest of the phases' peaks less the fixed state during that phase (gradients in training "
+        "and the optimizer step alone); between steps: allocated after a step's optimizer step, less the fixed state "
+        "but its gradients (freed by then)",
         f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
-        f"{'peak allocated' if on_gpu else 'peak resident'} | ratio | peak reserved |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{'peak allocated' if on_gpu else 'peak resident'} | fixed state | above fixed | ratio | peak reserved | ratio "
+        f"| between steps |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ], args.output)
     for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:
         methods = {"stock": ("stock", []), "ours": ("ours", [])}
@@ -120,10 +182,10 @@ def main(argv=None) -> int:
         stock = results["stock"]
         for label, result in results.items():
             if isinstance(result, str):
-                line = f"| {name} | {label} | {result} | | | | | | | | |"
+                line = f"| {name} | {label} | {result} |" + " |" * 12
             else:
                 cells = []
-                for phase, stat in [(None, "time_s"), ("generation", "time_s"), ("scoring", "time_s"), (None, peak)]:
+                for phase, stat in [(None, "time_s"), ("generation", "time_s"), ("scoring", "time_s")]:
                     if phase == "scoring":  # the training forward/backward and the two log-prob passes
                         value = sum(steady(result, ph, stat) or 0.0 for ph in ("train", "policy_logps",
                                                                                "reference_logps"))  # fmt: skip
@@ -133,7 +195,7 @@ def main(argv=None) -> int:
                         value = steady(result, phase, stat)
                         base = None if isinstance(stock, str) else steady(stock, phase, stat)
                     cells += [f"{value:.2f}", f"{value / base:.2f}x" if base else ""]
-                cells.append(f"{steady(result, None, reserved):.2f}" if reserved else "")
+                cells += memory_cells(result, stock, peak, reserved)
                 line = f"| {name} | {label} | " + " | ".join(cells) + " |"
             report.add(line)
         for label, result in results.items():  # each scoring phase apart (s per step)
@@ -144,6 +206,11 @@ def main(argv=None) -> int:
                 peaks = ", ".join(f"{phase} {steady(result, phase, peak) or 0.0:.2f}"
                                   for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
                 report.add(f"# {name}, {label}, {peak.removesuffix('_gib').replace('_', ' ')} by phase (GiB): {peaks}")
+                above = ", ".join(f"{phase} {above_fixed(result, phase, peak) or 0.0:.2f}"
+                                  for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
+                parts = ", ".join(f"{part.removesuffix('_gib').replace('_', ' ')} {result.get(part, 0.0):.2f}"
+                                  for part in ("weights_gib", "gradients_gib", "optimizer_states_gib"))  # fmt: skip
+                report.add(f"# {name}, {label}, above the fixed state by phase (GiB): {above}; fixed: {parts}")
     return report.write()
 
 

@@ -3,8 +3,14 @@
 # leaves the others their time; every output goes to $OUT (or results/gpu_session/ without it). On the device machine,
 # from the project root, after installing the carried wheels (README "On a GPU"):
 #
-#     bash experiments/gpu_session.sh            # every step: ~15 minutes of limits, more than one device call allows
-#     STEPS="doctor tree_kernels bench_gpu_0.6b" bash experiments/gpu_session.sh   # the steps named (~7 minutes)
+#     bash experiments/gpu_session.sh            # the first call: issue 51's rows, most wanted first (~9 minutes)
+#     STEPS="$(bash experiments/gpu_session.sh --list)" ...   # every step: ~25 minutes of limits, several calls
+#     STEPS="doctor tree_kernels" bash experiments/gpu_session.sh   # the steps named
+#
+# The first call's steps, in order (each a row of issue 51's "done when"; a step cut by its limit leaves the others
+# their time): the prompt kept once against fanned out under graph replay at the 0.6B shape (with each method's
+# decoding time against the bandwidth floor), the 0.6B trainer (peak above the fixed state, reserved, step), the same
+# kept once at 1.7B and P=16384, the 0.6B trainer at one row per micro-batch, then the 1.7B trainer.
 #
 # 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
 #    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at one and two rows per micro-batch, held and
@@ -23,34 +29,35 @@
 #    launches are left for the kept-once attention's extra operators to cost), then the trainer.
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
-mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-ALL="bench_gpu_1.7b static_once held_overhead bench_gpu_rows1 bench_gpu_rows2 agent static_generation doctor tree_kernels"
-STEPS="${STEPS:-$ALL bench_gpu_0.6b decode_cost_k8}"
+FIRST="static_once_0.6b bench_gpu_0.6b static_once_1.7b bench_gpu_rows1 bench_gpu_1.7b"
+REST="held_overhead bench_gpu_rows2 static_generation doctor tree_kernels agent decode_cost_k8"
+if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
+STEPS="${STEPS:-$FIRST}"
+mkdir -p "$OUT"
 run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its exit status reported
     local limit="$1" name="$2"
     shift 2
     [[ " $STEPS " == *" $name "* ]] || return 0
-    echo "== $name (limit ${limit}s): $*"
+    echo "== $name (limit ${limit}s, at $SECONDS s): $*"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
-run 300 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --ablations share_prompt_kv_cache=True \
-    --output "$OUT/bench_gpu_1.7b.md"
-run 150 static_once python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
+run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
+    --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
+run 180 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --output "$OUT/bench_gpu_0.6b.md"
+run 100 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
     --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
+run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
+run 200 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
 run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
-run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
-    --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
-run 300 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --ablations held_prefix_budget_gib=0 \
-    --output "$OUT/bench_gpu_rows1.md"
 run 300 bench_gpu_rows2 python3 experiments/bench_gpu.py --workloads 0.6b-rows2 --ablations held_prefix_budget_gib=0 \
     --output "$OUT/bench_gpu_rows2.md"
+run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
+    --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
 run 120 doctor python3 -m rloo_efficient.doctor
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
-run 260 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 \
-    --ablations empty_cache_policy=after_generation static_decoding=False --output "$OUT/bench_gpu_0.6b.md"
 run 120 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"
 run 60 decode_cost_k8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 16384 --k 8

@@ -140,6 +140,25 @@ def count_forwards(trainer) -> dict:
     return counts
 
 
+def fixed_state_gib(trainer) -> dict[str, float]:
+    """What a step holds whatever the method (GiB): the policy's and reference's weights, the trainable parameters'
+    gradients (present through each step's backward and optimizer step) and the optimizer's states. The working
+    memory of a phase is its peak above their sum."""
+    def nbytes(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 1024**3
+
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    reference = getattr(trainer, "ref_model", None)
+    states = [value for state in trainer.optimizer.state.values() for value in state.values()
+              if isinstance(value, torch.Tensor)] if trainer.optimizer is not None else []  # fmt: skip
+    parts = {
+        "weights_gib": nbytes(policy.parameters()) + (nbytes(reference.parameters()) if reference is not None else 0),
+        "gradients_gib": nbytes(p for p in policy.parameters() if p.requires_grad),
+        "optimizer_states_gib": nbytes(states),
+    }
+    return {**parts, "fixed_state_gib": sum(parts.values())}
+
+
 def parse(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() and not any(arg.startswith("--bf16") for arg in argv):
@@ -230,6 +249,7 @@ def main(argv=None) -> dict:
         "memory_after_load_gib": report["memory_after_load_gib"],
         "peak_gib": summary["peak_gib"],
         "working_gib": summary["peak_gib"] - report["memory_after_load_gib"],
+        **fixed_state_gib(trainer),
         "per_phase_peak_gib": summary["per_phase_peak_gib"],
         "step_times_s": step_times,
         # The first step pays one-time costs (allocator warm-up, lazy init): the median leaves it out when it can

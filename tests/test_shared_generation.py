@@ -477,6 +477,13 @@ def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_tha
     assert not keep_prompt_once(prefilled(8, 10**4), 8, cpu)  # every row its own prompt: nothing to skip
     assert not keep_prompt_once(prefilled(1, int(even) + 1), 8, cuda)  # launches cost more there
     assert keep_prompt_once(prefilled(1, int(BREAK_EVEN_BYTES["cuda"] / per_token / 15) + 1, layers=1), 16, cuda)
+    # Steps replayed from a graph: the split attention's operators cost no launches, so fewer skipped bytes repay it
+    replayed = prefix_cache.REPLAYED_BREAK_EVEN_BYTES["cuda"] / per_token / 7
+    assert replayed < BREAK_EVEN_BYTES["cuda"] / per_token / 7
+    assert not keep_prompt_once(prefilled(1, int(replayed) - 1, layers=1), 8, cuda, replayed=True)
+    assert keep_prompt_once(prefilled(1, int(replayed) + 1, layers=1), 8, cuda, replayed=True)
+    assert not keep_prompt_once(prefilled(1, int(replayed) + 1, layers=1), 8, cuda)
+    assert keep_prompt_once(prefilled(1, int(even) + 1), 8, cpu, replayed=True)  # no replayed figure: the eager one
     # On a device of 80 MB, copies of more than 8 MB in all (2 layers): kept once however few bytes a step skips
     device_memory.total_memory = 80e6
     assert prefix_cache.MEMORY_SHARE * 80e6 == 8e6

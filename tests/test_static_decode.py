@@ -362,6 +362,57 @@ def test_static_decoding_by_default_where_steps_are_captured(monkeypatch, reques
     assert len(calls) == len(graphs) == (captured and not split)
 
 
+@pytest.mark.parametrize("arch, captured, kept", [("llama", True, True), ("llama", False, False),
+                                                  ("qwen3_next", True, True), ("mistral_sliding", True, False)])
+def test_the_cost_model_takes_the_replayed_break_even_where_kept_once_steps_replay(monkeypatch, request, arch,
+                                                                                   captured, kept):  # fmt: skip
+    """`prompt_cache_once=None`: the break-even of steps replayed from a graph where the call's steps would replay
+    with the prompt kept once (here 0 bytes, against an eager break-even no prompt reaches), the eager one where they
+    would not: `generate`'s loop, or a cache static decoding cannot hold kept once (windows); stock's samples."""
+    import rloo_efficient.core.generation.generate as shared_generation
+    from rloo_efficient.core.generation import prompt_cache
+
+    if captured:
+        request.getfixturevalue("emulated_graphs")
+    monkeypatch.setitem(prompt_cache.BREAK_EVEN_BYTES, "cpu", float("inf"))
+    monkeypatch.setitem(prompt_cache.REPLAYED_BREAK_EVEN_BYTES, "cpu", 0)
+    built = []
+
+    class Recorded(prompt_cache.PrefixCache):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(shared_generation, "PrefixCache", Recorded)
+    model = build(arch)
+    ids, mask = left_pad(prompts_for("mixed_lengths"))
+    config = generation_config(max_new_tokens=6)
+    stock, _, ours, _ = static_and_stock(model, ids, mask, config, once=None)
+    assert bool(built) == kept
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)
+
+
+def test_a_prefix_caches_layer_types_are_known_before_it_is_built():
+    """`PrefixCache.layer_types` (what the cost model asks static decoding about) names the layers a built cache
+    holds: keys and values kept once, recurrent states, layers reading another's keys (Gemma 4)."""
+    from rloo_efficient.core.generation import prompt_cache
+    from rloo_efficient.core.generation.generate import prefill_prompts
+
+    seen = set()
+    for arch in ("llama", "qwen3_next", "gemma4", "kimi_linear"):
+        model = build(arch)
+        prompts = prompts_for("mixed_lengths")  # three prompts of two rows each
+        ids, mask = left_pad(prompts)
+        prefilled = prefill_prompts(model, ids, mask, [0, 2, 4], True)
+        sources = prompt_cache.kv_sources(model.config.get_text_config(decoder=True))
+        expected = prompt_cache.PrefixCache.layer_types(prefilled, sources)
+        lengths = [len(prompts[row]) - 1 for row in (0, 2, 4)]
+        cache = prompt_cache.PrefixCache(prefilled, [0, 0, 1, 1, 2, 2], lengths, ids.shape[1] - 1, sources)
+        assert [type(layer) for layer in cache.layers] == expected, arch
+        seen.update(expected)
+    assert prompt_cache.SharedPrefixLayer in seen and any(issubclass(kind, LinearAttentionLayer) for kind in seen)
+
+
 def test_a_model_with_its_own_generate_decodes_through_it(monkeypatch):
     """A model class whose `generate` is its own (it may not take `custom_generate`): generate's loop through it, the
     prompt's cache fanned out before it, with one warning naming why."""

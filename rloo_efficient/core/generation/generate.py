@@ -303,14 +303,16 @@ def generate_with_shared_prefill(
     else:
         prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images, empty)
         tokens = len(first) * (width - 1)
+    sources = kv_sources(model.config.get_text_config(decoder=True))
     if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes
-        prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device)
+        replayed = bool(decoding) and static_decode.replays_kept_once(
+            model, PrefixCache.layer_types(prefilled, sources), input_ids.device)  # fmt: skip
+        prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device, replayed)
     if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'
         cache, attention = prefilled, contextlib.nullcontext()
     elif prompt_cache_once and (limit is None or longest <= limit):
         install(model)
-        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1,
-                            kv_sources(model.config.get_text_config(decoder=True)))
+        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1, sources)
         attention = decoding_with(cache)
     else:
         if prompt_cache_once:  # a constant message: Python shows it once

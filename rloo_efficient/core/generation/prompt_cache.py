@@ -114,6 +114,15 @@ class PrefixCache(DynamicCache):
             The prompt positions the prefill forwarded (sliding-window layers may keep only the last of them).
     """
 
+    @staticmethod
+    def layer_types(prefilled: DynamicCache, sources: list[int] | None = None) -> list[type]:
+        """The type of each layer a `PrefixCache` of `prefilled` holds, without building it (building one reorders
+        recurrent states in place)."""
+        types = [type(layer) if isinstance(layer, (LinearAttentionLayer, DummyLayer)) else PrefixLayer
+                 for layer in prefilled.layers]  # fmt: skip
+        return [SharedPrefixLayer if source != index else types[index]
+                for index, source in enumerate(sources or range(len(types)))]  # fmt: skip
+
     def __init__(self, prefilled: DynamicCache, inverse: list[int], prompt_lengths: list[int], prefix_columns: int,
                  sources: list[int] | None = None):  # fmt: skip
         super().__init__()
@@ -221,28 +230,37 @@ def cache_limit(model: nn.Module) -> int | None:
 #   from 3.67 MB; whole runs put the break-even lower: at 1.8 MB (the reasoning shape, bench_tree.py) kept once was
 #   1.02x stock's generation and fanned out 1.12x, and generate alone 0.88x and 0.94x (bench_generation.py, P=512):
 #   1 MB;
-# - cuda (an H200, bf16, Qwen3-0.6B's shape, k=8): decoding is bound by the host's launches; kept once was 1.27x the
-#   fanned-out time with 88 MB skipped per layer and step (~190 us more per layer and step, against ~20 us of reads at
-#   4.3 TB/s), so even needs ~900 MB. Across prompt lengths (bench_decode_cost.py, the same GPU, 16/8 heads of 128,
-#   k=8, eager steps; results/gpu_session/decode_cost_k8.txt): kept once 9.7x, 7.1x, 5.5x and 1.10x the fanned-out
-#   time per layer and step at 7, 29, 117 and 470 MB skipped: still slower at 470 MB, so 900 MB stands. These are
-#   eager steps; under static decoding's graph replays (the default on CUDA) the launches the split attention adds
-#   cost no host time, and the break-even there is not measured yet (gpu_session.sh, step static_once).
+# - cuda, eager steps (generate's own loop; an H200, bf16, Qwen3-0.6B's shape, k=8): decoding is bound by the host's
+#   launches; kept once was 1.27x the fanned-out time with 88 MB skipped per layer and step (~190 us more per layer
+#   and step, against ~20 us of reads at 4.3 TB/s), so even needs ~900 MB. Across prompt lengths
+#   (bench_decode_cost.py, the same GPU, 16/8 heads of 128, k=8; results/gpu_session/decode_cost_k8.txt): kept once
+#   9.7x, 7.1x, 5.5x and 1.10x the fanned-out time per layer and step at 7, 29, 117 and 470 MB skipped: still slower
+#   at 470 MB, so 900 MB stands.
 # Other accelerators take CUDA's figure.
 BREAK_EVEN_BYTES = {"cpu": 1e6, "cuda": 900e6}
+# The same where decoding replays each step from a captured graph (static decoding, the default on CUDA), so that the
+# split attention's extra operators cost the device their kernels' time and the host nothing:
+# - cuda (an H200, bf16, Qwen3-0.6B's shape, P=3072, k=8: 88 MB skipped per layer and step; gpu_session.sh step
+#   static_once_0.6b, results/gpu_session/static_once_0.6b.txt): kept once 5.67 ms per token against 7.81 fanned out
+#   (0.73x; the whole call 0.75x) and 0.22x the call's tensor peak; the trainer's step 0.76x, its generation 0.74x
+#   (bench_gpu_0.6b_once.md). What kept once adds is a fixed number of kernels per layer and what it saves grows
+#   with the bytes skipped, so it is faster from there up; below 88 MB nothing is measured yet (gpu_session.sh step
+#   static_once_sweep), and the prompt is fanned out there.
+REPLAYED_BREAK_EVEN_BYTES = {"cuda": 88e6}
 # On an accelerator, fanned-out copies of the prompts (all layers) above this share of its memory: kept once whatever
 # the time, as the previous default did (a batch of long prompts must not need k times their cache to decode)
 MEMORY_SHARE = 0.1
 
 
-def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -> bool:
+def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device, replayed: bool = False) -> bool:
     """
     Whether decoding should keep the prompts of `prefilled` (one cache row per distinct prompt, `U`) once rather than
     fan them out to the `rows` that share them: where the fanned-out copies a layer's decoding step would read, `(rows
     - U) / U` times each layer's prompt keys and values (their real sizes: windows, latents and dtypes as cached),
-    average at least [`BREAK_EVEN_BYTES`] for the device, or where on an accelerator all the copies would take more
-    than [`MEMORY_SHARE`] of its memory. From shapes alone, on the host: the same prompts, model and device give the
-    same choice on every process and every run.
+    average at least the device's break-even ([`REPLAYED_BREAK_EVEN_BYTES`] where the steps are `replayed` from a
+    captured graph, kept once or fanned out alike; [`BREAK_EVEN_BYTES`] otherwise), or where on an accelerator all
+    the copies would take more than [`MEMORY_SHARE`] of its memory. From shapes alone, on the host: the same prompts,
+    model and device give the same choice on every process and every run.
     """
     sizes = [layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
              for layer in prefilled.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]  # fmt: skip
@@ -252,4 +270,6 @@ def keep_prompt_once(prefilled: DynamicCache, rows: int, device: torch.device) -
     copies = sum(sizes) * (rows - distinct) / distinct
     if device.type == "cuda" and copies > MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory:
         return True
-    return copies / len(sizes) >= BREAK_EVEN_BYTES.get(device.type, BREAK_EVEN_BYTES["cuda"])
+    eager = BREAK_EVEN_BYTES.get(device.type, BREAK_EVEN_BYTES["cuda"])
+    break_even = REPLAYED_BREAK_EVEN_BYTES.get(device.type, eager) if replayed else eager
+    return copies / len(sizes) >= break_even

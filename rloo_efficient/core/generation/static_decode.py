@@ -225,11 +225,8 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     if not isinstance(cache, Cache) or not cache.layers:
         return "generate prefills its own cache"
     if isinstance(cache, PrefixCache):  # the prompt kept once per group: the rows' own keys in static buffers
-        kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (PrefixLayer, *_FIXED)})
-        if kinds:
-            return f"its cache kept once has layers other than keys and values ({', '.join(kinds)})"
-        if any(window is not None for window in layer_windows(model)):  # a tool loop's cache keeps whole windows
-            return "a sliding window over the prompt kept once is masked from the host's count of positions"
+        if reason := kept_once_reason(model, [type(layer) for layer in cache.layers]):
+            return reason
         if any(layer.own_length or layer.prefix_columns != width - 1 for layer in cache.layers
                if type(layer) is PrefixLayer):  # fmt: skip
             return "the cache does not hold every prompt column but the last"
@@ -248,6 +245,27 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     if model_kwargs.get("position_ids") is None:
         return "generate passed no position ids"
     return None
+
+
+def kept_once_reason(model: nn.Module, layer_types: list[type]) -> str | None:
+    """Why a cache keeping the prompt once with layers of `layer_types` cannot be decoded from static buffers, or
+    None."""
+    kinds = sorted({kind.__name__ for kind in layer_types if kind not in (PrefixLayer, *_FIXED)})
+    if kinds:
+        return f"its cache kept once has layers other than keys and values ({', '.join(kinds)})"
+    if any(window is not None for window in layer_windows(model)):  # a tool loop's cache keeps whole windows
+        return "a sliding window over the prompt kept once is masked from the host's count of positions"
+    return None
+
+
+def replays_kept_once(model: nn.Module, layer_types: list[type], device: torch.device) -> bool:
+    """Whether a call handed [`static_sample`] on `device` would replay captured steps with the prompt kept once in a
+    cache of `layer_types` (what the cost model needs before the cache is built): the steps captured there, the
+    model's attention taking a prepared mask, no capture of the model's failed, and the cache static decoding can
+    hold. A call refused later for its own inputs ([`static_decode_reason`]) runs `generate`'s loop instead."""
+    return (device.type in CAPTURE_DEVICES and model.config._attn_implementation in _MASKS
+            and getattr(model, "_rloo_graph_failed", None) is None
+            and kept_once_reason(model, layer_types) is None)  # fmt: skip
 
 
 def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
