@@ -205,3 +205,58 @@ def test_git_commit_is_only_our_own_checkouts(tmp_path, layout):
         package, expected = vendored / "rloo_efficient", None
     package.mkdir(parents=True)
     assert git_commit(package) == expected
+
+
+def test_settings_json_cannot_hold_train_to_the_end_as_stock_with_checkpoints(workload, tmp_path):
+    """`generation_kwargs={"sequence_bias": {(token,): bias}}` (transformers' own form: tuple keys, which JSON cannot
+    hold): ours trains to the end with a checkpoint at every step, equal to stock TRL run the same way, sharing
+    engaged; the report holds the key as its repr, and no temporary file is left behind."""
+    import trl
+
+    from .conftest import assert_metrics_close, step_metrics
+
+    cfg, path, dataset = workload
+    settings = dict(generation_kwargs={"sequence_bias": {(2,): 10.0}}, save_strategy="steps", save_steps=1)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
+                dataset)  # fmt: skip
+    ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset)
+    assert ours.state.global_step == stock.state.global_step == 3
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-6, 1e-8)
+    assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert sorted(p.name for p in (tmp_path / "ours").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2",
+                                                                                "checkpoint-3"]  # fmt: skip
+    report = json.loads((tmp_path / "ours" / "memory_report.json").read_text())
+    assert report["config"]["generation_kwargs"] == {"sequence_bias": {"(2,)": 10.0}}
+    assert report["num_steps"] == 3
+    assert not list((tmp_path / "ours").rglob("*.tmp"))
+
+
+def test_a_report_that_cannot_be_written_warns_once_and_training_goes_on(workload, tmp_path, monkeypatch):
+    """A write that fails (a full disk, say) loses the report, not the run: one warning, no temporary file."""
+    import rloo_efficient.trainers.memory_profiling as memory_profiling
+
+    def full_disk(self, text, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(memory_profiling, "_warned", set())
+    cfg, path, dataset = workload
+    with monkeypatch.context() as patch, pytest.warns(UserWarning) as caught:
+        patch.setattr(memory_profiling.Path, "write_text", full_disk)
+        trainer = run(RLOOTrainer, path, training_args(tmp_path, save_strategy="steps", save_steps=1), dataset)
+    messages = [str(w.message) for w in caught if "could not be written" in str(w.message)]
+    assert trainer.state.global_step == 3
+    assert len([m for m in messages if "memory_report.json" in m]) == 1, messages
+    assert not (tmp_path / "memory_report.json").exists() and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_json_ready_writes_what_json_cannot_hold(tmp_path):
+    from rloo_efficient.trainers.memory_profiling import json_ready, write_json_atomic
+
+    assert json_ready({(1, 2): [torch.float32, (3, 4)], None: {frozenset(): 1}}) == {
+        "(1, 2)": ["torch.float32", [3, 4]], None: {"frozenset()": 1}}
+    target = tmp_path / "report.json"
+    target.mkdir()  # a directory where the file goes: the rename fails
+    with pytest.raises(OSError):
+        write_json_atomic(target, {"a": 1})
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -72,14 +73,43 @@ def environment_info(device: torch.device) -> dict:
     }
 
 
+def json_ready(value):
+    """`value` as JSON takes it: a dict key other than a string, number, bool or None (transformers' `sequence_bias`
+    keys are token tuples) as its `repr`, a tuple as a list, any other value JSON cannot hold as its `repr`."""
+    if isinstance(value, dict):
+        return {key if key is None or isinstance(key, (str, int, float, bool)) else repr(key): json_ready(item)
+                for key, item in value.items()}  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
 def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
-    """Writes `payload` to `path` through a temporary file and a rename, so a crash never leaves half a file."""
+    """Writes `payload` ([`json_ready`]) to `path` through a temporary file and a rename, so that a crash never leaves
+    half a file, and a failed write leaves neither the temporary file nor a changed `path`."""
     path = Path(path)
+    text = json.dumps(json_ready(payload), indent=2)  # before any file is opened
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+_warned: set[str] = set()
+
+
+def _warn_unwritten(name: str, error: BaseException) -> None:
+    """One warning per file name and process: a report that could not be written does not stop training."""
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"rloo_efficient: {name} could not be written ({type(error).__name__}: {error}); training goes "
+                      f"on without it.", stacklevel=3)  # fmt: skip
 
 
 class _StepBoundaryCallback(TrainerCallback):
@@ -198,16 +228,22 @@ class MemoryProfilingMixin:
         return Path(self.args.output_dir) / name
 
     def _start_memory_steps_file(self) -> None:
-        self.memory_steps_path.parent.mkdir(parents=True, exist_ok=True)
-        self.memory_steps_path.write_text("")
+        try:
+            self.memory_steps_path.parent.mkdir(parents=True, exist_ok=True)
+            self.memory_steps_path.write_text("")
+        except OSError as error:
+            _warn_unwritten(self.memory_steps_path.name, error)
 
     def _end_profiled_step(self) -> None:
         if self._profiler.current_phase == "optimizer":
             self._profiler.stop("optimizer")
         entry = self._profiler.end_step(self.state.global_step)
         # Appended, never rewritten: a step costs one line of I/O however long the run (closing flushes it)
-        with open(self.memory_steps_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        try:
+            with open(self.memory_steps_path, "a") as f:
+                f.write(json.dumps(json_ready(entry)) + "\n")
+        except OSError as error:
+            _warn_unwritten(self.memory_steps_path.name, error)
 
     def memory_step_records(self) -> list[dict]:
         """Every step's record of the last `train()` call on this process, read back from its steps file."""
@@ -265,4 +301,7 @@ class MemoryProfilingMixin:
             report["per_rank"] = summaries
             report["summary"] = max_over_ranks(summaries)
         if self.accelerator.is_main_process:
-            write_json_atomic(Path(self.args.output_dir) / self.memory_report_name, report)
+            try:
+                write_json_atomic(Path(self.args.output_dir) / self.memory_report_name, report)
+            except (OSError, ValueError, TypeError) as error:  # (ValueError: a circular reference)
+                _warn_unwritten(self.memory_report_name, error)
