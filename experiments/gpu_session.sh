@@ -7,10 +7,13 @@
 #     STEPS="$(bash experiments/gpu_session.sh --list)" ...   # every step: ~25 minutes of limits, several calls
 #     STEPS="doctor tree_kernels" bash experiments/gpu_session.sh   # the steps named
 #
-# The first call's steps, in order (each a row of issue 51's "done when"; a step cut by its limit leaves the others
-# their time): the prompt kept once against fanned out under graph replay at the 0.6B shape (with each method's
-# decoding time against the bandwidth floor), the 0.6B trainer (peak above the fixed state, reserved, step), the same
-# kept once at 1.7B and P=16384, the 0.6B trainer at one row per micro-batch, then the 1.7B trainer.
+# The first call's steps, in order (each a row of issue 51's "done when" still open after the fourth session,
+# results/gpu.md; a step cut by its limit leaves the others their time): the prompt kept once against fanned out under
+# graph replay below the one size measured (88 MB per layer and step: core/generation/prompt_cache.py
+# REPLAYED_BREAK_EVEN_BYTES), the 0.6B trainer (peak above the fixed state, reserved, step) beside releasing the cache
+# after generation (reserved memory above stock's), the 0.6B trainer at one row per micro-batch beside nothing held
+# (training holds peaked 4.33 GiB above the fixed state against stock's 1.48), the prompt kept once at 1.7B and
+# P=16384, then the 1.7B trainer.
 #
 # 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
 #    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at one and two rows per micro-batch, held and
@@ -30,8 +33,8 @@
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-FIRST="static_once_0.6b bench_gpu_0.6b static_once_1.7b bench_gpu_rows1 bench_gpu_1.7b"
-REST="held_overhead bench_gpu_rows2 static_generation doctor tree_kernels agent decode_cost_k8"
+FIRST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b"
+REST="static_once_0.6b held_overhead bench_gpu_rows2 static_generation doctor tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -46,10 +49,14 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
 }
 run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
-run 180 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --output "$OUT/bench_gpu_0.6b.md"
-run 100 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
+run 120 static_once_sweep python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 512 1024 2048 \
+    --completion_length 128 --ks 4 8 --methods static static_once --repeats 1 --per_token
+run 180 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --ablations empty_cache_policy=after_generation \
+    --output "$OUT/bench_gpu_0.6b.md"
+run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --ablations held_prefix_budget_gib=0 \
+    --output "$OUT/bench_gpu_rows1.md"
+run 180 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
     --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
-run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --output "$OUT/bench_gpu_rows1.md"
 run 200 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
 run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
