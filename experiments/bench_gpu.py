@@ -11,6 +11,7 @@ synchronizes the device at phase boundaries), peak allocated and peak reserved.
     python experiments/bench_gpu.py --ablations           # also ours with each generation feature off
     python experiments/bench_gpu.py --workloads 0.6b-k8 --ablations empty_cache_policy=after_generation
     python experiments/bench_gpu.py --workloads 0.6b-rows1   # one row per micro-batch: prompts held across them
+    python experiments/bench_gpu.py --workloads 0.6b-k8 --continuous_batching   # stock's paged backend too
 
 A run that runs out of memory is reported as such.
 """
@@ -151,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workloads", choices=list(WORKLOADS), default="gpu")
     parser.add_argument("--ablations", nargs="*", default=None, choices=list(ABLATIONS),
                         help="also run ours with these settings (all of them when none is named)")
+    parser.add_argument("--continuous_batching", action="store_true",
+                        help="also stock with use_transformers_continuous_batching=True (its paged generation backend)")
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     args = parser.parse_args(argv)
     import torch
@@ -174,6 +177,8 @@ def main(argv=None) -> int:
     ], args.output)
     for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:
         methods = {"stock": ("stock", []), "ours": ("ours", [])}
+        if args.continuous_batching:
+            methods["stock, continuous batching"] = ("stock", ["--use_transformers_continuous_batching", "true"])
         if args.ablations is not None:
             methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
         with tempfile.TemporaryDirectory() as tmp:

@@ -51,7 +51,8 @@ run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0
     --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
 run 120 static_once_sweep python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 512 1024 2048 \
     --completion_length 128 --ks 4 8 --methods static static_once --repeats 1 --per_token
-run 180 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --ablations empty_cache_policy=after_generation \
+run 220 bench_gpu_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --continuous_batching \
+    --ablations empty_cache_policy=after_generation \
     --output "$OUT/bench_gpu_0.6b.md"
 run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --ablations held_prefix_budget_gib=0 \
     --output "$OUT/bench_gpu_rows1.md"

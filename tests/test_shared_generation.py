@@ -24,7 +24,7 @@ from rloo_efficient.core.generation.prompt_cache import PrefixCache, prefix_cach
 from rloo_efficient.core.layers.install import installed
 from rloo_efficient.core.transformers_compat import output_cache
 
-from .conftest import run, training_args
+from .conftest import assert_metrics_close, run, step_metrics, training_args
 
 
 PAD = 0
@@ -491,15 +491,20 @@ def test_the_cost_model_keeps_a_prompt_once_where_its_copies_would_read_more_tha
     assert keep_prompt_once(prefilled(1, int(8e6 / per_token / 7 / 2) + 1), 8, cuda)
 
 
-def test_continuous_batching_is_left_to_stock_trl(workload, tmp_path, monkeypatch):
+def test_continuous_batching_generates_as_stock_and_every_other_phase_shares(workload, stock_run, tmp_path):
+    """`use_transformers_continuous_batching=True`: generation is stock TRL's own backend (its paged cache shares
+    prompt blocks already; ours' shared prefill stays off), and the log-prob and training passes are ours, packed:
+    stock's completions and metrics, run the same way."""
     cfg, path, dataset = workload
-    args = training_args(tmp_path, use_transformers_continuous_batching=True)
-    trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=dataset)  # fmt: skip
-    assert not trainer._share_prefill and not trainer._prompt_cache_once
-    sentinel = [[7]]
-    monkeypatch.setattr(trl.RLOOTrainer, "_generate_single_turn", lambda self, *args: sentinel)
-    assert trainer._generate_single_turn([[1, 2, 3]] * 2, None, {}) is sentinel
+    settings = dict(use_transformers_continuous_batching=True, max_steps=2)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
+                dataset)  # fmt: skip
+    with pytest.warns(UserWarning, match="generation runs stock TRL's transformers' continuous batching backend"):
+        ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset)
+    assert not ours._share_prefill and not ours._prompt_cache_once and ours.shared_prefill_tokens == 0
+    assert ours.packed_forward_tokens > 0  # the packed log-prob and training passes ran
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-6, 1e-8)
 
 
 def test_a_sliding_layer_keeps_its_rows_last_tokens_only():

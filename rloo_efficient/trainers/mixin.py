@@ -114,6 +114,11 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         self._vision = VISION_FAMILIES[unwrapped.config.model_type] if self._vision_reason is None else None
         self._image_tokens = image_token_ids(unwrapped)
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
+        if other_backend and self._settings.share_generation_prefill:
+            backend = "vLLM" if self.use_vllm else "transformers' continuous batching"
+            warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend} backend (it shares prompts in its own "
+                          f"cache), so our shared prefill is off; the log-prob, training and reward passes are still "
+                          f"ours.", stacklevel=2)  # fmt: skip
         self._share_prefill = (
             self._settings.share_generation_prefill
             and not other_backend
