@@ -103,10 +103,11 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
 
 
 def train(method: str, device: torch.device, bf16: bool, directory: str, quick: bool, optim: str = "sgd",
-          attention: str | None = None, rows: int | None = None) -> dict:  # fmt: skip
+          attention: str | None = None, rows: int | None = None, liger: bool = False) -> dict:  # fmt: skip
     """One short run of stock TRL or ours on the synthetic workload; its metrics, completions, time and peak.
     `attention`: the attention implementation the model loads with (default: transformers' choice). `rows`: rows per
-    micro-batch, accumulation filling the generation batch (each group then spans micro-batches: its prompt held)."""
+    micro-batch, accumulation filling the generation batch (each group then spans micro-batches: its prompt held).
+    `liger`: `use_liger_kernel=True` (Liger's RMSNorm, SwiGLU and rotary kernels, patched in as training starts)."""
     import trl
     from transformers import PrinterCallback
 
@@ -124,7 +125,7 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
                     max_completion_length=8 if quick else 64, max_steps=3, logging_steps=1, beta=0.05,
                     optim=optim, learning_rate=1e-1 if optim == "sgd" else 1e-2, steps_per_generation=2,
                     report_to=[], save_strategy="no", seed=0, bf16=bf16, disable_tqdm=True,
-                    use_cpu=device.type == "cpu",
+                    use_cpu=device.type == "cpu", use_liger_kernel=liger,
                     model_init_kwargs={"attn_implementation": attention} if attention else None)  # fmt: skip
     if rows is not None:  # the same 8 rows (2 groups) a step, in micro-batches of `rows`
         settings.update(per_device_train_batch_size=rows, gradient_accumulation_steps=8 // rows,
@@ -196,7 +197,7 @@ def recorded_fallbacks():
 
 
 def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], optim: str = "sgd",
-             rows: int | None = None) -> int:  # fmt: skip
+             rows: int | None = None, liger: bool = False) -> int:  # fmt: skip
     """Stock then ours in one precision; appends the report to `lines`, returns the number of failures. `rows`: rows
     per micro-batch (ours must then hold each prompt across its group's micro-batches)."""
     label = "bf16 autocast (TRL's default)" if bf16 else "float32"
@@ -204,10 +205,12 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], op
         label += f", {optim}"
     if rows is not None:
         label += f", {rows} row per micro-batch"
+    if liger:
+        label += ", Liger kernels"
     with tempfile.TemporaryDirectory() as directory:
-        stock = train("stock", device, bf16, directory, quick, optim, rows=rows)
+        stock = train("stock", device, bf16, directory, quick, optim, rows=rows, liger=liger)
         with recorded_fallbacks() as fallbacks:
-            ours = train("ours", device, bf16, directory, quick, optim, rows=rows)
+            ours = train("ours", device, bf16, directory, quick, optim, rows=rows, liger=liger)
     worst, problem = compare(stock, ours)
     failures = 0
     lines.append(f"{label}: step time stock {stock['step_time_s']:.3f} s, ours {ours['step_time_s']:.3f} s "
@@ -254,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip_kernels", action="store_true", help="Skip the kernels' checks.")
     parser.add_argument("--optim", default="sgd",
                         help="The float32 runs' optimizer (adamw_torch: the ill-conditioned check of earlier versions).")
+    parser.add_argument("--liger", action="store_true",
+                        help="Also stock vs ours with use_liger_kernel=True (needs liger-kernel and a GPU).")
     args = parser.parse_args(argv)
     import transformers
 
@@ -274,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = []
         failures += run_pair(device, False, quick, lines, args.optim)
         failures += run_pair(device, False, quick, lines, args.optim, rows=1)
+        if args.liger:
+            failures += run_pair(device, False, quick, lines, args.optim, liger=True)
         if device.type == "cuda":
             failures += run_pair(device, True, quick, lines)
         else:
