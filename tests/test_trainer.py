@@ -40,7 +40,7 @@ def test_config_is_a_stock_config_subclass():
     assert ours == {
         "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_prompt_kv_cache",
         "tool_cache_budget_gib", "held_prefix_budget_gib", "share_reward_prefix", "hydra_reward_adapter",
-        "shuffle_groups", "empty_cache_policy", "profile_memory", "static_decoding",
+        "shuffle_groups", "empty_cache_policy", "profile_memory", "static_decoding", "share_under_dropout",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 

@@ -8,7 +8,6 @@ can assert and benchmarks can compare, standing in for what a GPU profile would 
 
 import collections
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 

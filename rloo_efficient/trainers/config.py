@@ -42,8 +42,10 @@ SHARING_DOC = r"""
             rows, sliding windows and sinks included. For the families in `MODEL_TYPES`; other models fan the cache
             out, with one warning naming the reason. `None` chooses per `generate` call by a measured cost model
             (`core.generation.prompt_cache.keep_prompt_once`): kept once where the fanned-out copies would have each layer's
-            decoding step read more than the split costs (on a GPU, where decoding is bound by launches, only for
-            large batches of long prompts; that break-even comes from one H200 measurement). Fanned out, the
+            decoding step read more than the split costs (on a GPU decoding from static buffers, each step a graph
+            replay, from 88 MB of copies per layer and step: Qwen3-0.6B's shape at P=3072, k=8, where kept once took
+            0.73x the fanned-out time; in `generate`'s own loop, bound by launches, only for large batches of long
+            prompts; both from H200 measurements). Fanned out, the
             prompt's decoding cache takes k times the memory (as stock's does): where those copies would take more
             than 10% of the accelerator's memory, it is kept once whatever the time. `True` keeps it once always (the
             least memory), `False` never.
@@ -115,6 +117,15 @@ SHARING_DOC = r"""
             clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
             groups together everywhere (the trajectory is then no longer stock TRL's where the rule above does not
             hold).
+        share_under_dropout (`bool`, *optional*, defaults to `False`):
+            Share prompts while dropout is active (TRL's `ModelConfig.lora_dropout` is 0.05, so `--use_peft` runs
+            with LoRA dropout unless `disable_dropout=True`), instead of every sharing path falling back to stock's:
+            a token forwarded once (a prompt in the packed forwards, the shared prefill, a prompt held across
+            micro-batches) draws one dropout mask for every row holding it. Each row's masks are distributed as
+            stock's, so the expected loss and gradient of every row, and of their sum, are stock's; the rows' masks
+            are no longer independent and the samples are not stock's, so the same seed gives other numbers. Dropout
+            applied as a function (attention probabilities') still falls back. Decoding steps aside from static
+            buffers where dropout is active. Never on by default.
         empty_cache_policy (`str`, *optional*, defaults to `"auto"`):
             When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per
             generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
@@ -181,6 +192,12 @@ class SharingArguments:
         metadata={"help": "Shuffle whole prompt groups, not rows, into micro-batches: None (default) where that only "
                           "reorders a sum, True always, False never (stock's row shuffle)."},
     )
+    share_under_dropout: bool = field(
+        default=False,
+        metadata={"help": "Share prompts under active dropout (LoRA's lora_dropout, say): a token forwarded once draws "
+                          "one dropout mask for every row holding it. Each row's masks are distributed as stock's "
+                          "(the same expected gradient), but they are not stock's samples. Never on by default."},
+    )
     empty_cache_policy: str = field(
         default="auto",
         metadata={"help": "When to release cached allocator memory.", "choices": list(EMPTY_CACHE_POLICIES)},
@@ -196,7 +213,8 @@ OUR_FIELDS = tuple(spec.name for spec in fields(SharingArguments))
 STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_prefill=False,
                                   share_prefill_tree=False, share_prompt_kv_cache=False, tool_cache_budget_gib=0,
                                   held_prefix_budget_gib=0, share_reward_prefix=False, hydra_reward_adapter=False,
-                                  shuffle_groups=False, empty_cache_policy="none", profile_memory=False)  # fmt: skip
+                                  shuffle_groups=False, share_under_dropout=False, empty_cache_policy="none",
+                                  profile_memory=False)  # fmt: skip
 
 
 def sharing_settings(args) -> SharingArguments:

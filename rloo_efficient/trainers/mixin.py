@@ -102,7 +102,7 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         unwrapped = self.accelerator.unwrap_model(self.model)
         self._share_prefix = self._settings.share_prompt_prefix
         if self._share_prefix:
-            reason = forward_unsupported_reason(unwrapped)
+            reason = forward_unsupported_reason(unwrapped, self._settings.share_under_dropout)
             if reason is None and self.aux_loss_enabled:
                 reason = aux_loss_reason(unwrapped)
             if reason is not None:
@@ -122,7 +122,8 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         self._share_prefill = (
             self._settings.share_generation_prefill
             and not other_backend
-            and _supported(generation_unsupported_reason(unwrapped, self.generation_config),
+            and _supported(generation_unsupported_reason(unwrapped, self.generation_config,
+                                                         self._settings.share_under_dropout),
                            "the shared generation prefill is off, using stock TRL's generate")
         )  # fmt: skip
         keep_once = self._settings.share_prompt_kv_cache  # True, False, or None: chosen per call by its cost

@@ -57,9 +57,11 @@ _FANNABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, DummyLayer, LinearA
                     LinearAttentionAndFullAttentionLayer)  # fmt: skip
 
 
-def generation_unsupported_reason(model: nn.Module, generation_config: GenerationConfig) -> str | None:
+def generation_unsupported_reason(model: nn.Module, generation_config: GenerationConfig,
+                                  shared_masks: bool = False) -> str | None:  # fmt: skip
     """Why `generate` cannot start from a shared prefill for `model`, or None when it can (a multimodal checkpoint: for
-    text-only prompts; prompts with images go to `generate` as they are, see [`text_only`])."""
+    text-only prompts; prompts with images go to `generate` as they are, see [`text_only`]). `shared_masks`: active
+    dropout modules are taken, a prompt prefilled once drawing one mask for its rows ([`layers.families.dropout_reason`])."""
     if model.config.is_encoder_decoder:
         return f"{type(model).__name__} is an encoder-decoder model"
     reason = family_reason(model)
@@ -79,7 +81,8 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
     if not layer_kinds <= set(_FANNABLE_LAYERS):
         names = ", ".join(sorted(kind.__name__ for kind in layer_kinds - set(_FANNABLE_LAYERS)))
         return f"its cache has layers ({names}) that are not plain per-row keys and values"
-    return rope_reason(model) or dropout_reason(model) or recurrent_reason(model) or jitter_reason(model)
+    return (rope_reason(model) or dropout_reason(model, shared_masks) or recurrent_reason(model)
+            or jitter_reason(model))  # fmt: skip
 
 
 def unique_rows(prompt_ids: list[list[int]], images: list | None = None) -> tuple[list[int], list[int]]:

@@ -199,6 +199,8 @@ def static_call_reason(generation_config, synced: bool, kwargs: dict) -> str | N
 def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
                          model_kwargs: dict) -> str | None:  # fmt: skip
     """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
+    if dropout_active(model):
+        return "dropout is active (share_under_dropout): each step draws its masks, which a replay would not check"
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or
                                                       generation_config.output_hidden_states):  # fmt: skip
         return "generate returns attentions or hidden states"
@@ -247,6 +249,11 @@ def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_cri
     return None
 
 
+def dropout_active(model: nn.Module) -> bool:
+    """Whether a forward of `model` now draws dropout masks (a dropout module with p > 0, in training mode)."""
+    return model.training and any(isinstance(module, nn.Dropout) and module.p > 0 for module in model.modules())
+
+
 def kept_once_reason(model: nn.Module, layer_types: list[type]) -> str | None:
     """Why a cache keeping the prompt once with layers of `layer_types` cannot be decoded from static buffers, or
     None."""
@@ -264,7 +271,7 @@ def replays_kept_once(model: nn.Module, layer_types: list[type], device: torch.d
     model's attention taking a prepared mask, no capture of the model's failed, and the cache static decoding can
     hold. A call refused later for its own inputs ([`static_decode_reason`]) runs `generate`'s loop instead."""
     return (device.type in CAPTURE_DEVICES and model.config._attn_implementation in _MASKS
-            and getattr(model, "_rloo_graph_failed", None) is None
+            and getattr(model, "_rloo_graph_failed", None) is None and not dropout_active(model)
             and kept_once_reason(model, layer_types) is None)  # fmt: skip
 
 

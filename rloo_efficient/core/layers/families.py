@@ -48,12 +48,12 @@ def family_reason(model: nn.Module) -> str | None:
     return None
 
 
-def forward_unsupported_reason(model: nn.Module) -> str | None:
+def forward_unsupported_reason(model: nn.Module, shared_masks: bool = False) -> str | None:
     """Why the packed forward cannot reproduce stock TRL's log-probs for `model`, or None when it can. A multimodal
     checkpoint's language model shares text batches, and image batches where [`layers.vision.vision_reason`] allows. (A
     family with absolute positions, whose left padding shifts every token's position in stock's rows, is not on the
-    list; listed families have rotary positions or none at all.)"""
-    return (attention_reason(model) or rope_reason(model) or dropout_reason(model) or recurrent_reason(model)
+    list; listed families have rotary positions or none at all.) `shared_masks`: see [`dropout_reason`]."""
+    return (attention_reason(model) or rope_reason(model) or dropout_reason(model, shared_masks) or recurrent_reason(model)
             or jitter_reason(model))  # fmt: skip
 
 
@@ -108,22 +108,30 @@ def position_period(model: nn.Module) -> int | None:
     return None
 
 
-def dropout_reason(model: nn.Module) -> str | None:
-    """Active dropout draws a mask per token: a shared forward would draw different ones than stock TRL."""
+SHARE_UNDER_DROPOUT = ("or share_under_dropout=True to share with one dropout mask per shared token, each row's "
+                       "masks distributed as stock's")
+
+
+def dropout_reason(model: nn.Module, shared_masks: bool = False) -> str | None:
+    """Active dropout draws a mask per token: a shared forward would draw different ones than stock TRL. With
+    `shared_masks` (`share_under_dropout`), dropout modules are taken as they are: a token forwarded once draws one
+    mask for every row holding it (each row's mask distributed as stock's, the rows' masks no longer independent);
+    dropout applied as a function (attention probabilities') is still a reason: ours' attention has none."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
+        if isinstance(module, nn.Dropout) and module.p > 0 and not shared_masks:
             if ".lora_dropout." in f".{name}.":  # PEFT's LoRA: TRL's ModelConfig gives it 0.05 unless told otherwise
                 return (f"LoRA's dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
-                        "(set disable_dropout=True, or lora_dropout=0 in the LoRA config: --lora_dropout 0)")  # fmt: skip
-            return (
-                f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
-                f"(set disable_dropout=True)"
-            )
+                        f"(set disable_dropout=True, or lora_dropout=0 in the LoRA config: --lora_dropout 0, "
+                        f"{SHARE_UNDER_DROPOUT})")  # fmt: skip
+            return (f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
+                    f"(set disable_dropout=True, {SHARE_UNDER_DROPOUT})")  # fmt: skip
         for key in DROPOUT_ATTRIBUTES:
             value = getattr(module, key, None)
             if isinstance(value, float) and value > 0:
                 return (f"dropout is active ({name}.{key}={value}, applied as a function); load the model with "
                         f"{key}=0.0")  # fmt: skip
+    if shared_masks:  # the config's dropout rates reach the model as the modules and attributes checked above
+        return None
     text_config = model.config.get_text_config()
     for key in DROPOUT_ATTRIBUTES:
         value = getattr(text_config, key, 0.0)
