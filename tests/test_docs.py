@@ -26,6 +26,34 @@ def test_every_config_field_is_in_the_readme_and_the_configuration_page(field):
     assert f"| `{field}` |" in page("README.md")
 
 
+@pytest.mark.parametrize("name", ["docs/configuration.md", "README.md"])
+def test_every_documented_default_is_the_configs(name):
+    """Each field's row in the page's table gives the default the config has (`None`, `True`, `"auto"`, ...), and
+    the page counts the fields there are."""
+    from dataclasses import fields
+
+    from rloo_efficient.trainers.config import SharingArguments
+
+    text = page(name)
+    defaults = {spec.name: spec.default for spec in fields(SharingArguments)}
+    for field, default in defaults.items():
+        row = re.search(rf"^\| `{field}` \| `([^`]*)` \|", text, re.MULTILINE)
+        assert row is not None, field
+        assert row.group(1) == repr(default).replace("'", '"'), (field, row.group(1), default)
+    numbers = {11: "eleven", 12: "twelve", 13: "thirteen", 14: "fourteen", 15: "fifteen"}
+    counted = re.search(r"(\w+) fields", text)
+    assert counted is not None and counted.group(1) == numbers[len(defaults)], counted
+
+
+def test_every_script_the_pages_cite_is_in_the_scripts_page():
+    scripts = page("docs/scripts.md")
+    cited = {name for path in PAGES for name in re.findall(r"experiments/\w+\.(?:py|sh|ipynb)", path.read_text())}
+    cited |= {f"experiments/{path.name}" for path in (ROOT / "experiments").glob("*.py")
+              if path.name not in ("bench_common.py",)}  # fmt: skip
+    missing = sorted(name for name in cited if f"`{name}`" not in scripts)
+    assert not missing, missing
+
+
 def test_every_family_is_in_the_families_page():
     families = page("docs/families.md")
     missing = [name for name in (*MODEL_TYPES, *VISION_FAMILIES) if f"`{name}`" not in families]

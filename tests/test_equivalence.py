@@ -84,6 +84,8 @@ def compare(path, dataset, tmp_path, rtol=EXACT_RTOL, ours_only=None, **override
     ours, our_calls, our_deltas = train(RLOOTrainer, path, training_args(tmp_path / "ours", **settings,
                                                                           **(ours_only or {})), dataset)  # fmt: skip
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    # Ours' own paths ran: the packed forwards and the shared prefill (a comparison of stock with itself proves nothing)
+    assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
     assert len(our_calls) == len(stock_calls) > 0
     for (a_logps, a_entropy), (b_logps, b_entropy) in zip(stock_calls, our_calls, strict=True):
         assert_close(a_logps, b_logps, rtol)

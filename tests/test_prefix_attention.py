@@ -137,7 +137,7 @@ def test_decode_step_operators_per_layer_do_not_depend_on_k_or_groups(interleave
 
         layer.forward = counted
         try:
-            generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)
+            assert generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)[1] > 0
         finally:
             layer.forward = original
         # The first call is the shared prefill; the rest decode from the prompt cache (the first of them also creates
@@ -246,7 +246,8 @@ def test_under_bf16_autocast_as_sdpa_is():
     kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         stock = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kwargs)
-        ours = generate_with_shared_prefill(model, prompts, prompt_mask, prompt_cache_once=True, **kwargs)[0]
+        ours, shared = generate_with_shared_prefill(model, prompts, prompt_mask, prompt_cache_once=True, **kwargs)
+    assert shared > 0  # the shared prefill ran (not stock's generate)
     for a, b in zip(stock.logits, ours.logits, strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=5e-2)
 

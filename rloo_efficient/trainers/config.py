@@ -110,11 +110,11 @@ SHARING_DOC = r"""
             rows, so a group's completions share a micro-batch (and so its prefix tree) wherever the batch sizes
             allow. Consumes the random generator exactly as the row shuffle does. `None` (the default) turns it on
             where keeping groups together changes only the order of a sum: every micro-batch of a generation feeds
-            one optimizer step (`steps_per_generation == gradient_accumulation_steps`, TRL's default) and the loss is
-            a sum over sequences normalized independently of the micro-batch's makeup (RLOO's; GRPO's `grpo`, `dr_grpo`,
-            `dapo`, `cispo`, `sapo`, `luspo`, `vespo`), with no per-micro-batch term (the MoE load-balancing loss,
-            `bnpo`, `top_entropy_quantile`, the entropy bonus). Per-micro-batch averages in the logs (`entropy`, the
-            clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
+            one optimizer step (`gradient_accumulation_steps` a multiple of `steps_per_generation`; TRL's default has
+            them equal) and the loss is a sum over sequences normalized independently of the micro-batch's makeup
+            (RLOO's; GRPO's `grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`), with no per-micro-batch
+            term (the MoE load-balancing loss, `bnpo`, `top_entropy_quantile`, the entropy bonus). Per-micro-batch
+            averages in the logs (`entropy`, the clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
             groups together everywhere (the trajectory is then no longer stock TRL's where the rule above does not
             hold).
         share_under_dropout (`bool`, *optional*, defaults to `False`):
