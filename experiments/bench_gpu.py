@@ -171,8 +171,8 @@ def main(argv=None) -> int:
         "and the optimizer step alone); between steps: allocated after a step's optimizer step, less the fixed state "
         "but its gradients (freed by then)",
         f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
-        f"{'peak allocated' if on_gpu else 'peak resident'} | fixed state | above fixed | ratio | peak reserved | ratio "
-        f"| between steps |",
+        f"{'peak allocated' if on_gpu else 'peak resident'} | fixed state | above fixed | ratio | peak reserved | "
+        f"ratio | between steps |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ], args.output)
     for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:

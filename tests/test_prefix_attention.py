@@ -137,7 +137,8 @@ def test_decode_step_operators_per_layer_do_not_depend_on_k_or_groups(interleave
 
         layer.forward = counted
         try:
-            assert generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)[1] > 0
+            _, shared = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=True, generation_config=config)
+            assert shared > 0
         finally:
             layer.forward = original
         # The first call is the shared prefill; the rest decode from the prompt cache (the first of them also creates

@@ -114,9 +114,9 @@ SHARING_DOC = r"""
             them equal) and the loss is a sum over sequences normalized independently of the micro-batch's makeup
             (RLOO's; GRPO's `grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`), with no per-micro-batch
             term (the MoE load-balancing loss, `bnpo`, `top_entropy_quantile`, the entropy bonus). Per-micro-batch
-            averages in the logs (`entropy`, the clip ratios) then average other micro-batches. `False` keeps stock's row shuffle exactly; `True` keeps
-            groups together everywhere (the trajectory is then no longer stock TRL's where the rule above does not
-            hold).
+            averages in the logs (`entropy`, the clip ratios) then average other micro-batches. `False` keeps stock's
+            row shuffle exactly; `True` keeps groups together everywhere (the trajectory is then no longer stock TRL's
+            where the rule above does not hold).
         share_under_dropout (`bool`, *optional*, defaults to `False`):
             Share prompts while dropout is active (TRL's `ModelConfig.lora_dropout` is 0.05, so `--use_peft` runs
             with LoRA dropout unless `disable_dropout=True`), instead of every sharing path falling back to stock's:

@@ -241,7 +241,7 @@ class MemoryProfilingMixin:
         # Appended, never rewritten: a step costs one line of I/O however long the run (closing flushes it)
         try:
             with open(self.memory_steps_path, "a") as f:
-                f.write(json.dumps(json_ready(entry)) + "\n")
+                f.write(json.dumps(entry) + "\n")  # the profiler's own numbers
         except OSError as error:
             _warn_unwritten(self.memory_steps_path.name, error)
 

@@ -116,9 +116,9 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
         if other_backend and self._settings.share_generation_prefill:
             backend = "vLLM" if self.use_vllm else "transformers' continuous batching"
-            warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend} backend (it shares prompts in its own "
-                          f"cache), so our shared prefill is off; the log-prob, training and reward passes are still "
-                          f"ours.", stacklevel=2)  # fmt: skip
+            warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend} backend (it shares prompts in its "
+                          f"own cache), so our shared prefill is off; the log-prob, training and reward passes are "
+                          f"still ours.", stacklevel=2)  # fmt: skip
         self._share_prefill = (
             self._settings.share_generation_prefill
             and not other_backend

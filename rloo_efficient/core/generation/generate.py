@@ -61,7 +61,8 @@ def generation_unsupported_reason(model: nn.Module, generation_config: Generatio
                                   shared_masks: bool = False) -> str | None:  # fmt: skip
     """Why `generate` cannot start from a shared prefill for `model`, or None when it can (a multimodal checkpoint: for
     text-only prompts; prompts with images go to `generate` as they are, see [`text_only`]). `shared_masks`: active
-    dropout modules are taken, a prompt prefilled once drawing one mask for its rows ([`layers.families.dropout_reason`])."""
+    dropout modules are taken, a prompt prefilled once drawing one mask for its rows
+    ([`layers.families.dropout_reason`])."""
     if model.config.is_encoder_decoder:
         return f"{type(model).__name__} is an encoder-decoder model"
     reason = family_reason(model)

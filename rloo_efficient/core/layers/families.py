@@ -53,8 +53,8 @@ def forward_unsupported_reason(model: nn.Module, shared_masks: bool = False) -> 
     checkpoint's language model shares text batches, and image batches where [`layers.vision.vision_reason`] allows. (A
     family with absolute positions, whose left padding shifts every token's position in stock's rows, is not on the
     list; listed families have rotary positions or none at all.) `shared_masks`: see [`dropout_reason`]."""
-    return (attention_reason(model) or rope_reason(model) or dropout_reason(model, shared_masks) or recurrent_reason(model)
-            or jitter_reason(model))  # fmt: skip
+    return (attention_reason(model) or rope_reason(model) or dropout_reason(model, shared_masks)
+            or recurrent_reason(model) or jitter_reason(model))  # fmt: skip
 
 
 def recurrent_reason(model: nn.Module) -> str | None:
