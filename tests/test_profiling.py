@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 import rloo_efficient
 import rloo_efficient.profiling.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
+from rloo_efficient.core.once import WarnOnce
 from rloo_efficient.trainers.memory_profiling import PHASES, PhaseProfiler, git_commit
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
@@ -239,7 +240,7 @@ def test_a_report_that_cannot_be_written_warns_once_and_training_goes_on(workloa
     def full_disk(self, text, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(memory_profiling, "_warned", set())
+    monkeypatch.setattr(memory_profiling, "_warnings", WarnOnce())
     cfg, path, dataset = workload
     with monkeypatch.context() as patch, pytest.warns(UserWarning) as caught:
         patch.setattr(memory_profiling.Path, "write_text", full_disk)

@@ -33,7 +33,7 @@ from .test_shared_generation import (
 @pytest.fixture(autouse=True)
 def warnings_afresh():
     """Each test sees the warnings its calls give (they are given once per reason and process)."""
-    static_decode._warned.clear()
+    static_decode._warnings.clear()
 
 
 def static_and_stock(model, ids, mask, config, once=False, **extra):

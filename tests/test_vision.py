@@ -495,7 +495,7 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_encoded, encoded[:] = list(encoded), []
-    static_decode._warned.clear()
+    static_decode._warnings.clear()
     decoded = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: decoded.append(1) or decode(*args))

@@ -7,13 +7,13 @@ import os
 import platform
 import re
 import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
 from transformers import TrainerCallback
 
+from ..core.once import WarnOnce
 from ..profiling.memory import device_description, is_accelerator, peak_rss_resettable
 from ..profiling.phase_profiler import PHASES, PhaseProfiler, max_over_ranks  # noqa: F401 (PHASES: part of this module's API)
 
@@ -101,15 +101,13 @@ def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
         raise
 
 
-_warned: set[str] = set()
+_warnings = WarnOnce()  # the files that could not be written, once per process
 
 
 def _warn_unwritten(name: str, error: BaseException) -> None:
     """One warning per file name and process: a report that could not be written does not stop training."""
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(f"rloo_efficient: {name} could not be written ({type(error).__name__}: {error}); training goes "
-                      f"on without it.", stacklevel=3)  # fmt: skip
+    _warnings.warn(f"rloo_efficient: {name} could not be written ({type(error).__name__}: {error}); training goes on "
+                   f"without it.", key=name, stacklevel=2)  # fmt: skip
 
 
 class _StepBoundaryCallback(TrainerCallback):

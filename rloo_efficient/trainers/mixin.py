@@ -29,6 +29,7 @@ from ..core.layers.vision import (
     image_token_ids,
     vision_reason,
 )
+from ..core.once import WarnOnce
 from ..core.tree.rows import ROWS_KEY, group_shuffle_order, prompt_images, row_groups
 from .config import STOCK_SETTINGS, sharing_settings
 from .generation import SharedGenerationMixin
@@ -89,7 +90,7 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         if self._config_class is not None and type(args) is self._config_class._stock:
             args = self._config_class.from_stock(args)
         self._settings = sharing_settings(args)
-        self._prefix_warned: set[str] = set()
+        self._warnings = WarnOnce()  # this run's fallbacks, each said once
         self._active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
         self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
         self.scoring_forward_calls = 0  # model calls of the packed no-grad passes, held prompts' included (tests)
@@ -249,18 +250,11 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
     def _fall_back(self, reason: str, permanent: bool = True) -> None:
         if permanent:
             self._share_prefix = False
-        if reason not in self._prefix_warned:
-            self._prefix_warned.add(reason)
-            warnings.warn(
-                f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, using stock "
-                f"TRL's forward: {reason}.",
-                stacklevel=3,
-            )
+        self._warnings.warn(f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, "
+                            f"using stock TRL's forward: {reason}.", key=reason, stacklevel=3)  # fmt: skip
 
     def _warn_once(self, message: str) -> None:
-        if message not in self._prefix_warned:
-            self._prefix_warned.add(message)
-            warnings.warn(message, stacklevel=3)
+        self._warnings.warn(message, stacklevel=3)
 
     # -- the group structure: computed, carried, made active ---------------------------------------------------------
     def _scored_lengths(self, completion_ids_list: list[list[int]]) -> list[int]:

@@ -7,7 +7,6 @@ method (reward functions, async ones, environments, weights, NaN handling, gathe
 """
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
@@ -96,7 +95,5 @@ class RewardSharingMixin:
             return packed_scores(root, inner, score, batch)
 
     def _fall_back_reward(self, reason: str) -> None:
-        if reason not in self._prefix_warned:
-            self._prefix_warned.add(reason)
-            warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: {reason}.",
-                          stacklevel=4)  # fmt: skip
+        self._warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: {reason}.",
+                            key=reason, stacklevel=3)  # fmt: skip

@@ -56,6 +56,7 @@ try:  # the image inputs `generate`'s own input preparation passes to the prefil
 except ImportError:  # pragma: no cover - older transformers: every such input is a per-step one
     MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL = ()
 
+from ..once import WarnOnce
 from ..transformers_compat import CACHE_KWARG
 from .prompt_cache import PrefixCache, PrefixLayer
 
@@ -86,7 +87,7 @@ _TYPES_AT_THE_FIRST_STEP = {"Gemma3ForConditionalGeneration": ("token_type_ids",
 # Per-step inputs `generate` grows by a column of zeros each step (`_update_model_kwargs_for_generation`): a step's
 # value is the prompt's last column at the first step, zeros after it
 _ZERO_GROWN = ("mm_token_type_ids",)
-_warned: set[str] = set()
+_warnings = WarnOnce()  # static decoding's reasons, once per process
 # Cache layers a static buffer holds: keys and values, all of them or a sliding window's last ones
 _LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 # Cache layers kept as they are: recurrent and convolution states of a fixed size, which transformers updates in
@@ -304,10 +305,8 @@ def _inputs_owner(model: nn.Module) -> str:
 
 def warn_off(reason: str) -> None:
     """One warning per reason that static decoding is off."""
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"rloo_efficient: static decoding is off for this call, generate decodes: {reason}.",
-                      stacklevel=3)  # fmt: skip
+    _warnings.warn(f"rloo_efficient: static decoding is off for this call, generate decodes: {reason}.", key=reason,
+                   stacklevel=2)  # fmt: skip
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:
