@@ -52,3 +52,45 @@ class OpCounter(TorchDispatchMode):
     @property
     def host_syncs(self) -> int:
         return sum(self.counts[f"aten::{name}"] for name in HOST_SYNC_OPS)
+
+
+class ModuleOpCounter:
+    """
+    Counts the aten operators dispatched inside `modules` (their forwards), while active: a model's decoder layers,
+    for the operators per layer apart from the embedding, the head and the loss; `calls` each forward's count (the
+    first layer's includes what a forward builds once for every layer).
+
+        with ModuleOpCounter(model.model.layers) as ops:
+            model(**inputs)
+        ops.total / len(model.model.layers), ops.calls
+    """
+
+    def __init__(self, modules):
+        self.modules = list(modules)
+        self.counts: collections.Counter = collections.Counter()
+        self._handles: list = []
+        self._running: list[OpCounter] = []
+        self.calls: list[int] = []
+
+    def _enter(self, module, args):
+        self._running.append(OpCounter().__enter__())
+
+    def _exit(self, module, args, output):
+        counter = self._running.pop()
+        counter.__exit__(None, None, None)
+        self.counts.update(counter.counts)
+        self.calls.append(counter.total)
+
+    def __enter__(self):
+        for module in self.modules:
+            self._handles += [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._exit)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

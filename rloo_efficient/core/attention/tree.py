@@ -225,6 +225,85 @@ def _scatter_held_keys(fold, tokens: int, held: list, gathered: torch.Tensor, dt
     return out
 
 
+def _chain_keys(layout: TreeLayout, key: torch.Tensor, held) -> torch.Tensor:
+    """A path's keys (or values) `(1, Hkv, T + N, D)`: the held runs it reads, then its own `key` `(1, Hkv, N, D)`."""
+    if not layout.chain:
+        return key
+    runs = [x if first == 0 and count == x.shape[2] else x.narrow(2, first, count)
+            for x, first, count in ((held[slot], first, count) for slot, first, count in layout.chain)]  # fmt: skip
+    return torch.cat([*runs, key], dim=2)
+
+
+def _chain_bias(layout: TreeLayout, held_tokens: int, window: int | None, dtype, device) -> torch.Tensor:
+    """The `(1, 1, N, T + N)` bias of a path's queries over [its `held_tokens` held keys | its own]: causal aligned at
+    the last query and key (query `i` reads keys up to `T + i`), within a `window`. Built once per forward."""
+    memo_key = ("chain", window, dtype)
+    if memo_key not in layout.memo:
+        query = torch.arange(held_tokens, held_tokens + layout.tokens, device=device)[:, None]
+        key = torch.arange(held_tokens + layout.tokens, device=device)[None, :]
+        allowed = key <= query
+        if window is not None:
+            allowed &= query - key < window
+        layout.memo[memo_key] = torch.zeros((), dtype=dtype, device=device).masked_fill(
+            ~allowed, torch.finfo(dtype).min)[None, None]  # fmt: skip
+    return layout.memo[memo_key]
+
+
+def _chain_forward(query, key, value, layout: TreeLayout, window: int | None, scale: float, held):
+    """`(out, lse, state)` `(1, H, N, D)`, `(1, H, N)` of a path ([`TreeLayout.chain`]) in one call: as stock's
+    attention of its row, with no gather, scatter or merge (a few operators where the buckets and parts take dozens
+    per layer, each a launch on a GPU)."""
+    if not layout.chain:
+        return band_forward(query, key, value, window, scale)
+    held_tokens = sum(count for _, _, count in layout.chain)
+    bias = _chain_bias(layout, held_tokens, window, query.dtype, query.device)
+    return attention_forward(query, _chain_keys(layout, key, held[0::2]), _chain_keys(layout, value, held[1::2]),
+                             bias, False, scale)  # fmt: skip
+
+
+def _chain_backward(ctx, grad_out):
+    """[`TreeAttention.backward`] of [`_chain_forward`]: the call's kernel backward, its keys' gradients split back
+    into the held runs' (summed into each slot's) and the path's own."""
+    query, key, value, out, lse, *held = ctx.saved_tensors
+    layout, window, scale = ctx.layout, ctx.window, ctx.scale
+    grad = grad_out.transpose(1, 2)  # (1, H, N, D)
+    if not layout.chain:
+        dq, dk, dv = band_backward(ctx.states[0], grad, query, key, value, out, lse, window, scale)
+        return dq, dk, dv, *(None,) * 6
+    keys, values = _chain_keys(layout, key, held[0::2]), _chain_keys(layout, value, held[1::2])
+    held_tokens = keys.shape[2] - key.shape[2]
+    bias = _chain_bias(layout, held_tokens, window, query.dtype, query.device)
+    dq, dkeys, dvalues = attention_backward(ctx.states[0], grad, query, keys, values, bias, out, lse, False, scale)
+    counts = [count for _, _, count in layout.chain]
+    grads = [None] * len(held)
+    for parity, gathered in enumerate((dkeys, dvalues)):
+        *runs, own = gathered.split([*counts, key.shape[2]], dim=2)
+        if parity == 0:
+            dk = own
+        else:
+            dv = own
+        for (slot, first, count), run in zip(layout.chain, runs, strict=True):
+            index = 2 * slot + parity
+            if not ctx.needs_input_grad[9 + index]:
+                continue
+            if first == 0 and count == held[index].shape[2]:  # the slot read whole: its gradient is the run's
+                grads[index] = run if grads[index] is None else grads[index] + run
+            else:
+                total = held[index].new_zeros(held[index].shape) if grads[index] is None else grads[index].clone()
+                total.narrow(2, first, count).add_(run)
+                grads[index] = total
+    return dq, dk, dv, None, None, None, None, None, None, *grads
+
+
+def _chain_applies(layout: TreeLayout, sinks, history) -> bool:
+    """Whether a forward is one call over a path ([`_chain_forward`]): its tree is one (no image blocks, no continued
+    prefill's rows, no sinks to apply to a merged output); a path reading held keys where the variable-length kernel
+    folds them ([`TreeLayout.held_nodes`]: flash's causal call, where the path's would need a bias) folds them
+    there."""
+    return (layout.chain is not None and sinks is None and not history and layout.token_blocks is None
+            and not (layout.chain and layout.held_nodes is not None))  # fmt: skip
+
+
 class TreeAttention(torch.autograd.Function):
     """
     Attention of the packed flat sequence (see the module docstring): `query` (1, H, N, D), `key`/`value`
@@ -235,6 +314,12 @@ class TreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, layout: TreeLayout, window: int | None, scale: float,
                 sliding: bool = False, history: tuple | None = None, *held):  # fmt: skip
+        if _chain_applies(layout, sinks, history):
+            out, lse, state = _chain_forward(query, key, value, layout, window, scale, held)
+            if any(ctx.needs_input_grad[:4]) or any(ctx.needs_input_grad[9:]):
+                ctx.save_for_backward(query, key, value, out, lse, *held)
+            ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.packed = layout, window, scale, [state], "chain"
+            return out.transpose(1, 2)  # (1, N, H, D)
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
         q, k, v = _flat(query), _flat(key), _flat(value)
         work = _work_dtype(query.dtype)
@@ -352,6 +437,8 @@ class TreeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.packed == "chain":
+            return _chain_backward(ctx, grad_out)
         saved = ctx.saved_tensors  # (unpacked once: gradient checkpointing's recomputation allows no second)
         query, key, value, sinks, out, lse, *held = saved
         layout, window, scale = ctx.layout, ctx.window, ctx.scale

@@ -204,6 +204,10 @@ class TreeLayout:
     # ancestor's key, then its own causally), keys gathered from [the flat sequence | each slot's, in slot order]: the
     # nodes, the levels' parts and the held parts in one call
     held_nodes: Packed | None = None
+    # Host: where the nodes are one row's path (each the previous one's child, in flat order, reading held nodes only
+    # before the first), the held keys it reads first, `(slot, first, count)` each by depth (empty: none): then its
+    # attention is one causal call over [those keys | the flat sequence] ([`chain_of`]); None where it is not
+    chain: tuple[tuple[int, int, int], ...] | None = None
     held: object = None
     held_roots: tuple[torch.Tensor, ...] = ()
     # Host: each node's row in the recurrent layers' concatenated final states ([`level_order`])
@@ -287,6 +291,32 @@ def level_order(tree: Tree, ratio: float = BUCKET_RATIO) -> tuple[list[list[np.n
         offset += len(level)
         runs_by_depth.append(runs)
     return runs_by_depth, order
+
+
+def chain_of(tree: Tree, held_reads: list[tuple] = (), image_nodes: np.ndarray | None = None) -> tuple | None:
+    """[`TreeLayout.chain`]: the held runs `(slot, first, count)` read by every token of a tree that is one path with
+    consecutive positions (one row alone: a source's prompt and completion, a held row's completion), the runs' keys its
+    positions before the path's first; None for any other tree (several rows, image nodes)."""
+    if len(tree.start) == 0 or (image_nodes is not None and len(image_nodes)):
+        return None
+    order = np.argsort(tree.start, kind="stable")
+    start, position = tree.start[order], tree.position[order]
+    if tree.parent[order[0]] != -1 or (tree.parent[order[1:]] != order[:-1]).any() or (
+            position - position[0] != start).any():  # fmt: skip
+        return None
+    reads = sorted((depth, slot, k_first, k_count, key_end)
+                   for slot, _, depth, q_first, q_count, k_first, k_count, key_end in held_reads
+                   if (q_first, q_count) == (0, tree.num_tokens))  # fmt: skip
+    if len(reads) != len(held_reads):  # a held node read by part of the path
+        return None
+    expected = 0  # the position of the next key: the held runs, then the path, one after another
+    for _, _, _, count, key_end in reads:
+        if key_end - count + 1 != expected:
+            return None
+        expected = key_end + 1
+    if reads and position[0] != expected:
+        return None
+    return tuple((int(slot), int(first), int(count)) for _, slot, first, count, _ in reads)
 
 
 def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio: float = BUCKET_RATIO,
@@ -477,6 +507,7 @@ def tree_layout(tree: Tree, device, image_nodes: np.ndarray | None = None, ratio
     span = int((tree.position + tree.length).max()) if len(all_nodes) else 0
     layout = TreeLayout(n, buckets, image_buckets, tuple(parts_out), tuple(levels), assemble_t if recurrent else None,
                         positions, span, packed_nodes=packed_nodes, packed_parts=packed_parts,
-                        held_parts=tuple(held_parts), held_nodes=held_nodes, held_roots=tuple(roots),
+                        held_parts=tuple(held_parts), held_nodes=held_nodes,
+                        chain=chain_of(tree, held_reads, all_nodes[with_images]), held_roots=tuple(roots),
                         state_order=state_order)  # fmt: skip
     return layout, list(flat[len(arrays) :])
