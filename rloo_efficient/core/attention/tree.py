@@ -304,6 +304,131 @@ def _chain_applies(layout: TreeLayout, sinks, history) -> bool:
             and not (layout.chain and layout.held_nodes is not None))  # fmt: skip
 
 
+def _varlen_nodes(layout: TreeLayout, q, k, v, window: int | None, scale: float, held) -> tuple:
+    """`(packed_nodes, folded)`: on a device with a variable-length kernel ([`attention.checks.varlen_config`]), the
+    nodes' call (`(out, lse, state)`, or None where its kernel is not used or raised: the buckets run instead), folded
+    where it reads each node's ancestors' keys too, held and in the tree ([`tree.layout.TreeLayout.held_nodes`])."""
+    packed_nodes = None
+    fold = layout.held_nodes if not layout.history else None
+    if fold is not None:
+        fold_window = window if window is not None and fold.max_k > window else None
+        fold_config = varlen_config(q, k, True, fold_window)
+        if fold_config is not None:
+            keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
+            packed_nodes = varlen_attention_forward(fold_config, q, keys, values, fold.cu_q, fold.cu_k, fold.max_q,
+                                                    fold.max_k, True, scale, fold_window)  # fmt: skip
+            if packed_nodes is not None:
+                return packed_nodes, True
+    # (after the folded call: a kernel that raised there is disabled here too)
+    nodes = layout.packed_nodes
+    node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
+    nodes_config = varlen_config(q, k, True, node_window) if nodes is not None else None
+    if nodes_config is not None:
+        packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
+                                                nodes.max_k, True, scale, node_window)  # fmt: skip
+    return packed_nodes, False
+
+
+def _own_tokens(layout: TreeLayout, q, k, v, packed_nodes, window: int | None, sliding: bool, scale: float, dtype):
+    """`(out, lse, states)`: the flat `(N + 1, H, D)` output and `(N + 1, H)` log-sum-exp of every node's own tokens
+    (the nodes' variable-length call, else one call per length bucket), in float32 for half precision, with the
+    kernels' states."""
+    tokens, heads, dim = q.shape
+    work = _work_dtype(dtype)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
+    # padding slots write (and read back what they wrote there), so nothing needs zeroing
+    out = q.new_empty(tokens + 1, heads, dim, dtype=work)
+    lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
+    states = []
+    if packed_nodes is not None:
+        out_n, lse_n, state = packed_nodes
+        states.append(state)
+        out[:tokens].copy_(out_n)
+        lse[:tokens].copy_(lse_n.t())
+        out[tokens:].zero_()  # the dump row (the buckets would have written it), read by a windowed part's padding
+        lse[tokens:].zero_()
+        return out, lse, states
+    for index, blocks, images in _buckets(layout):
+        qb, kb, vb = _gather(q, blocks), _gather(k, blocks), _gather(v, blocks)
+        bias = _image_bias(layout, index, blocks, window, sliding, dtype) if images else None
+        if bias is None:
+            out_b, lse_b, state = band_forward(qb, kb, vb, window, scale)
+        else:
+            out_b, lse_b, state = attention_forward(qb, kb, vb, bias, False, scale)
+        states.append(state)
+        _write(out, blocks, _rows(out_b).to(work))
+        _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
+    return out, lse, states
+
+
+def _merge_packed_parts(out, lse, states: list, layout: TreeLayout, q, k, v, window: int | None, scale: float) -> set:
+    """Merges each level's part as one variable-length call where its kernel runs (not under a window: a level's mask
+    then depends on each query's position); returns the levels it merged (a kernel that raised: none after it)."""
+    parts = layout.packed_parts
+    config = varlen_config(q, k, False) if parts and window is None else None
+    depths = set()
+    for call in parts if config is not None else ():
+        packed = varlen_attention_forward(config, _read(q, call.queries), _read(k, call.keys), _read(v, call.keys),
+                                          call.cu_q, call.cu_k, call.max_q, call.max_k, False, scale)  # fmt: skip
+        if packed is None:  # its kernel raised (now disabled): this level and the next in their buckets
+            break
+        out_p, lse_p, state = packed
+        states.append(state)
+        _merge_rows(out, lse, call.queries, out_p, lse_p.t())
+        depths.add(call.depth)
+    return depths
+
+
+def _merge_parts(out, lse, states: list, layout: TreeLayout, q, k, v, packed_depths: set, window: int | None,
+                 scale: float, dtype) -> None:  # fmt: skip
+    """Merges each level's part not merged as a variable-length call, in its padded buckets."""
+    for index, part in enumerate(layout.parts):
+        if part.depth in packed_depths:
+            continue
+        keys, bias = _keys_of(layout, index, part, window, dtype)
+        out_p, lse_p, state = attention_forward(_gather(q, part.queries), _gather(k, keys), _gather(v, keys), bias,
+                                                False, scale)  # fmt: skip
+        states.append(state)
+        _merge(out, lse, part.queries, out_p, lse_p)
+
+
+def _merge_held_parts(out, lse, states: list, layout: TreeLayout, q, held, window: int | None, scale: float,
+                      dtype) -> None:  # fmt: skip
+    """Merges the held nodes' parts, their keys in their slot's `held` `(1, Hkv, Ns, D)` tensors."""
+    for index, part in enumerate(layout.held_parts):
+        held_key, held_value = _flat(held[2 * part.slot]), _flat(held[2 * part.slot + 1])
+        keys, bias = _keys_of(layout, ("held", index), part, window, dtype)
+        out_p, lse_p, state = attention_forward(_gather(q, part.queries), _gather(held_key, keys),
+                                                _gather(held_value, keys), bias, False, scale)  # fmt: skip
+        states.append(state)
+        _merge(out, lse, part.queries, out_p, lse_p)
+
+
+def _merge_history(out, lse, layout: TreeLayout, q, history, window: int | None, scale: float, dtype) -> None:
+    """Merges a continued prefill's reads of each row's held keys `history` `(B, Hkv, T, D)` (no gradient)."""
+    for index, part in enumerate(layout.history):  # each row's held keys in its columns
+        lo, hi = part.span
+        if window is not None:  # the queries follow every held key: only the last w - 1 columns are in reach
+            lo = max(lo, part.first_end - (window - 1))
+        memo_key = ("history", index, window, dtype)
+        if memo_key not in layout.memo:
+            column = torch.arange(lo, hi, device=q.device)
+            held = (column >= part.first[:, None]) & (column < (part.first + part.count)[:, None])  # (n, S)
+            held = held[:, None, :]
+            if window is not None:  # each query reads the held keys within its window: positions > p - w
+                key_position = column - part.first[:, None]  # a row's token p sits at column first + p
+                query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(
+                    part.queries.shape)  # fmt: skip
+                held = held & (query_position[:, :, None] - key_position[:, None, :] < window)  # (n, L, S)
+            layout.memo[memo_key] = torch.zeros((), dtype=dtype, device=q.device).masked_fill(
+                ~held, torch.finfo(dtype).min)[:, None]  # fmt: skip
+        held_key, held_value = (x[:, :, lo:hi].index_select(0, part.rows) for x in history)
+        out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value, layout.memo[memo_key],
+                                            False, scale)  # fmt: skip
+        _merge(out, lse, part.queries, out_h, lse_h)
+
+
 class TreeAttention(torch.autograd.Function):
     """
     Attention of the packed flat sequence (see the module docstring): `query` (1, H, N, D), `key`/`value`
@@ -320,33 +445,9 @@ class TreeAttention(torch.autograd.Function):
                 ctx.save_for_backward(query, key, value, out, lse, *held)
             ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.packed = layout, window, scale, [state], "chain"
             return out.transpose(1, 2)  # (1, N, H, D)
-        tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
+        tokens = query.shape[2]
         q, k, v = _flat(query), _flat(key), _flat(value)
-        work = _work_dtype(query.dtype)
-        lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        states = []
-        # On a device with a variable-length kernel ([`attention.checks.varlen_config`]): the nodes as one causal call
-        # over the flat sequence, and each level's part without its key padding (under a window a level's mask depends
-        # on each query's position: its padded buckets)
-        nodes, parts = layout.packed_nodes, layout.packed_parts
-        packed_nodes = None  # the nodes' variable-length call (None: its kernel is not used or raised: the buckets)
-        folded = False  # whether it read its ancestors' keys too, held and in the tree ([`tree.layout.TreeLayout`])
-        fold = layout.held_nodes if not layout.history else None
-        if fold is not None:
-            fold_window = window if window is not None and fold.max_k > window else None
-            fold_config = varlen_config(q, k, True, fold_window)
-            if fold_config is not None:
-                keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
-                packed_nodes = varlen_attention_forward(fold_config, q, keys, values, fold.cu_q, fold.cu_k,
-                                                        fold.max_q, fold.max_k, True, scale, fold_window)  # fmt: skip
-                folded = packed_nodes is not None
-        # (after the folded call: a kernel that raised there is disabled here too)
-        node_window = window if window is not None and nodes is not None and nodes.max_q > window else None
-        nodes_config = varlen_config(q, k, True, node_window) if nodes is not None and not folded else None
-        parts_config = varlen_config(q, k, False) if parts and window is None and not folded else None
-        if nodes_config is not None:
-            packed_nodes = varlen_attention_forward(nodes_config, q, k, v, nodes.cu_q, nodes.cu_k, nodes.max_q,
-                                                    nodes.max_k, True, scale, node_window)  # fmt: skip
+        packed_nodes, folded = _varlen_nodes(layout, q, k, v, window, scale, held)
         if packed_nodes is not None and sinks is None and (folded or _nodes_alone(layout, held)):
             # The one call (folded: every ancestor's keys in it; else nodes that read no other's): the attention
             out_n, lse_n, state = packed_nodes
@@ -356,74 +457,13 @@ class TreeAttention(torch.autograd.Function):
             ctx.layout, ctx.window, ctx.scale, ctx.states, ctx.sliding = layout, window, scale, [state], sliding
             ctx.packed = (True, set(), folded)
             return result.unsqueeze(0)
-        # Every token is in one node and every node in one bucket: the buckets write every row but the last, where
-        # padding slots write (and read back what they wrote there), so nothing needs zeroing
-        out = q.new_empty(tokens + 1, heads, dim, dtype=work)
-        lse = q.new_empty(tokens + 1, heads, dtype=lse_dtype)
-        if packed_nodes is not None:
-            out_n, lse_n, state = packed_nodes
-            states.append(state)
-            out[:tokens].copy_(out_n)
-            lse[:tokens].copy_(lse_n.t())
-            out[tokens:].zero_()  # the dump row (the buckets would have written it), read by a windowed part's padding
-            lse[tokens:].zero_()
-        for index, blocks, images in () if packed_nodes is not None else _buckets(layout):
-            qb, kb, vb = _gather(q, blocks), _gather(k, blocks), _gather(v, blocks)
-            bias = _image_bias(layout, index, blocks, window, sliding, query.dtype) if images else None
-            if bias is None:
-                out_b, lse_b, state = band_forward(qb, kb, vb, window, scale)
-            else:
-                out_b, lse_b, state = attention_forward(qb, kb, vb, bias, False, scale)
-            states.append(state)
-            _write(out, blocks, _rows(out_b).to(work))
-            _write(lse, blocks, _lse_rows(lse_b, lse_dtype))
+        out, lse, states = _own_tokens(layout, q, k, v, packed_nodes, window, sliding, scale, query.dtype)
         packed_depths = set()  # the levels whose part ran as one variable-length call; the others in their buckets
-        for call in parts if parts_config is not None and not folded else ():
-            packed = varlen_attention_forward(parts_config, _read(q, call.queries), _read(k, call.keys),
-                                              _read(v, call.keys), call.cu_q, call.cu_k, call.max_q, call.max_k,
-                                              False, scale)  # fmt: skip
-            if packed is None:  # its kernel raised (now disabled): this level and the next in their buckets
-                break
-            out_p, lse_p, state = packed
-            states.append(state)
-            _merge_rows(out, lse, call.queries, out_p, lse_p.t())
-            packed_depths.add(call.depth)
-        for index, part in enumerate(() if folded else layout.parts):
-            if part.depth in packed_depths:
-                continue
-            keys, bias = _keys_of(layout, index, part, window, query.dtype)
-            queries = part.queries
-            out_p, lse_p, state = attention_forward(_gather(q, queries), _gather(k, keys), _gather(v, keys), bias,
-                                                    False, scale)  # fmt: skip
-            states.append(state)
-            _merge(out, lse, queries, out_p, lse_p)
-        for index, part in enumerate(() if folded else layout.held_parts):  # held nodes, keys in their slot's
-            held_key, held_value = _flat(held[2 * part.slot]), _flat(held[2 * part.slot + 1])
-            keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
-            out_p, lse_p, state = attention_forward(_gather(q, part.queries), _gather(held_key, keys),
-                                                    _gather(held_value, keys), bias, False, scale)  # fmt: skip
-            states.append(state)
-            _merge(out, lse, part.queries, out_p, lse_p)
-        for index, part in enumerate(layout.history):  # each row's held keys (B, Hkv, T, D), in its columns
-            lo, hi = part.span
-            if window is not None:  # the queries follow every held key: only the last w - 1 columns are in reach
-                lo = max(lo, part.first_end - (window - 1))
-            memo_key = ("history", index, window, query.dtype)
-            if memo_key not in layout.memo:
-                column = torch.arange(lo, hi, device=query.device)
-                held = (column >= part.first[:, None]) & (column < (part.first + part.count)[:, None])  # (n, S)
-                held = held[:, None, :]
-                if window is not None:  # each query reads the held keys within its window: positions > p - w
-                    key_position = column - part.first[:, None]  # a row's token p sits at column first + p
-                    query_position = layout.positions.index_select(0, part.queries.gather.view(-1)).view(
-                        part.queries.shape)  # fmt: skip
-                    held = held & (query_position[:, :, None] - key_position[:, None, :] < window)  # (n, L, S)
-                layout.memo[memo_key] = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
-                    ~held, torch.finfo(query.dtype).min)[:, None]  # fmt: skip
-            held_key, held_value = (x[:, :, lo:hi].index_select(0, part.rows) for x in history)
-            out_h, lse_h, _ = attention_forward(_gather(q, part.queries), held_key, held_value,
-                                                layout.memo[memo_key], False, scale)  # fmt: skip
-            _merge(out, lse, part.queries, out_h, lse_h)
+        if not folded:
+            packed_depths = _merge_packed_parts(out, lse, states, layout, q, k, v, window, scale)
+            _merge_parts(out, lse, states, layout, q, k, v, packed_depths, window, scale, query.dtype)
+            _merge_held_parts(out, lse, states, layout, q, held, window, scale, query.dtype)
+        _merge_history(out, lse, layout, q, history, window, scale, query.dtype)
         out, lse = out[:tokens], lse[:tokens]
         if sinks is not None:
             apply_sinks(out.transpose(0, 1).unsqueeze(0), lse.transpose(0, 1).unsqueeze(0), sinks)
