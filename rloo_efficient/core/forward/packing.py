@@ -72,18 +72,64 @@ class PackedBatch:
         return values.index_select(0, self.unpack_index).view(self.num_rows, self.num_cols)
 
 
-def pack_rows(
-    input_ids: torch.Tensor,
-    logits_to_keep: int,
-    rows: torch.Tensor,
-    token_weights: bool = False,
-    group_sources: bool = False,
-    image_tokens: set[int] | None = None,
-    min_saved: int = MIN_SAVED_TOKENS,
-    recurrent: bool = True,
-    hold: tuple[HoldPlan, ChunkHold] | None = None,
-    position_period: int | None = None,
-) -> PackedBatch | str:
+def _labels(tree, members: np.ndarray, scored: np.ndarray, first_label: np.ndarray, width: int, prompt_width: int,
+            logits_to_keep: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """`(labels, unpack)`: each packed input's label as an index into stock's flat `(B * width)` batch (its -100
+    sentinel after it where the input predicts nothing scored), and each row's scored columns' packed input `(B,
+    logits_to_keep)` (N where none). Position j of row r predicts its token j + 1, a completion token where j + 1 >=
+    plen; `first_label` per row: the index of that first input among its own packed inputs."""
+    total, num_rows = tree.num_tokens, len(scored)
+    labels = np.full(total, num_rows * width, dtype=np.int64)
+    unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
+    for member, row in enumerate(members):
+        count = scored[row]
+        if count == 0:
+            continue
+        flat = tree.row_inputs[member][first_label[row] : first_label[row] + count]
+        labels[flat] = row * width + prompt_width + np.arange(count)
+        unpack[row, :count] = flat
+    return labels, unpack
+
+
+def _held_token_weights(plan: HoldPlan, reads, member_keys: np.ndarray) -> list[np.ndarray]:
+    """Per slot of `reads`, how many of the chunk's rows (their deepest held nodes `member_keys`) hold each of its
+    source's tokens."""
+    out = []
+    for source in reads.sources:
+        weights = np.zeros(plan.source_tokens(source), dtype=np.int64)
+        for x, _, _ in reads.runs:
+            if plan.nodes.source[x] == source:
+                under = (member_keys >= x) & (member_keys < plan.nodes.subtree_end[x])
+                start = plan.nodes.offset[x]
+                weights[start : start + plan.nodes.length[x]] = int(under.sum())
+        out.append(weights)
+    return out
+
+
+def _image_nodes(tree, sequences: list, member_rows: np.ndarray, image_tokens: set[int]) -> np.ndarray:
+    """The nodes holding an image's placeholder tokens."""
+    values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows]
+                                       + tree.token_position]  # fmt: skip
+    holds = np.isin(values, np.fromiter(image_tokens, dtype=np.int64))
+    return np.unique(np.repeat(np.arange(len(tree.start)), tree.length)[holds])
+
+
+def _first_rows(tree, group: np.ndarray, members: np.ndarray) -> np.ndarray:
+    """One row per group, in the order of the group's first node (an image batch's: the order its images come)."""
+    roots = np.flatnonzero(tree.parent == -1)
+    _, first = np.unique(group[members[tree.row[roots]]], return_index=True)
+    return members[tree.row[roots[np.sort(first)]]]
+
+
+def _crosses_period(position_ids: np.ndarray, columns: np.ndarray, period: int | None, width: int) -> bool:
+    """Whether a packed token's position falls in another `period` than its column in stock's row does."""
+    return period is not None and width > period and bool((position_ids // period != columns // period).any())
+
+
+def pack_rows(input_ids: torch.Tensor, logits_to_keep: int, rows: torch.Tensor, token_weights: bool = False,
+              group_sources: bool = False, image_tokens: set[int] | None = None, min_saved: int = MIN_SAVED_TOKENS,
+              recurrent: bool = True, hold: tuple[HoldPlan, ChunkHold] | None = None,
+              position_period: int | None = None) -> PackedBatch | str:  # fmt: skip
     """
     Packs stock TRL's `(B, P + C)` scoring batch (left-padded prompts, right-padded completions, the last
     `logits_to_keep` columns being the completion) by its `rows` ([`row_groups`], a CPU tensor) into its prefix tree.
@@ -139,26 +185,15 @@ def pack_rows(
     # a held node, those of its top held node's row
     root_rows = members[tree.row[tree.root]]
     position_ids = np.repeat((prompt_width - position_plen)[root_rows], tree.length) + positions
-    if position_period is not None and width > position_period and (
-            position_ids // position_period != (offset[member_rows] + positions) // position_period).any():  # fmt: skip
+    if _crosses_period(position_ids, offset[member_rows] + positions, position_period, width):
         return (f"its queries are scaled by absolute position (Llama 4's scaling, period {position_period}): a node "
                 "shared by rows of other prompt lengths would sit in another period than in stock's rows")  # fmt: skip
     # Labels and the unpacking: position j of row r predicts its token j + 1, a completion token where j + 1 >= plen
-    labels = np.full(total, num_rows * width, dtype=np.int64)  # the -100 sentinel after stock's flat batch
-    unpack = np.full((num_rows, logits_to_keep), total, dtype=np.int64)
-    for member, row in enumerate(members):
-        count = scored[row]
-        if count == 0:
-            continue
-        flat = tree.row_inputs[member][plen[row] - 1 - skip[row] : plen[row] - 1 - skip[row] + count]
-        labels[flat] = row * width + prompt_width + np.arange(count)
-        unpack[row, :count] = flat
+    labels, unpack = _labels(tree, members, scored, plen - 1 - skip, width, prompt_width, logits_to_keep)
     parts = [source, labels, position_ids, unpack.reshape(-1)]
     first_rows = image_rows = None
     if images:
-        roots = np.flatnonzero(tree.parent == -1)
-        _, first = np.unique(group[members[tree.row[roots]]], return_index=True)
-        first_rows = members[tree.row[roots[np.sort(first)]]]  # one row per group, in the order of its first node
+        first_rows = _first_rows(tree, group, members)
         # The groups whose prompt (and images) this forward holds: not those a held node holds
         image_rows = first_rows if hold is None else first_rows[chunk.key[first_rows] < 0]
         if group_sources:
@@ -169,27 +204,13 @@ def pack_rows(
         parts.append(tree.token_weight)
     reads = None
     if hold is not None:
-        roots = np.flatnonzero(tree.parent < 0)
-        root_keys = chunk.key[members[tree.row[roots]]]
+        root_keys = chunk.key[members[tree.row[np.flatnonzero(tree.parent < 0)]]]
         reads = plan.reads_of(chunk.reads, tree, root_keys, root_keys, recurrent)
         if token_weights:  # how many of these rows hold each held token
-            for slot, source in enumerate(reads.sources):
-                weights = np.zeros(plan.source_tokens(source), dtype=np.int64)
-                member_keys = chunk.key[members]
-                for x, _, _ in reads.runs:
-                    if plan.nodes.source[x] == source:
-                        under = (member_keys >= x) & (member_keys < plan.nodes.subtree_end[x])
-                        start = plan.nodes.offset[x]
-                        weights[start : start + plan.nodes.length[x]] = int(under.sum())
-                parts.append(weights)
-    image_nodes = None
-    if images:
-        values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows] + positions]
-        holds = np.isin(values, np.fromiter(image_tokens, dtype=np.int64))
-        image_nodes = np.unique(np.repeat(np.arange(len(tree.start)), tree.length)[holds])
-    held_args = {}
-    if reads is not None:
-        held_args = dict(held_reads=reads.held_reads, held_roots=reads.held_roots, held_states=reads.states)
+            parts += _held_token_weights(plan, reads, chunk.key[members])
+    image_nodes = _image_nodes(tree, sequences, member_rows, image_tokens) if images else None
+    held_args = {} if reads is None else dict(held_reads=reads.held_reads, held_roots=reads.held_roots,
+                                              held_states=reads.states)  # fmt: skip
     layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent, **held_args)
     held_weights = ()
     if reads is not None and token_weights:
@@ -199,23 +220,12 @@ def pack_rows(
     index, label_index, position_ids, unpack_index = on_device
     ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
     gathered = ids.index_select(0, torch.cat([index, label_index]))
-    return PackedBatch(
-        input_ids=gathered[:total].view(1, total),
-        position_ids=position_ids.view(1, total),
-        shift_labels=gathered[total:].view(1, total),
-        unpack_index=unpack_index,
-        layout=layout,
-        tree=tree,
-        num_rows=num_rows,
-        num_cols=logits_to_keep,
-        token_weights=weights,
-        source_index=index,
-        first_rows=first_rows,
-        image_rows=image_rows,
-        group_source_index=group_source,
-        held_sources=tuple(reads.sources) if reads is not None else (),
-        held_weights=held_weights,
-    )
+    return PackedBatch(input_ids=gathered[:total].view(1, total), position_ids=position_ids.view(1, total),
+                       shift_labels=gathered[total:].view(1, total), unpack_index=unpack_index, layout=layout,
+                       tree=tree, num_rows=num_rows, num_cols=logits_to_keep, token_weights=weights, source_index=index,
+                       first_rows=first_rows, image_rows=image_rows, group_source_index=group_source,
+                       held_sources=tuple(reads.sources) if reads is not None else (),
+                       held_weights=held_weights)  # fmt: skip
 
 
 @dataclass

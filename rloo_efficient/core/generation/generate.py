@@ -195,20 +195,10 @@ def fan_out(cache: DynamicCache, inverse: list[int], device) -> DynamicCache:
     return cache
 
 
-def generate_with_shared_prefill(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    prompt_ids: list[list[int]] | None = None,
-    prompt_cache_once: bool | None = False,
-    tree: bool = True,
-    synced: bool = False,
-    generate=None,
-    images: list | None = None,
-    turns: TurnCaches | None = None,
-    static: bool | None = False,
-    **kwargs,
-):
+def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                 prompt_ids: list[list[int]] | None = None, prompt_cache_once: bool | None = False,
+                                 tree: bool = True, synced: bool = False, generate=None, images: list | None = None,
+                                 turns: TurnCaches | None = None, static: bool | None = False, **kwargs):  # fmt: skip
     """
     `model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)`, with each distinct prompt row
     prefilled once, and with `tree` (text prompts, a model whose cache holds keys and values: [`tree_prefill_reason`])
@@ -244,18 +234,7 @@ def generate_with_shared_prefill(
         kwargs["generation_config"] = config = copy.copy(config)
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-    decoding = {}  # for a call continuing a cache of ours: decoded from static buffers where asked and allowed
-    if static is None:  # where steps are captured, and the model on one device (a capture runs on one stream)
-        static = input_ids.device.type in static_decode.CAPTURE_DEVICES and len(
-            set((getattr(model, "hf_device_map", None) or {"": 0}).values())) == 1  # fmt: skip
-    if static:
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        own = getattr(type(inner), "generate", None) is not GenerationMixin.generate
-        off = f"{type(inner).__name__} has its own generate" if own else static_call_reason(config, synced, kwargs)
-        if off is None:
-            decoding = {"custom_generate": static_sample}
-        else:
-            warn_off(off)
+    decoding = _static_decoding(model, input_ids.device, config, synced, kwargs, static)
     held = turns.take() if turns is not None else None  # the previous call's: released once copied from
     if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
         turns = held = None
@@ -281,12 +260,8 @@ def generate_with_shared_prefill(
     plan = None
     if tree and images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
         plan = plan_tree_prefill(prompt_ids, first, width)
-    if synced:
-        import torch.distributed as dist
-
-        can = torch.tensor([int(width >= 2 and not dropped)], device=input_ids.device)
-        dist.all_reduce(can, op=dist.ReduceOp.MIN)
-        share = bool(can.item())
+    if synced:  # every rank shares, or none
+        share = _on_every_rank(width >= 2 and not dropped, input_ids.device)
     else:
         share = width >= 2 and not dropped and (len(first) < len(inverse) or plan is not None)  # rows or openings alike
     if not share:
@@ -307,24 +282,8 @@ def generate_with_shared_prefill(
     else:
         prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images, empty)
         tokens = len(first) * (width - 1)
-    sources = kv_sources(model.config.get_text_config(decoder=True))
-    if prompt_cache_once is None and len(first) < len(inverse):  # kept once where that reads enough fewer bytes
-        replayed = bool(decoding) and static_decode.replays_kept_once(
-            model, PrefixCache.layer_types(prefilled, sources), input_ids.device)  # fmt: skip
-        prompt_cache_once = keep_prompt_once(prefilled, len(inverse), input_ids.device, replayed)
-    if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'
-        cache, attention = prefilled, contextlib.nullcontext()
-    elif prompt_cache_once and (limit is None or longest <= limit):
-        install(model)
-        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1, sources)
-        attention = decoding_with(cache)
-    else:
-        if prompt_cache_once:  # a constant message: Python shows it once
-            warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
-                          "generate drops its cache past the model's original context (Phi-3).",
-                          stacklevel=2)  # fmt: skip
-        fan = static_decode.defer_fan_out if decoding else fan_out  # static decoding: gathered into its buffers
-        cache, attention = fan(prefilled, inverse, input_ids.device), contextlib.nullcontext()
+    cache, attention = _decoding_cache(model, prefilled, prompt_ids, first, inverse, width, prompt_cache_once,
+                                       bool(decoding), limit is None or longest <= limit, input_ids.device)  # fmt: skip
     del prefilled  # `cache` alone holds the prompt's keys and values now
     _rope_deltas(model, inverse if prefill_images else None, len(prompt_ids), input_ids.device)
     with attention:
@@ -332,6 +291,61 @@ def generate_with_shared_prefill(
                           **kwargs)  # fmt: skip
     _hold(turns, cache, prompt_ids, output, width, config)
     return output, tokens
+
+
+def _on_every_rank(value: bool, device) -> bool:
+    """Whether `value` holds on every rank (one all-reduce)."""
+    import torch.distributed as dist
+
+    every = torch.tensor([int(value)], device=device)
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    return bool(every.item())
+
+
+def _static_decoding(model: nn.Module, device, config: GenerationConfig, synced: bool, kwargs: dict,
+                     static: bool | None) -> dict:  # fmt: skip
+    """`generate`'s arguments decoding from static buffers ([`static_decode.static_sample`]) where `static` asks for it
+    (None: where steps are captured, the model on one device: a capture runs on one stream) and the call allows it
+    (else one warning naming why not); `{}` for `generate`'s own loop."""
+    if static is None:
+        static = device.type in static_decode.CAPTURE_DEVICES and len(
+            set((getattr(model, "hf_device_map", None) or {"": 0}).values())) == 1  # fmt: skip
+    if not static:
+        return {}
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = getattr(type(inner), "generate", None) is not GenerationMixin.generate
+    off = f"{type(inner).__name__} has its own generate" if own else static_call_reason(config, synced, kwargs)
+    if off is not None:
+        warn_off(off)
+        return {}
+    return {"custom_generate": static_sample}
+
+
+def _decoding_cache(model: nn.Module, prefilled, prompt_ids: list, first, inverse, width: int,
+                    prompt_cache_once: bool | None, static: bool, within_limit: bool, device) -> tuple:  # fmt: skip
+    """`(cache, attention)`: the cache `generate` decodes from, built from the distinct prompts' `prefilled` cache,
+    and the context its calls run in. Every row its own prompt: the rows' cache itself. The prompt kept once
+    ([`PrefixCache`], read by our attention): where asked or (`prompt_cache_once=None`) where the cost model finds it
+    reads enough fewer bytes ([`keep_prompt_once`]; replayed `static` steps break even sooner), and `generate` keeps
+    its cache to the end (`within_limit`). Otherwise fanned out to every row (for `static` decoding, into its
+    buffers)."""
+    sources = kv_sources(model.config.get_text_config(decoder=True))
+    if prompt_cache_once is None and len(first) < len(inverse):
+        replayed = static and static_decode.replays_kept_once(model, PrefixCache.layer_types(prefilled, sources),
+                                                              device)  # fmt: skip
+        prompt_cache_once = keep_prompt_once(prefilled, len(inverse), device, replayed)
+    if len(first) == len(inverse):  # every row its own prompt (a tool turn's histories): the cache is the rows'
+        return prefilled, contextlib.nullcontext()
+    if prompt_cache_once and within_limit:
+        install(model)
+        cache = PrefixCache(prefilled, inverse, [len(prompt_ids[row]) - 1 for row in first], width - 1, sources)
+        return cache, decoding_with(cache)
+    if prompt_cache_once:  # a constant message: Python shows it once
+        warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
+                      "generate drops its cache past the model's original context (Phi-3).",
+                      stacklevel=3)  # fmt: skip
+    fan = static_decode.defer_fan_out if static else fan_out  # static decoding: gathered into its buffers
+    return fan(prefilled, inverse, device), contextlib.nullcontext()
 
 
 def _hold(turns, cache, prompt_ids, output, width: int, config: GenerationConfig) -> None:

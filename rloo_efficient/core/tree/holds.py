@@ -252,37 +252,10 @@ def chunks_encoding(plan: "HoldPlan | None", chunks: list[tuple[int, int]], scor
     return out
 
 
-def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
-               token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
-               by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
-               source_cap: int | None = None, training: bool = True) -> HoldPlan | None:  # fmt: skip
-    """
-    The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
-    [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
-    chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
-    scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
-    bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
-    placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
-    `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
-    vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
-    stock's forwards) when it forwards nodes first read by later chunks too ([`hoisted_sources`]); None: each source
-    forwards the nodes first read by its own chunk. `training`: the budget counts each source until its backward, else
-    (a no-grad pass) until its own nodes' last reader ([`held_peak`]).
-    """
-    if any((plen == 0).any() for _, plen, _, _ in chunks):
-        return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
-    chunk_of, local, sequences, plens, groups = [], [], [], [], []
-    for index, (group, plen, scored, tokens) in enumerate(chunks):
-        members = np.arange(len(group)) if full or not scored.any() else np.flatnonzero(scored > 0)
-        for row in members:
-            chunk_of.append(index), local.append(row), plens.append(int(plen[row])), groups.append(int(group[row]))
-            sequences.append(np.asarray(tokens[row][: plen[row]], dtype=np.int64))
-    if len(chunks) < 2 or not sequences:
-        return None
-    chunk_of, local, plens = np.asarray(chunk_of), np.asarray(local), np.asarray(plens)
-    root = _radix(sequences, np.asarray(groups) if by_group else np.zeros(len(sequences), dtype=np.int64))
-
-    # Held nodes, depth-first: (start token, end token, rows, parent rank)
+def _search(root, chunk_of: np.ndarray, plens: np.ndarray, min_saved: int) -> list[tuple[int, int, np.ndarray, int]]:
+    """The nodes of the prompts' radix tree (`root`) worth holding, before any budget: the cheapest way to forward
+    them for the chunks (`chunk_of`: each member row's) reading them. Depth-first, each `(start token, end token,
+    member rows, its nearest held ancestor's index or -1)`."""
     kept: list[tuple[int, int, np.ndarray, int]] = []
 
     def best(node, start: int, under_held: bool) -> tuple[int, list]:
@@ -324,9 +297,84 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
 
     for child in root.children:
         link(child, -1)
+    return kept
+
+
+def _budgeted(parents: np.ndarray, first: np.ndarray, last: np.ndarray, cost: np.ndarray, budget: int | None,
+              chunks: int, training: bool) -> np.ndarray:  # fmt: skip
+    """Which of the searched nodes are held (bool): chronologically, a node from its first chunk to its last, if its
+    parent is held and it fits the `budget`; then as sources release them ([`within_budget`])."""
+    held = np.zeros(len(parents), dtype=bool)
+    for chunk in range(chunks):
+        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
+        for x in np.flatnonzero(first == chunk):
+            if (parents[x] < 0 or held[parents[x]]) and (budget is None or alive + cost[x] <= budget):
+                held[x] = True
+                alive += cost[x]
+    if budget is not None:  # as sources release them: a chunk's held nodes together, after their backward
+        held = within_budget(held, first, last, parents, cost, budget, chunks, training)
+    return held
+
+
+def _chunk_holds(chunks: list[tuple], chunk_of: np.ndarray, local: np.ndarray, deepest: np.ndarray,
+                 nodes: HeldNodes, source_chunk: np.ndarray) -> tuple[ChunkHold, ...]:  # fmt: skip
+    """Each chunk's part of the plan: its rows' inputs the held nodes cover (`deepest`: each member row's deepest held
+    node), the nodes it reads, and its source."""
+    position, length, parent, top_plen = nodes.position, nodes.length, nodes.parent, nodes.top_plen
+    chunk_plans = []
+    for index, (group, plen, scored, tokens_of) in enumerate(chunks):
+        count = len(group)
+        skip = np.zeros(count, dtype=np.int64)
+        key = np.full(count, -1, dtype=np.int64)
+        position_plen = plen.astype(np.int64).copy()
+        reads = set()
+        for member in np.flatnonzero(chunk_of == index):
+            row, x = local[member], deepest[member]
+            if x < 0:
+                continue
+            skip[row], key[row], position_plen[row] = position[x] + length[x], x, top_plen[x]
+            while x >= 0:
+                reads.add(int(x))
+                x = parent[x]
+        sources = np.flatnonzero(source_chunk == index)
+        chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
+                                     int(sources[0]) if len(sources) else None))  # fmt: skip
+    return tuple(chunk_plans)
+
+
+def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
+               token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
+               by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
+               source_cap: int | None = None, training: bool = True) -> HoldPlan | None:  # fmt: skip
+    """
+    The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
+    [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
+    chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
+    scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
+    bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
+    placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
+    `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
+    vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
+    stock's forwards) when it forwards nodes first read by later chunks too ([`hoisted_sources`]); None: each source
+    forwards the nodes first read by its own chunk. `training`: the budget counts each source until its backward, else
+    (a no-grad pass) until its own nodes' last reader ([`held_peak`]).
+    """
+    if any((plen == 0).any() for _, plen, _, _ in chunks):
+        return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
+    chunk_of, local, sequences, plens, groups = [], [], [], [], []
+    for index, (group, plen, scored, tokens) in enumerate(chunks):
+        members = np.arange(len(group)) if full or not scored.any() else np.flatnonzero(scored > 0)
+        for row in members:
+            chunk_of.append(index), local.append(row), plens.append(int(plen[row])), groups.append(int(group[row]))
+            sequences.append(np.asarray(tokens[row][: plen[row]], dtype=np.int64))
+    if len(chunks) < 2 or not sequences:
+        return None
+    chunk_of, local, plens = np.asarray(chunk_of), np.asarray(local), np.asarray(plens)
+    root = _radix(sequences, np.asarray(groups) if by_group else np.zeros(len(sequences), dtype=np.int64))
+
+    kept = _search(root, chunk_of, plens, min_saved)
     if not kept:
         return None
-    # The budget, chronologically: a node is held from its first chunk to its last, if its parent is held and it fits
     first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
     last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
     length = np.array([end - begin for begin, end, _, _ in kept])
@@ -335,17 +383,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         placeholders = np.fromiter(image_cost[0], dtype=np.int64)
         cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
                                                 for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
-    held = np.zeros(len(kept), dtype=bool)
-    for chunk in range(len(chunks)):
-        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
-        for x in np.flatnonzero(first == chunk):
-            parent = kept[x][3]
-            if (parent < 0 or held[parent]) and (budget is None or alive + cost[x] <= budget):
-                held[x] = True
-                alive += cost[x]
-    if budget is not None:  # as sources release them: a chunk's held nodes together, after their backward
-        parents = np.array([parent for _, _, _, parent in kept], dtype=np.int64)
-        held = within_budget(held, first, last, parents, cost, budget, len(chunks), training)
+    held = _budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
+                     len(chunks), training)  # fmt: skip
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
@@ -390,25 +429,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     deepest = np.full(len(sequences), -1)
     for x in range(len(keep)):  # depth-first: a deeper node on a row's path comes later
         deepest[member_of[x]] = x
-    chunk_plans = []
-    for index, (group, plen, scored, tokens_of) in enumerate(chunks):
-        count = len(group)
-        skip = np.zeros(count, dtype=np.int64)
-        key = np.full(count, -1, dtype=np.int64)
-        position_plen = plen.astype(np.int64).copy()
-        reads = set()
-        for member in np.flatnonzero(chunk_of == index):
-            row, x = local[member], deepest[member]
-            if x < 0:
-                continue
-            skip[row], key[row], position_plen[row] = position[x] + length[x], x, top_plen[x]
-            while x >= 0:
-                reads.add(int(x))
-                x = parent[x]
-        sources = np.flatnonzero(source_chunk == index)
-        chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
-                                     int(sources[0]) if len(sources) else None))  # fmt: skip
-    return HoldPlan(nodes, source_chunk, backprop, tuple(chunk_plans))
+    chunk_plans = _chunk_holds(chunks, chunk_of, local, deepest, nodes, source_chunk)
+    return HoldPlan(nodes, source_chunk, backprop, chunk_plans)
 
 
 def last_readers(source: np.ndarray, last: np.ndarray, count: int) -> np.ndarray:
