@@ -348,6 +348,24 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
         _attention_backward(chosen, packed, layout, dtype)
 
 
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_row_is_one_flash_call_per_layer_on_cuda(monkeypatch, arch, dtype):
+    """A micro-batch of one row (its tree a path: [`tree.layout.chain_of`]) attends in one causal flash call per layer
+    over the row itself, as stock's padded row does: no variable-length call, no gather; its backward the kernel's
+    (a window: flash's own), its gradients in the inputs' shapes."""
+    ids, rows = stock_batch([20], [0], [5], 5, seed=0)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model(arch, dtype)
+        packed = pack_rows(ids.to(CUDA), 5, rows, min_saved=0)
+        assert packed.layout.chain == ()
+        model(**packed.model_inputs())
+        assert chosen == [("cuda_flash", 2)] * 2
+        window = 8 if arch in WINDOWED else None
+        _attention_backward(chosen, packed, packed.layout, dtype, window=window, sliding=window is not None)
+        assert chosen == [("cuda_flash", 2)]  # the one layer's forward called directly, then its backward
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
     """Generation's prefill over the prompts' prefix tree (a 70-token system prompt, three tasks): the decoder's packed

@@ -314,7 +314,9 @@ def test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it(wor
     with pytest.warns(UserWarning, match=reason):
         stock, ours = compare(path, dataset, tmp_path, [vowel_reward, str(adapter)], max_steps=2, tolerance=tolerance,
                               run_kwargs={"peft_config": policy_lora})  # fmt: skip
-    assert isinstance(ours.reward_funcs[1], torch.nn.Module)
+    # Loaded as stock loads it (its own model), not as a Hydra head on the policy, and still scored packed
+    assert not isinstance(ours.reward_funcs[1], HydraReward) and isinstance(ours.reward_funcs[1], torch.nn.Module)
+    assert ours.reward_forward_tokens > 0
 
 
 def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(workload, tmp_path, monkeypatch):
@@ -367,7 +369,7 @@ def test_hydra_on_another_base_is_loaded_as_its_own_model(workload, model_cache,
         trainer = RLOOTrainer(model=path, reward_funcs=[adapter], args=training_args(tmp_path / "o"),
                               train_dataset=dataset, processing_class=build_tokenizer(),
                               peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
-    assert isinstance(trainer.reward_funcs[0], torch.nn.Module)
+    assert not isinstance(trainer.reward_funcs[0], HydraReward) and isinstance(trainer.reward_funcs[0], torch.nn.Module)
 
 
 def test_hydra_with_a_given_reward_tokenizer_without_a_pad_token(workload, tmp_path):
