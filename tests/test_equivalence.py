@@ -13,7 +13,7 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core.tree.rows import ROWS_KEY
+from rloo_efficient.trainers.config import ROWS_KEY
 from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import METRICS, step_metrics, training_args

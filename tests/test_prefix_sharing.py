@@ -17,7 +17,8 @@ from rloo_efficient.core.layers.families import forward_unsupported_reason as un
 from rloo_efficient.core.layers.families import position_period
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.rope import rope_length
-from rloo_efficient.core.tree.rows import ROWS_KEY, group_ids_for, prompt_images, row_groups
+from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups
+from rloo_efficient.trainers.config import ROWS_KEY
 from rloo_efficient.trainers.mixin import GroupSharingMixin
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 

@@ -1,6 +1,5 @@
 """The drop-in contract: same constructor, same results as stock TRL with our options off; clear errors."""
 
-import json
 import warnings
 
 import pytest

@@ -1,11 +1,29 @@
 """Our config fields ([`SharingArguments`]) on TRL's RLOO and GRPO configs: [`RLOOConfig`] and [`GRPOConfig`]."""
 
+import os
 from dataclasses import dataclass, field, fields
 
+import torch
 import trl
 
 
 EMPTY_CACHE_POLICIES = ("auto", "none", "after_generation", "every_phase")
+# The batch key of the (B, 3 + W) CPU tensor of each row's [group id, prompt length, scored length, tokens]
+# ([`core.tree.rows.row_groups`]) that the trainer adds to TRL's batch: its shuffle and split carry it with the rows
+ROWS_KEY = "rloo_rows"
+# A quarter of the device's memory, the default of the budgets `tool_cache_budget_gib` and `held_prefix_budget_gib`:
+# the caches held across a tool call are at most the previous call's final cache, which that call held at its end; the
+# next call's own prefill and decoding come on top of them
+DEFAULT_BUDGET_SHARE = 0.25
+
+
+def default_budget(device: torch.device) -> int:
+    """[`DEFAULT_BUDGET_SHARE`] of the device's memory (the host's for the CPU, or a device that does not say), in
+    bytes."""
+    properties = getattr(getattr(torch, device.type, None), "get_device_properties", None)
+    if device.type != "cpu" and properties is not None:
+        return int(DEFAULT_BUDGET_SHARE * properties(device).total_memory)
+    return int(DEFAULT_BUDGET_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 SHARING_DOC = r"""
         share_prompt_prefix (`bool`, *optional*, defaults to `True`):

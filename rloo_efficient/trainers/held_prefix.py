@@ -24,10 +24,10 @@ import torch
 from ..core.forward.scope import HeldScope
 from ..core.forward.sharded import nested_units
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
-from ..core.generation.turn_cache import default_budget
 from ..core.layers.families import position_period
 from ..core.tree.holds import HoldPlan, chunks_encoding, plan_holds, prompts_held, scoring_chunks
-from ..core.tree.rows import ROWS_KEY, row_tokens
+from ..core.tree.rows import row_tokens
+from .config import ROWS_KEY, default_budget
 
 
 # A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about

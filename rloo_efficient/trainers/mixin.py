@@ -20,7 +20,7 @@ from ..core.generation.generate import (
     generation_unsupported_reason,
 )
 from ..core.generation.prompt_cache import prefix_cache_unsupported_reason
-from ..core.generation.turn_cache import TurnCaches, continue_reason, default_budget
+from ..core.generation.turn_cache import TurnCaches, continue_reason
 from ..core.layers.families import forward_unsupported_reason, is_multimodal
 from ..core.layers.install import install
 from ..core.layers.moe import aux_loss_reason
@@ -30,8 +30,8 @@ from ..core.layers.vision import (
     vision_reason,
 )
 from ..core.once import WarnOnce
-from ..core.tree.rows import ROWS_KEY, group_shuffle_order, prompt_images, row_groups
-from .config import STOCK_SETTINGS, sharing_settings
+from ..core.tree.rows import group_shuffle_order, prompt_images, row_groups
+from .config import ROWS_KEY, STOCK_SETTINGS, default_budget, sharing_settings
 from .generation import SharedGenerationMixin
 from .held_prefix import HeldPrefixMixin
 from .hydra import HydraReward, resolved_dtype, reward_adapter_config, saving_policy_adapters_only, split_hydra_rewards

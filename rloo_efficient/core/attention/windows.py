@@ -113,7 +113,7 @@ def band_backward(band: BandState, grad, query, key, value, out, lse, window: in
         if grads is not None:
             return grads
         band = BandState(None, math.ceil(blocks * length / window))  # its kernel raised: the chunks instead
-    chunks, total, width = band.chunks, band.chunks * window, 2 * window - 1
+    chunks, total = band.chunks, band.chunks * window
     q, k, v, bias = _chunked(query, key, value, chunks, window)
     kernel = band.kernel
     if kernel is None:  # the forward ran another kernel: the chunks' own state, from their forward

@@ -83,17 +83,6 @@ class HeldScope:
             held.release()
         self.sources.clear()
 
-    @property
-    def held_bytes(self) -> int:
-        return sum(held.nbytes for held in self.sources.values())
-
-
-def held_router_terms(packed: PackedBatch) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-    """Per slot, each MoE layer's held router logits, and the rows of `packed` holding each held token (the weights
-    of the load-balancing loss): what [`layers.moe.weighted_aux_loss`] adds to the packed tokens'."""
-    reads: HeldReads = packed.layout.held
-    return (reads.routers() if reads is not None else []), list(packed.held_weights)
-
 
 def chunk_tables(rows: torch.Tensor, chunks: list[np.ndarray]) -> list[tuple]:
     """[`tree.rows.row_tokens`] of each chunk's rows (`chunks`: row indices into `rows`)."""

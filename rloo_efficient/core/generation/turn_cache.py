@@ -21,7 +21,6 @@ keeps its whole history in a tool loop ([`generation.turn_cache`]): the batch's 
 row that finished early.
 """
 
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,11 +34,6 @@ from ..tree.layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
 from ..tree.radix import Tree, ranges
 from .prompt_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
 from .tree_prefill import forward_capturing, tree_prefill_reason
-
-
-# A quarter of the device's memory: the caches held across a tool call are at most the previous call's final cache,
-# which that call held at its end; the next call's own prefill and decoding come on top of them
-DEFAULT_BUDGET_SHARE = 0.25
 
 
 def continue_reason(model: nn.Module) -> str | None:
@@ -94,15 +88,6 @@ def _whole_token_bytes(model: nn.Module) -> int:
             width += heads * (getattr(layer_config, "head_dim", None) or
                               layer_config.hidden_size // layer_config.num_attention_heads)  # fmt: skip
     return 2 * width * next(model.parameters()).element_size()
-
-
-def default_budget(device: torch.device) -> int:
-    """[`DEFAULT_BUDGET_SHARE`] of the device's memory (the host's for the CPU, or a device that does not say), in
-    bytes."""
-    properties = getattr(getattr(torch, device.type, None), "get_device_properties", None)
-    if device.type != "cpu" and properties is not None:
-        return int(DEFAULT_BUDGET_SHARE * properties(device).total_memory)
-    return int(DEFAULT_BUDGET_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 @dataclass

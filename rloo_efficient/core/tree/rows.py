@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 
-ROWS_KEY = "rloo_rows"  # the batch key of the (B, 3 + W) CPU tensor of [group id, prompt length, scored length, tokens]
 PAD = -1  # after a row's tokens in that tensor
 
 
