@@ -25,15 +25,19 @@ from ..core.forward.scope import HeldScope
 from ..core.forward.sharded import nested_units
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.layers.families import position_period
-from ..core.tree.holds import HoldPlan, chunks_encoding, plan_holds, prompts_held, scoring_chunks
+from ..core.tree.holds import (
+    HoldPlan,
+    chunks_encoding,
+    held_image_bytes,
+    held_token_bytes,
+    plan_holds,
+    prompts_held,
+    scoring_chunks,
+)
 from ..core.tree.rows import row_tokens
 from .config import ROWS_KEY, default_budget
 
 
-# A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about
-# 34 h bytes per token and layer in half precision, 17 h values): what a held prompt's graph keeps without
-# checkpointing; with it, the checkpoint's input (one hidden state per layer)
-SAVED_PER_LAYER = 17
 # Under DeepSpeed ZeRO-3 and FSDP every forward and backward gathers parameters from all processes, so that all of them
 # must run the same ones: a held prompt's forward (and its backward, in training) is one more
 PLANS_DIFFER = ("rloo_efficient: prompts held across micro-batches (and a no-grad pass's merged chunks) are used only "
@@ -291,29 +295,16 @@ class HeldPrefixMixin:
         return kv_sources(self._unwrapped().config.get_text_config(decoder=True))
 
     def _held_token_bytes(self, training: bool) -> int:
-        """What holding one prompt token costs: its keys and values in every layer (in training, also a float32 bank
-        of their gradient, and what its graph keeps: see [`SAVED_PER_LAYER`]), estimated from the config."""
+        """[`tree.holds.held_token_bytes`] of the policy's text config."""
         config = self._unwrapped().config.get_text_config(decoder=True)
         size = self._held_element_size()
-        kv = kv_token_bytes(config, size)
-        if not training:
-            return kv
-        saved = config.hidden_size * (1 if self.args.gradient_checkpointing else SAVED_PER_LAYER) * config.num_hidden_layers
-        return kv + kv // size * 4 + saved * size
+        return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
+                                training, self.args.gradient_checkpointing)  # fmt: skip
 
     def _held_image_bytes(self) -> int:
-        """What a held image placeholder token's graph keeps in the vision tower in training, estimated from the
-        vision config: its patches' activations (Qwen merges `spatial_merge_size`^2 patches into a token) in every
-        tower layer, [`SAVED_PER_LAYER`] hidden sizes each (one under gradient checkpointing). 0 without one."""
-        model = self._unwrapped()
-        config = getattr(model.config, "vision_config", None)
-        if config is None:
-            return 0
-        hidden = getattr(config, "hidden_size", None) or getattr(config, "embed_dim", None) or 0
-        layers = getattr(config, "depth", None) or getattr(config, "num_hidden_layers", None) or 0
-        patches = (getattr(config, "spatial_merge_size", None) or 1) ** 2
-        per_layer = 1 if self.args.gradient_checkpointing else SAVED_PER_LAYER
-        return hidden * layers * per_layer * patches * self._held_element_size()
+        """[`tree.holds.held_image_bytes`] of the policy's vision config."""
+        return held_image_bytes(getattr(self._unwrapped().config, "vision_config", None), self._held_element_size(),
+                                self.args.gradient_checkpointing)  # fmt: skip
 
     def _held_element_size(self) -> int:
         """Bytes per value of what a held prompt keeps: bf16 under mixed precision, else the model's dtype."""

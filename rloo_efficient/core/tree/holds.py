@@ -342,6 +342,37 @@ def _chunk_holds(chunks: list[tuple], chunk_of: np.ndarray, local: np.ndarray, d
     return tuple(chunk_plans)
 
 
+# A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about
+# 34 h bytes per token and layer in half precision, 17 h values): what a held prompt's graph keeps without
+# checkpointing; with it, the checkpoint's input (one hidden state per layer)
+SAVED_PER_LAYER = 17
+
+
+def held_token_bytes(kv_bytes: int, hidden_size: int, layers: int, element_size: int, training: bool,
+                     checkpointing: bool) -> int:  # fmt: skip
+    """What holding one prompt token costs ([`plan_holds`]' `token_bytes`): its keys and values in every layer
+    (`kv_bytes`); in training also a float32 bank of their gradient, and what its graph keeps ([`SAVED_PER_LAYER`]
+    hidden sizes per layer, one under gradient `checkpointing`), in `element_size`-byte values."""
+    if not training:
+        return kv_bytes
+    saved = hidden_size * (1 if checkpointing else SAVED_PER_LAYER) * layers
+    return kv_bytes + kv_bytes // element_size * 4 + saved * element_size
+
+
+def held_image_bytes(vision_config, element_size: int, checkpointing: bool) -> int:
+    """What a held image placeholder token's graph keeps in the vision tower in training ([`plan_holds`]'
+    `image_cost`), estimated from the `vision_config`: its patches' activations (Qwen merges `spatial_merge_size`^2
+    patches into a token) in every tower layer, [`SAVED_PER_LAYER`] hidden sizes each (one under gradient
+    `checkpointing`). 0 without a vision config."""
+    if vision_config is None:
+        return 0
+    hidden = getattr(vision_config, "hidden_size", None) or getattr(vision_config, "embed_dim", None) or 0
+    layers = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None) or 0
+    patches = (getattr(vision_config, "spatial_merge_size", None) or 1) ** 2
+    per_layer = 1 if checkpointing else SAVED_PER_LAYER
+    return hidden * layers * per_layer * patches * element_size
+
+
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
                by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
