@@ -103,11 +103,13 @@ def check_kernels(device: torch.device) -> tuple[list[str], int]:
 
 
 def train(method: str, device: torch.device, bf16: bool, directory: str, quick: bool, optim: str = "sgd",
-          attention: str | None = None, rows: int | None = None, liger: bool = False) -> dict:  # fmt: skip
+          attention: str | None = None, rows: int | None = None, liger: bool = False,
+          torch_compile: bool = False) -> dict:  # fmt: skip
     """One short run of stock TRL or ours on the synthetic workload; its metrics, completions, time and peak.
     `attention`: the attention implementation the model loads with (default: transformers' choice). `rows`: rows per
     micro-batch, accumulation filling the generation batch (each group then spans micro-batches: its prompt held).
-    `liger`: `use_liger_kernel=True` (Liger's RMSNorm, SwiGLU and rotary kernels, patched in as training starts)."""
+    `liger`: `use_liger_kernel=True` (Liger's RMSNorm, SwiGLU and rotary kernels, patched in as training starts).
+    `torch_compile`: `torch_compile=True` (the Trainer compiles the policy's forward)."""
     import trl
     from transformers import PrinterCallback
 
@@ -125,7 +127,7 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
                     max_completion_length=8 if quick else 64, max_steps=3, logging_steps=1, beta=0.05,
                     optim=optim, learning_rate=1e-1 if optim == "sgd" else 1e-2, steps_per_generation=2,
                     report_to=[], save_strategy="no", seed=0, bf16=bf16, disable_tqdm=True,
-                    use_cpu=device.type == "cpu", use_liger_kernel=liger,
+                    use_cpu=device.type == "cpu", use_liger_kernel=liger, torch_compile=torch_compile,
                     model_init_kwargs={"attn_implementation": attention} if attention else None)  # fmt: skip
     if rows is not None:  # the same 8 rows (2 groups) a step, in micro-batches of `rows`
         settings.update(per_device_train_batch_size=rows, gradient_accumulation_steps=8 // rows,
@@ -197,9 +199,10 @@ def recorded_fallbacks():
 
 
 def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], optim: str = "sgd",
-             rows: int | None = None, liger: bool = False) -> int:  # fmt: skip
+             rows: int | None = None, liger: bool = False, torch_compile: bool = False) -> int:  # fmt: skip
     """Stock then ours in one precision; appends the report to `lines`, returns the number of failures. `rows`: rows
-    per micro-batch (ours must then hold each prompt across its group's micro-batches)."""
+    per micro-batch (ours must then hold each prompt across its group's micro-batches). With `torch_compile`, a
+    difference is set beside compile's own: stock compiled against stock not."""
     label = "bf16 autocast (TRL's default)" if bf16 else "float32"
     if optim != "sgd":
         label += f", {optim}"
@@ -207,10 +210,13 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], op
         label += f", {rows} row per micro-batch"
     if liger:
         label += ", Liger kernels"
+    if torch_compile:
+        label += ", torch_compile"
+    options = dict(rows=rows, liger=liger, torch_compile=torch_compile)
     with tempfile.TemporaryDirectory() as directory:
-        stock = train("stock", device, bf16, directory, quick, optim, rows=rows, liger=liger)
+        stock = train("stock", device, bf16, directory, quick, optim, **options)
         with recorded_fallbacks() as fallbacks:
-            ours = train("ours", device, bf16, directory, quick, optim, rows=rows, liger=liger)
+            ours = train("ours", device, bf16, directory, quick, optim, **options)
     worst, problem = compare(stock, ours)
     failures = 0
     lines.append(f"{label}: step time stock {stock['step_time_s']:.3f} s, ours {ours['step_time_s']:.3f} s "
@@ -236,12 +242,15 @@ def run_pair(device: torch.device, bf16: bool, quick: bool, lines: list[str], op
                 pairs = ", ".join(f"{key} {a[key]:.6g} / {b[key]:.6g}" for key in METRICS
                                   if isinstance(a[key], float) and isinstance(b[key], float))  # fmt: skip
                 lines.append(f"{label}:   step {step + 1} (stock / ours): {pairs}")
-            # The noise floor: stock against itself with eager attention (another summation order, same math)
+            # The noise floor: stock against itself with eager attention (another summation order, same math), or
+            # under torch_compile not compiled (what compiling changes of stock's own numbers)
+            floor_options = {**options, "torch_compile": False} if torch_compile else {**options, "attention": "eager"}
             with tempfile.TemporaryDirectory() as directory:
-                eager = train("stock", device, bf16, directory, quick, optim, attention="eager", rows=rows)
-            floor, floor_problem = compare(stock, eager)
-            lines.append(f"{label}: stock with eager attention against stock: largest relative difference "
-                         f"{floor:.1e}{'' if floor_problem is None else f' ({floor_problem})'}; ours against stock: "
+                other = train("stock", device, bf16, directory, quick, optim, **floor_options)
+            floor, floor_problem = compare(stock, other)
+            lines.append(f"{label}: stock {'not compiled' if torch_compile else 'with eager attention'} against "
+                         f"stock: largest relative difference {floor:.1e}"
+                         f"{'' if floor_problem is None else f' ({floor_problem})'}; ours against stock: "
                          f"{worst:.1e}")  # fmt: skip
     for message in fallbacks:
         failures += 1
@@ -259,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="The float32 runs' optimizer (adamw_torch: the ill-conditioned check of earlier versions).")
     parser.add_argument("--liger", action="store_true",
                         help="Also stock vs ours with use_liger_kernel=True (needs liger-kernel and a GPU).")
+    parser.add_argument("--torch_compile", action="store_true",
+                        help="Also stock vs ours with torch_compile=True (minutes of compiling on a CPU).")
     args = parser.parse_args(argv)
     import transformers
 
@@ -281,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         failures += run_pair(device, False, quick, lines, args.optim, rows=1)
         if args.liger:
             failures += run_pair(device, False, quick, lines, args.optim, liger=True)
+        if args.torch_compile:
+            failures += run_pair(device, False, quick, lines, args.optim, torch_compile=True)
         if device.type == "cuda":
             failures += run_pair(device, True, quick, lines)
         else:

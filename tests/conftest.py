@@ -15,6 +15,34 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 METRICS = ("loss", "reward", "kl", "grad_norm", "entropy", "aux_loss")  # aux_loss: MoE models, TRL's default
 
+# `pytest -m "not slow"`: a quick pass (a few minutes on 2 cores) leaving out the process launches, every family but
+# the quick ones below, and the single tests that take ten seconds or more; CI runs everything
+SLOW_MODULES = {"test_distributed", "test_launchers", "test_doctor", "test_notebook", "test_cli"}
+QUICK_FAMILIES = {"llama", "qwen3", "qwen2_vl"}  # a test parametrized over `arch` keeps these in the quick pass
+SLOW_TESTS = {
+    "test_the_expected_gradient_is_stocks",  # 400 seeds each
+    "test_a_whole_run_dispatches_at_most_a_tenth_more_than_stock",
+    "test_continuous_batching_generates_as_stock_and_every_other_phase_shares",
+    "test_torch_compile_shares_and_matches_stock",
+    "test_tools_share_the_first_turn",
+    "test_environments_group_by_prompt_and_environment",
+    "test_hydra_however_the_policy_is_passed_matches_stock_and_saves_what_stock_saves",
+    "test_a_reward_adapter_hydra_cannot_reproduce_is_loaded_as_stock_loads_it",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: launches, families beyond the quick ones, the longest single tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        arch = getattr(item, "callspec", None) and item.callspec.params.get("arch")
+        if module in SLOW_MODULES or item.originalname in SLOW_TESTS or (
+                isinstance(arch, str) and arch not in QUICK_FAMILIES):  # fmt: skip
+            item.add_marker(pytest.mark.slow)
+
 
 def tiny_workload(tmp_cache, **overrides) -> WorkloadConfig:
     settings = dict(
