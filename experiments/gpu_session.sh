@@ -13,7 +13,8 @@
 # REPLAYED_BREAK_EVEN_BYTES), the 0.6B trainer (peak above the fixed state, reserved, step) beside releasing the cache
 # after generation (reserved memory above stock's), the 0.6B trainer at one row per micro-batch beside nothing held
 # (training holds peaked 4.33 GiB above the fixed state against stock's 1.48), the prompt kept once at 1.7B and
-# P=16384, then the 1.7B trainer.
+# P=16384, then the 1.7B trainer, and last one chunk's forward at one row (a one-row tree is one attention call per
+# layer since 2026-11-28: its operators and time against stock's padded row).
 #
 # 0. where a chunk's time goes when prompts are held across micro-batches at one row per micro-batch (slower than stock
 #    on the H200 at Qwen3-0.6B's shape: results/gpu.md), and the trainer at one and two rows per micro-batch, held and
@@ -33,8 +34,8 @@
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-FIRST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b"
-REST="doctor static_once_0.6b held_overhead bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
+FIRST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b held_overhead"
+REST="doctor static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -65,7 +66,7 @@ run 300 bench_gpu_rows2 python3 experiments/bench_gpu.py --workloads 0.6b-rows2 
     --output "$OUT/bench_gpu_rows2.md"
 run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods fan_out static static_eager --repeats 1 --per_token
-run 150 doctor python3 -m rloo_efficient.doctor --liger
+run 300 doctor python3 -m rloo_efficient.doctor --liger --torch_compile
 run 90 tree_kernels python3 experiments/bench_tree.py --kernels --preset qwen3-0.6b
 run 120 agent python3 experiments/bench_agent.py --preset qwen3-0.6b --output "$OUT/agent_0.6b.md"
 run 60 decode_cost_k8 python3 experiments/bench_decode_cost.py --prompt_lengths 256 1024 4096 16384 --k 8
