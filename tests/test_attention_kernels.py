@@ -143,7 +143,7 @@ def test_variable_length_calls_that_fail_leave_the_tree_to_its_buckets(fresh_che
     reading every ancestor's keys). The same attention either way, and one warning per configuration, naming the
     kernel."""
     from .conftest import emulate_varlen
-    from .test_tree import check_against_dense
+    from .helpers import check_against_dense
 
     calls = emulate_varlen(monkeypatch)
     if failure != "raises_folded":  # the nodes' call and the level's (not the one folded call)
@@ -194,7 +194,7 @@ def test_a_kernel_that_raises_later_falls_back_to_the_math_path_without_a_crash(
     the math path from then on, with one warning naming the kernel and the error, and the gradients are the same."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from .test_prefix_attention import stock_batch, tiny_llama
+    from .helpers import stock_batch, tiny_llama
 
     model = tiny_llama().to(torch.float64)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from rloo_efficient.workload import build_dataset, build_model_dir
 
 from .conftest import tiny_workload
-from .test_launchers import cpu_config, free_port
+from .helpers import cpu_config, free_port
 
 
 BIN = Path(sys.executable).parent

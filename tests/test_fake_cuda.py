@@ -36,7 +36,7 @@ from rloo_efficient.core.transformers_compat import CACHE_KWARG
 from rloo_efficient.core.tree import layout as layouts
 from rloo_efficient.profiling.op_count import HOST_SYNC_OPS
 
-from .test_prefix_attention import stock_batch
+from .helpers import stock_batch
 
 
 aten = torch.ops.aten

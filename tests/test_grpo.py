@@ -1,7 +1,6 @@
 """GRPO: TRL's `GRPOTrainer` and ours run the same way, compared metric by metric, with our sharing engaged."""
 
 import inspect
-import math
 import warnings
 
 import pytest
@@ -18,39 +17,16 @@ from rloo_efficient.workload import (
 )
 
 from .conftest import per_micro_batch, run, tiny_workload, training_args
-from .test_trainer import TransformersSampling
-
-
-# float64 with the exact head and norms (`exact_head`) for both: the same numbers to float64's resolution
-RTOL, ATOL = 1e-9, 1e-12
-# What GRPO logs per step that depends on every log-prob: its loss, kl, entropy, clip ratios and gradient norm
-GRPO_METRICS = ("loss", "reward", "reward_std", "kl", "grad_norm", "entropy", "clip_ratio/region_mean",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "aux_loss")
-
-
-def grpo_args(output_dir, config_class=GRPOConfig, **overrides):
-    # GRPO's own defaults unless a case says otherwise: beta 0, the "dapo" loss; generation every 2 steps with 1
-    # accumulation step (training_args), so that TRL's old-log-prob pass runs
-    return training_args(output_dir, config_class=config_class, **{"beta": 0.0, **overrides})
-
-
-def assert_same_run(stock, ours, rtol=RTOL, atol=ATOL):
-    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
-    steps = [(a, b) for a, b in zip(stock.state.log_history, ours.state.log_history, strict=True) if "loss" in a]
-    assert steps
-    skip = per_micro_batch(ours)
-    # Regrouped, the logged loss (TRL sums its micro-batches' in float32) moves by float32's rounding of its terms
-    loss_atol = max(atol, 1e-7) if skip else atol
-    for step, (a, b) in enumerate(steps):
-        for key in (key for key in GRPO_METRICS if key not in skip):
-            if key not in a:
-                assert key not in b, key
-                continue
-            if isinstance(a[key], float) and math.isnan(a[key]):
-                assert math.isnan(b[key]), (step, key)
-                continue
-            tolerance = loss_atol if key == "loss" else atol
-            assert b[key] == pytest.approx(a[key], rel=rtol, abs=tolerance), f"step {step} {key}: {a[key]} vs {b[key]}"
+from .helpers import (
+    ATOL,
+    POLICY_LORA,
+    RTOL,
+    TransformersSampling,
+    assert_same_run,
+    build_reward_adapter,
+    build_reward_model,
+    grpo_args,
+)
 
 
 def compare(path, dataset, tmp_path, reward=vowel_reward, run_kwargs=None, stock_class=trl.GRPOTrainer,
@@ -317,8 +293,6 @@ def test_a_generate_set_on_the_model_is_called_as_stock_calls_it_and_left_in_pla
 def test_normalize_then_sum_with_two_rewards_and_a_reward_model(workload, tmp_path, exact_head):
     """Several reward sources, normalized per function before the sum; one of them a reward model scored from packed
     rows."""
-    from .test_reward_sharing import build_reward_model
-
     cfg, path, dataset = workload
     reward = build_reward_model(tmp_path / "reward", cfg)
     stock, ours = compare(path, dataset, tmp_path, reward=[vowel_reward, reward],
@@ -335,8 +309,6 @@ def test_hydra_reward_adapter(workload, tmp_path, exact_head):
     """A LoRA policy and a reward adapter on its base: stock loads the adapter as a second model, ours runs it on the
     policy's base, and the run is the same."""
     from peft import LoraConfig
-
-    from .test_reward_sharing import POLICY_LORA, build_reward_adapter
 
     cfg, path, dataset = workload
     adapter = build_reward_adapter(tmp_path / "adapter", path)

@@ -153,10 +153,10 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
     from rloo_efficient.core.layers.recurrent import has_recurrent_layers, recurrent_layers
 
-    from .test_prefix_sharing import FAMILIES
+    from .helpers import TRAINING_FAMILIES
 
     calls = emulate_varlen(monkeypatch) if varlen else None
-    cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
+    cfg = tiny_workload(model_cache, arch=arch, **TRAINING_FAMILIES[arch])
     path = build_model_dir(cfg)
     architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
     model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))

@@ -11,22 +11,19 @@ FSDP2 is checked at the model level in tests/test_distributed.py.
 """
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rloo_efficient.workload import build_model_dir, build_reward_adapter_dir, build_reward_model_dir
 
 from .conftest import assert_metrics_close
+from .helpers import ROOT, cpu_config, free_port
 from .launch_worker import launcher_workload
 
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "experiments" / "accelerate_configs"
 WORKER = Path(__file__).with_name("launch_worker.py")
 # float32 (DeepSpeed trains float32 weights whatever the checkpoint holds): stock and ours add the same float32
 # numbers in different orders (a packed sequence against padded rows), so each forward differs in its last bits, and
@@ -67,45 +64,6 @@ DIFFER = {"holds_differ_across_processes": True, "scoring_holds_differ_across_pr
 IMAGE_CASES = {"image_prompts"}  # a Qwen2-VL checkpoint, its processor, an image per prompt
 EXPECTED = {"ddp": ("DistributedType.MULTI_CPU", None), "zero2": ("DistributedType.DEEPSPEED", 2),
             "zero3": ("DistributedType.DEEPSPEED", 3)}  # fmt: skip
-
-
-def cpu_config(name: str, directory: Path) -> Path:
-    """
-    The shipped accelerate config `name`, on CPU processes: `use_cpu: true` (the launcher still starts one process per
-    rank, for `multi_gpu` too; gloo connects them), no mixed precision (no bf16 on these CPUs), and for DeepSpeed the same ZeRO stage and settings given as a DeepSpeed JSON, with ZeRO-3's persistence
-    threshold at 0 (a tiny model's parameters would otherwise all stay gathered, and nothing would be sharded).
-    """
-    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
-    config.update(use_cpu=True, mixed_precision="no", num_processes=2)
-    config.pop("gpu_ids", None)
-    deepspeed = config.pop("deepspeed_config", None)
-    if deepspeed is not None:
-        del config["mixed_precision"]  # the JSON says it (accelerate refuses both)
-        zero = {"stage": deepspeed["zero_stage"]}
-        for device, key in ((deepspeed.get("offload_optimizer_device"), "offload_optimizer"),
-                            (deepspeed.get("offload_param_device"), "offload_param")):  # fmt: skip
-            if device not in (None, "none"):
-                zero[key] = {"device": device}
-        if deepspeed["zero_stage"] == 3:
-            zero["stage3_param_persistence_threshold"] = 0
-            zero["stage3_gather_16bit_weights_on_model_save"] = deepspeed.get("zero3_save_16bit_model", False)
-        settings = {"zero_optimization": zero, "bf16": {"enabled": False}, "fp16": {"enabled": False},
-                    **{key: "auto" for key in ("train_micro_batch_size_per_gpu", "train_batch_size",
-                                               "gradient_accumulation_steps", "gradient_clipping")}}  # fmt: skip
-        (directory / f"{name}.json").write_text(json.dumps(settings))
-        config["deepspeed_config"] = {"deepspeed_config_file": str(directory / f"{name}.json"),
-                                      "zero3_init_flag": deepspeed.get("zero3_init_flag", False),
-                                      "deepspeed_multinode_launcher": deepspeed.get("deepspeed_multinode_launcher",
-                                                                                    "standard")}  # fmt: skip
-    path = directory / f"{name}_cpu.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 from trl.trainer.utils import add_fused_lm_head
 
 from rloo_efficient.core.attention import backend as prefix_attention
@@ -19,34 +19,10 @@ from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree import layout as tree_layout
 from rloo_efficient.profiling.op_count import OpCounter
 
-from . import trees
-
-
-HEADS, KV_HEADS, DIM = 6, 2, 8  # 3 query heads per key/value head, 2 key/value heads: a wrong mapping is caught
-VOCAB = 64
-
-
-def stock_batch(prompt_lengths, group_of_row, scored, width_c, seed):
-    """Stock TRL's (B, P + C) batch of left-padded prompts (one per group) and right-padded completions, and its rows'
-    structure."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, VOCAB, (p,), generator=g).tolist() for p in prompt_lengths]
-    completions = [torch.randint(3, VOCAB, (width_c,), generator=g).tolist() for _ in group_of_row]
-    ids, _, _, rows = trees.stock_batch([prompts[group] for group in group_of_row], completions, scored)
-    return ids, rows
+from .helpers import DIM, HEADS, KV_HEADS, VOCAB, stock_batch, tiny_llama
 
 
 # -- a fixed number of operators, no host syncs ----------------------------------------------------------------------
-def tiny_llama(**overrides) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
-                         **overrides)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
 def count_layer_ops(model, fn):
     """Operators dispatched inside the first decoder layer's forward (and its backward) while `fn` runs."""
     layer = model.model.layers[0]

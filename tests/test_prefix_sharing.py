@@ -31,6 +31,7 @@ from .conftest import (
     tiny_workload,
     training_args,
 )
+from .helpers import TRAINING_FAMILIES, assert_same_run, grpo_args
 from .trees import random_rows, split_rows, stock_batch
 
 
@@ -82,54 +83,6 @@ def test_matches_stock_trl_across_architectures(model_cache, tmp_path, arch):
     _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=3e-6)
 
 
-# Every family beyond the four above, built from its own config (see tiny_models.model_config: Gemma 3's scaled
-# embeddings and query_pre_attn_scalar, Phi-3's fused qkv and partial rotary, OLMo 2's q/k norms, SmolLM3's NoPE
-# layers, Granite's multipliers, GPT-OSS's sinks), with a sliding window shorter than prompt + completion (40-72
-# tokens) where the family has one: the banded and prompt-tail paths run
-FAMILIES = {
-    "gemma3": dict(sliding_window=16),
-    "gpt_oss": dict(sliding_window=16, model_dtype="float32"),
-    "mistral": dict(sliding_window=16),
-    "phi3": dict(sliding_window=24),
-    "olmo2": {},
-    "smollm3": {},
-    "granite": {},
-    "qwen3_moe": dict(model_dtype="float32"),
-    "mixtral": dict(sliding_window=16, model_dtype="float32"),  # a window on every layer, experts
-    "qwen2_moe": dict(model_dtype="float32"),  # experts and a gated shared expert
-    "olmoe": dict(model_dtype="float32"),  # q/k norms over the projection, experts
-    "exaone4": dict(sliding_window=16),  # full layers without rotary
-    "ministral": dict(sliding_window=16),
-    "ministral3": {},  # queries scaled by position (past 16: the tiny model's original length)
-    "gemma2": dict(sliding_window=16, model_dtype="float32"),  # logits capped; stock eager: NaN in float64
-    "phi4_mini": {},  # LongRoPE: short factors to 64 positions (the prompts), long past them (with completions)
-    "cohere2": dict(sliding_window=16),  # rotary on the sliding layers only
-    "olmo3": dict(sliding_window=16),
-    "seed_oss": {},
-    "glm4_moe": dict(model_dtype="float32"),
-    "ernie4_5_moe": dict(model_dtype="float32"),  # the load-balancing loss on (TRL's default from its config)
-    "minimax_m2": dict(model_dtype="float32"),  # likewise
-    "deepseek_v3": dict(model_dtype="float32"),  # latent attention, value heads narrower than key heads
-    # Multimodal checkpoints (`*ForConditionalGeneration`, with their processors) on text-only prompts
-    "gemma3_vlm": dict(sliding_window=16),
-    "qwen2_vl": {},
-    "qwen2_5_vl": {},
-    "qwen3_vl": {},  # interleaved 3-D rotary, DeepStack (image batches: test_vision.py)
-    "glm4v": {},  # GLM's 3-D rotary, post-norms
-    "glm4v_moe": dict(model_dtype="float32"),
-    "internvl": {},  # Qwen2's language model under InternVL's checkpoint
-    "gemma4": dict(sliding_window=16),  # keys and values shared across layers, k = v, a wider global head
-    # Hybrids: recurrent layers forked after the prompt (their torch kernels compute in float32: float32 for all)
-    "qwen3_next": dict(model_dtype="float32"),
-    "olmo_hybrid": dict(model_dtype="float32"),
-    "nemotron_h": dict(model_dtype="float32", num_hidden_layers=3),  # Mamba2, attention, experts
-    "granitemoehybrid": dict(model_dtype="float32"),
-    "falcon_h1": dict(model_dtype="float32"),  # keys and states in one cache layer: the prompt's cache fanned out
-    "lfm2": {},  # a convolution: float64
-    "kimi_linear": dict(model_dtype="float32"),  # Kimi Delta Attention, latent attention, experts
-    "qwen3_5": dict(model_dtype="float32"),
-    "qwen3_5_moe": dict(model_dtype="float32"),
-}
 # TRL's default: the loss on
 MOE = ("gpt_oss", "qwen3_moe", "ernie4_5_moe", "minimax_m2", "qwen3_next", "qwen3_5_moe", "mixtral", "qwen2_moe", "olmoe")
 
@@ -147,7 +100,7 @@ FAMILY_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(FAMILY_LAYOUTS))
-@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize("arch", list(TRAINING_FAMILIES))
 def test_every_family_matches_stock_trl(model_cache, tmp_path, exact_head, monkeypatch, arch, layout):
     """Under TRL's default config: for the MoE families, the load-balancing loss on (TRL takes its coefficient from the
     config), packed and weighted ([`core.layers.moe`]), its logged `aux_loss` compared too."""
@@ -174,7 +127,7 @@ def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
     import rloo_efficient.trainers.packed as mixin  # the packed forward: its pack_rows
 
     workload, overrides = FAMILY_LAYOUTS[layout]
-    cfg = tiny_workload(model_cache, arch=arch, **{**FAMILIES[arch], **workload})
+    cfg = tiny_workload(model_cache, arch=arch, **{**TRAINING_FAMILIES[arch], **workload})
     run_kwargs = {"processing_class": build_processing_class(cfg)}  # a multimodal family's processor, as TRL loads it
     cache_once = arch != "falcon_h1"
     depths, pack = [], mixin.pack_rows
@@ -201,7 +154,7 @@ def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
         assert min(lengths) < 24, "every completion ran to the end: lengths do not differ"
 
 
-@pytest.mark.parametrize("arch", list(FAMILIES))
+@pytest.mark.parametrize("arch", list(TRAINING_FAMILIES))
 def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_rounding(model_cache, exact_head, arch):
     """A system prompt shared by two groups whose tasks are of other lengths: stock's left padding gives the shorter
     group's tokens columns further right; ours gives them the longer group's (one node, one set of positions), a
@@ -210,7 +163,7 @@ def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_ro
     rounding of rotary tables computed in float32 (1e-7), where a wrong position is off by 1e-2 and more."""
     import transformers
 
-    cfg = tiny_workload(model_cache, arch=arch, **FAMILIES[arch])
+    cfg = tiny_workload(model_cache, arch=arch, **TRAINING_FAMILIES[arch])
     path = build_model_dir(cfg)
     architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
     model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
@@ -574,8 +527,6 @@ def test_a_multimodal_checkpoint_with_chat_prompts_and_no_image_shares(model_cac
     processor, which returns all-zero token types beside the tokens; they reach generate as stock passes them. Every
     phase shares, and the run is stock's."""
     from rloo_efficient import GRPOConfig, GRPOTrainer
-
-    from .test_grpo import assert_same_run, grpo_args
 
     cfg = tiny_workload(model_cache, arch=arch, conversational=True, sliding_window=16)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)

@@ -12,7 +12,6 @@ import torch
 import trl
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoModelForSequenceClassification,
     GPT2Config,
     GPT2ForSequenceClassification,
     PreTrainedTokenizerFast,
@@ -20,7 +19,6 @@ from transformers import (
 
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.forward.reward import pack_reward_rows
-from rloo_efficient.tiny_models import model_config
 from rloo_efficient.trainers.hydra import HydraReward
 from rloo_efficient.workload import (
     SPECIAL_TOKENS,
@@ -32,6 +30,7 @@ from rloo_efficient.workload import (
 )
 
 from .conftest import METRICS, assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
+from .helpers import POLICY_LORA, build_reward_adapter, build_reward_model
 
 
 F64_RTOL, F64_ATOL = 1e-6, 1e-7  # float64 models; TRL's fused head and the float32 reward buffer round to float32
@@ -50,20 +49,6 @@ def merging_tokenizer() -> PreTrainedTokenizerFast:
                                         eos_token="<eos>", padding_side="left")  # fmt: skip
     tokenizer.chat_template = chat_template(None)
     return tokenizer
-
-
-def build_reward_model(directory, cfg, tokenizer=None, **config_overrides) -> str:
-    """A random sequence classifier with one label, the size of the tiny policy, saved with its tokenizer."""
-    tokenizer = tokenizer or build_tokenizer(arch=cfg.arch)
-    config = model_config(cfg, tokenizer)
-    config.num_labels = 1
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
-    torch.manual_seed(7)
-    model = AutoModelForSequenceClassification.from_config(config).to(getattr(torch, cfg.model_dtype))
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
 
 
 def compare(path, dataset, tmp_path, reward_funcs, run_kwargs=None, packed=True, policy=None,
@@ -175,23 +160,6 @@ def test_an_unsupported_reward_model_is_called_as_stock_calls_it(workload, tmp_p
 
 
 # -- Hydra: a reward adapter on the policy's own base ------------------------------------------------------------------
-def build_reward_adapter(directory, base_path, dropout: float = 0.0) -> str:
-    """A LoRA sequence-classification adapter on `base_path` with a score head, saved as TRL's RewardTrainer saves one
-    (random, non-zero LoRA weights so that the adapter changes the scores)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(11)
-    model = AutoModelForSequenceClassification.from_pretrained(base_path, num_labels=1, dtype=torch.float64)
-    config = LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                        init_lora_weights=False, lora_dropout=dropout)  # fmt: skip
-    get_peft_model(model, config).save_pretrained(directory)
-    build_tokenizer().save_pretrained(directory)
-    return str(directory)
-
-
-POLICY_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-
 def policy_doors(path):
     """Every way TRL takes a LoRA policy, each as (policy factory, trainer kwargs): a path with `peft_config`, a
     model object with `peft_config`, and a PeftModel (then TRL trains its adapter against a frozen copy)."""

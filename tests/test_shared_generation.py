@@ -6,17 +6,6 @@ import warnings
 import pytest
 import torch
 import trl
-from transformers import (
-    GenerationConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill, generation_unsupported_reason
@@ -25,125 +14,23 @@ from rloo_efficient.core.layers.install import installed
 from rloo_efficient.core.transformers_compat import output_cache
 
 from .conftest import assert_metrics_close, run, step_metrics, training_args
+from .helpers import (
+    FAMILIES,
+    SYSTEM,
+    TOKEN_TYPES,
+    VOCAB,
+    WORKLOAD_FAMILIES,
+    assert_same_generation,
+    build,
+    generation_config,
+    left_pad,
+    prompts_for,
+)
 
 
-PAD = 0
-VOCAB = 64  # tiny vocabulary: the logits compared per step are (B, 64)
-# tiny: the tests compare numbers, not quality. 6 query heads on 2 key/value heads: GQA with rep (3) != kv heads (2),
-# so a query head mapped to the wrong key head is caught
-SMALL = dict(vocab_size=VOCAB, max_position_embeddings=256, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=6, num_key_value_heads=2)  # fmt: skip
-
-
-ALTERNATING = ["sliding_attention", "full_attention"]
-FAMILIES = {  # each family's own configuration, shrunk (6 query heads of 8 dims on 2 key/value heads, as SMALL)
-    "gemma3_sliding": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # a window of 8 on every other layer
-                       dict(head_dim=8, query_pre_attn_scalar=4, sliding_window=8, layer_types=ALTERNATING)),
-    "gpt_oss_sliding": ("GptOssConfig", "GptOssForCausalLM",  # sinks, a window of 8 on every other layer, experts
-                        dict(head_dim=8, sliding_window=8, layer_types=ALTERNATING, num_local_experts=4,
-                             num_experts_per_tok=2, max_position_embeddings=131072)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5)),
-    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0])),
-    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(attention_multiplier=0.5, embedding_multiplier=2.0,
-                                                           residual_multiplier=0.5, logits_scaling=2.0)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=8, num_experts=4, num_experts_per_tok=2,
-                                                               moe_intermediate_size=32)),
-}  # fmt: skip
-# Families built as the workload builds them (rloo_efficient.tiny_models), each from its own config class, with a
-# window of 8 where the family has one; the multimodal ones as their checkpoints load (`*ForConditionalGeneration`)
-WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_window=8), "seed_oss": {}, "glm4_moe": {},
-                     "ernie4_5_moe": {}, "minimax_m2": {}, "deepseek_v3": {}, "gemma3_vlm": dict(sliding_window=8),
-                     "qwen2_vl": {}, "qwen2_5_vl": {}, "gemma4": dict(sliding_window=8),
-                     # Hybrids: each recurrent and convolution state fanned out to the rows, attention's prompt once
-                     "qwen3_next": {}, "olmo_hybrid": {}, "nemotron_h": dict(num_hidden_layers=3), "granitemoehybrid": {},
-                     "falcon_h1": {}, "lfm2": {}, "qwen3_5": {}, "qwen3_5_moe": {},
-                     "mixtral": dict(sliding_window=8), "qwen2_moe": {}, "olmoe": {},
-                     "exaone4": dict(sliding_window=8), "ministral3": {}, "phi4_mini": {},
-                     "gemma2": dict(sliding_window=8), "qwen3_vl": {}, "glm4v": {},
-                     "glm4v_moe": {}, "kimi_linear": {}, "internvl": {}}  # fmt: skip
-# Mixture-of-experts layers multiply through torch._grouped_mm, which has no float64: these run in float32
-FLOAT32 = ("gpt_oss_sliding", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next",
-           "qwen3_5_moe", "nemotron_h", "mixtral", "qwen2_moe", "olmoe",
-           "glm4v_moe", "kimi_linear",
-           "gemma2")  # Gemma 2: stock's eager attention gives NaN for float64 rows with left padding
-# The token types a multimodal family's processor returns with text-only prompts (all zero), which TRL passes on
-TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", "qwen2_5_vl": "mm_token_type_ids",
-               "gemma4": "mm_token_type_ids", "qwen3_5": "mm_token_type_ids", "qwen3_5_moe": "mm_token_type_ids",
-               "qwen3_vl": "mm_token_type_ids", "glm4v": "mm_token_type_ids",
-               "glm4v_moe": "mm_token_type_ids"}
 # Falcon-H1 keeps keys and recurrent states in one cache layer: its prompt's cache is fanned out, not kept once;
 # Phi-4-mini's `generate` drops its cache past 64 positions here (the system prompt's rows reach 96)
 FANNED_OUT = ("falcon_h1", "phi4_mini")
-
-
-def build(arch: str, dtype=torch.float64, attention="sdpa"):
-    torch.manual_seed(0)
-    if arch in WORKLOAD_FAMILIES:
-        from rloo_efficient.tiny_models import model_config, model_from_config
-        from rloo_efficient.workload import WorkloadConfig, build_tokenizer
-
-        sizes = {key: value for key, value in SMALL.items() if key != "vocab_size"}  # the workload's byte vocabulary
-        cfg = WorkloadConfig(arch=arch, **{**sizes, **WORKLOAD_FAMILIES[arch]}, model_cache_dir="unused")
-        dtype = torch.float32 if arch in FLOAT32 else dtype
-        return model_from_config(cfg, model_config(cfg, build_tokenizer(arch=arch)), dtype).eval()
-    if arch in FAMILIES:
-        import transformers
-
-        config_name, model_name, extra = FAMILIES[arch]
-        config = getattr(transformers, config_name)(**{**SMALL, **extra}, pad_token_id=PAD, eos_token_id=1,
-                                                    bos_token_id=2)  # fmt: skip
-        model = getattr(transformers, model_name)(config)
-        if arch in FLOAT32:
-            dtype = torch.float32
-        return model.to(dtype).eval()
-    if arch == "gpt2":  # absolute positions: the prefix's position ids must be generate's own
-        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=256, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        model = GPT2LMHeadModel(config)
-    elif arch == "mistral_sliding":  # a window shorter than the prompts and the sequences
-        config = MistralConfig(sliding_window=8, **SMALL)
-        model = MistralForCausalLM(config)
-    elif arch == "mistral":  # a window (4096) longer than the sequences: the prompt's cache can stay once per group
-        config = MistralConfig(**SMALL)
-        model = MistralForCausalLM(config)
-    elif arch == "qwen3":  # per-head q/k norms before the cache
-        config = Qwen3Config(head_dim=8, **SMALL)
-        model = Qwen3ForCausalLM(config)
-    else:
-        config = LlamaConfig(**SMALL)
-        model = LlamaForCausalLM(config)
-    model.config._attn_implementation = attention
-    return model.to(dtype).eval()
-
-
-def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def prompts_for(layout: str) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    a, b, c = (torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (20, 13, 1))
-    system = torch.randint(2, VOCAB, (SYSTEM,), generator=g).tolist()
-    return {
-        # A system prompt before each task (the third task is one token: its prefix is the system prompt alone)
-        "system_prompt": [system + a] * 2 + [system + b] * 2 + [system + c] * 2,
-        "equal_lengths": [a] * 3 + [a[::-1]] * 3,  # no padding: the mask is dropped, attention is causal
-        "mixed_lengths": [a] * 2 + [b] * 2 + [c] * 2,  # left padding; a one-token prompt's prefix is all padding
-        "interleaved": [a, b, a, b, a],  # a prompt's rows need not be adjacent nor equally many
-    }[layout]
-
-
-SYSTEM = 70  # a system prompt's tokens: shared by every prompt, more than tree.MIN_SAVED_TOKENS saved
-
-
-def generation_config(**overrides):
-    settings = dict(max_new_tokens=6, do_sample=True, pad_token_id=PAD, eos_token_id=1, top_k=0)
-    settings.update(overrides)
-    return GenerationConfig(**settings)
 
 
 def extra_rows(extra: dict, rows: int) -> dict:
@@ -172,15 +59,6 @@ SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "o
 # Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
 NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
                    "qwen3_5", "qwen3_5_moe", "kimi_linear")
-
-
-def assert_same_generation(stock, ours, arch: str, steps: int) -> None:
-    assert torch.equal(ours.sequences, stock.sequences)
-    assert len(ours.logits) == len(stock.logits) == steps
-    # generate hands out float32 logits whatever the model's dtype: float32's tolerance; float32 models: theirs
-    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
-    for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
-        torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
 
 
 @pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved", "system_prompt"])

@@ -18,15 +18,18 @@ from rloo_efficient.core.generation.static_decode import StaticHybridLayer, Stat
 from rloo_efficient.profiling.op_count import OpCounter
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, training_args
-from .test_shared_generation import (
+from .helpers import (
     SYSTEM,
     TOKEN_TYPES,
     VOCAB,
     assert_same_generation,
+    assert_same_run,
     build,
     generation_config,
+    grpo_args,
     left_pad,
     prompts_for,
+    tool_loop,
 )
 
 
@@ -261,8 +264,6 @@ def test_tool_turns_continue_their_caches_from_static_buffers(arch, once):
     out or kept once), the next turn continuing the keys and values they hold, forwarding only what its rows added."""
     from rloo_efficient.core.generation.turn_cache import TurnCaches
 
-    from .test_turn_cache import tool_loop
-
     turns = TurnCaches(budget=1 << 40)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -466,8 +467,6 @@ def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact
     import trl
 
     from rloo_efficient import GRPOTrainer
-
-    from .test_grpo import assert_same_run, grpo_args
 
     cfg, path, dataset = workload
     calls = []

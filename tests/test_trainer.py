@@ -11,6 +11,7 @@ from rloo_efficient import RLOOConfig, RLOOTrainer
 from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
+from .helpers import TransformersSampling, build_reward_model
 
 
 def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
@@ -150,50 +151,11 @@ def test_workload_rejects_a_prompt_that_cannot_fit_before_loading_anything():
         WorkloadConfig(arch="gpt5")
 
 
-class TransformersSampling:
-    """
-    Stands in for TRL's vLLM generation object (`trl.generation.vllm_generation.VLLMGeneration`, which needs vLLM and
-    a GPU): same constructor keywords and `generate` contract, sampling each row once with transformers' `generate`
-    from the live policy (so weights need no syncing). The same stand-in serves stock TRL and ours.
-    """
-
-    calls = 0
-    logprobs = False  # GRPO's stand-in also returns each sampled token's log-probability (vLLM's top-1 list per token)
-
-    def __init__(self, model, processing_class, max_completion_length, temperature, **kwargs):
-        self.model, self.tokenizer = model, processing_class
-        self.max_completion_length, self.temperature = max_completion_length, temperature
-
-    def sync_weights(self):
-        pass
-
-    @torch.no_grad()
-    def generate(self, prompts, images, num_generations, profiler=None):
-        type(self).calls += 1
-        batch = self.tokenizer.pad({"input_ids": prompts}, padding_side="left", return_tensors="pt")
-        width = batch["input_ids"].shape[1]
-        output = self.model.generate(**batch, do_sample=True, temperature=self.temperature, top_k=0,
-                                     max_new_tokens=self.max_completion_length, output_scores=self.logprobs,
-                                     return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
-                                     eos_token_id=self.tokenizer.eos_token_id)  # fmt: skip
-        rows = output.sequences[:, width:].tolist()
-        scores = (self.model.compute_transition_scores(output.sequences, output.scores, normalize_logits=True).tolist()
-                  if self.logprobs else [[]] * len(rows))  # fmt: skip
-        completions, token_logprobs = [], []
-        for row, row_scores in zip(rows, scores, strict=True):  # up to and including the first EOS, as vLLM returns them
-            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
-            completions.append(row[:end])
-            token_logprobs.append([[value] for value in row_scores[:end]])
-        return prompts, completions, token_logprobs if self.logprobs else None, None
-
-
 def test_with_vllm_generation_the_other_phases_still_share_each_prompt(workload, model_cache, tmp_path, monkeypatch, exact_head):
     """With `use_vllm=True` generation is vLLM's; the log-prob, training and reward phases are still ours. Run on a
     stand-in for TRL's vLLM object (no vLLM here): this shows our side of the contract (same metrics as stock given the
     same completions, and each prompt packed once), not anything about vLLM itself."""
     import trl.trainer.rloo_trainer
-
-    from .test_reward_sharing import build_reward_model
 
     cfg, path, dataset = workload
     monkeypatch.setattr(trl.trainer.rloo_trainer, "VLLMGeneration", TransformersSampling)

@@ -17,10 +17,10 @@ from rloo_efficient.core.tree.layout import tree_layout
 from rloo_efficient.core.tree.radix import END, build_tree
 
 from .conftest import emulate_varlen
+from .helpers import DIM, HEADS, KV_HEADS, check_against_dense
 from .trees import random_rows
 
 
-HEADS, KV_HEADS, DIM = 6, 2, 8  # 3 query heads per key/value head: a wrong head mapping is caught
 THRESHOLDS = (0, 6, 10**9)  # every shared run its node; some copied into their branches; nothing shared
 
 
@@ -78,54 +78,6 @@ def test_rows_with_other_keys_share_nothing():
 
 
 # -- attention over the tree against a dense mask -----------------------------------------------------------------------
-def dense_mask(tree, window=None):
-    """`(N, N)`: token i sees token j when j's node is an ancestor of i's, or they share a node and j <= i; under a
-    sliding `window`, only where i's position is within `w` of j's. Read from the tree's parent links."""
-    node_of = np.repeat(np.arange(len(tree.start)), tree.length)
-    above = np.zeros((len(tree.start), len(tree.start)), dtype=bool)  # above[a, b]: b is an ancestor of a
-    for node in range(len(tree.start)):
-        up = tree.parent[node]
-        while up >= 0:
-            above[node, up] = True
-            up = tree.parent[up]
-    index = np.arange(tree.num_tokens)
-    same = (node_of[:, None] == node_of[None, :]) & (index[None, :] <= index[:, None])
-    allowed = torch.from_numpy(above[node_of[:, None], node_of[None, :]] | same)
-    if window is not None:
-        position = torch.from_numpy(tree.token_position)
-        allowed &= position[:, None] - position[None, :] < window
-    return allowed
-
-
-def dense_attention(q, k, v, allowed, scale, sinks=None):
-    scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
-    probs = torch.softmax(scores, -1)[..., : allowed.shape[-1]]
-    return (probs @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)).transpose(1, 2)
-
-
-def check_against_dense(tree, seed, window=None, sinks=False, magnitude=1.0, layout=None):
-    layout = layout or tree_layout(tree, torch.device("cpu"))[0]
-    n = tree.num_tokens
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, n, h, DIM, generator=g, dtype=torch.float64).transpose(1, 2).mul(magnitude)
-               .requires_grad_() for h in (HEADS, KV_HEADS, KV_HEADS))  # fmt: skip
-    s_aux = torch.randn(HEADS, generator=g, dtype=torch.float64).requires_grad_() if sinks else None
-    weights = torch.randn(1, n, HEADS, DIM, generator=g, dtype=torch.float64)
-    ours, _ = prefix_attention(None, q, k, v, None, scaling=0.3, rloo_prefix_layout=layout, sliding_window=window,
-                               s_aux=s_aux)  # fmt: skip
-    (ours * weights).sum().backward()
-    grads = [x.grad for x in (q, k, v, s_aux) if x is not None]
-    leaves = [x.detach().requires_grad_() for x in (q, k, v, s_aux) if x is not None]
-    reference = dense_attention(*leaves[:3], dense_mask(tree, window), 0.3, *leaves[3:])
-    (reference * weights).sum().backward()
-    torch.testing.assert_close(ours, reference, rtol=1e-10, atol=1e-12)
-    for got, leaf in zip(grads, leaves, strict=True):
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-10, atol=1e-12 * magnitude**2)
-
-
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**16), min_saved=st.sampled_from(THRESHOLDS), ratio=st.sampled_from([1.5, 2.0, 1e9]))
 def test_tree_attention_equals_dense_mask_attention(seed, min_saved, ratio):

@@ -16,7 +16,7 @@ from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class
 
 from .conftest import tiny_workload
-from .test_grpo import assert_same_run, grpo_args
+from .helpers import assert_same_run, grpo_args
 
 
 # Each family with images of 8x8 and 16x8 pixels (Gemma 3: resized to 16x16), a sliding window shorter than the prompt
@@ -37,7 +37,12 @@ VISION = {
     "llava_next": {},
     "idefics3": {},
     "smolvlm": {},
+    "mistral3": {},  # Pixtral: each image at its own size (the batch's pixels padded to the largest); Ministral 3
+    "lfm2_vl": {},  # SigLIP2 NaFlex: each image's pixel mask and spatial shape; LFM2's short convolutions
 }
+# Trainer settings a family needs with stock TRL 1.16: Pixtral's processor returns tensors unless told otherwise, and
+# TRL tokenizes its prompts unpadded (prompts of different lengths fail to stack)
+SETTINGS = {"mistral3": dict(chat_template_kwargs={"return_tensors": None})}
 TOLERANCES = {"float64": (1e-9, 1e-12), "float32": (1e-4, 1e-5)}
 # Gemma 4's vision pooler computes in float32 whatever the model's dtype: the gradient of a group's image reaches it
 # once, summed over the group's rows, where stock's k copies each pass through it (float32 rounding, ~1e-9 after a step)
@@ -129,7 +134,7 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
         "grpo": (trl.GRPOTrainer, trl.GRPOConfig, GRPOTrainer, GRPOConfig, grpo_args),
         "rloo": (trl.RLOOTrainer, trl.RLOOConfig, RLOOTrainer, RLOOConfig, grpo_args),
     }[trainer]
-    settings = dict(beta=0.1, **{"max_steps": 2, **overrides})
+    settings = dict(beta=0.1, **{"max_steps": 2, **SETTINGS.get(arch, {}), **overrides})
     stock_images, our_images = [], []
     rewards = lambda: list(reward or [token_reward])  # noqa: E731 (a copy each: stock TRL loads paths in place)
     stock = _train(stock_class, path, make_args(tmp_path / "s", config_class=stock_config, **settings), dataset,
@@ -190,7 +195,9 @@ def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_h
         assert any("aux_loss" in entry for entry in stock.state.log_history)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "gemma3_vlm", "llava_next", "idefics3"])
+# Mistral 3 and LFM2-VL: a row's image sizes, pixel masks and spatial shapes are its images', not the row's
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "gemma3_vlm", "llava_next", "idefics3", "mistral3",
+                                  "lfm2_vl"])  # fmt: skip
 def test_prompts_with_two_images(model_cache, tmp_path, exact_head, arch):
     _compare(model_cache, tmp_path, arch, images="two")
 
@@ -203,11 +210,13 @@ def test_micro_batches_that_split_a_group(model_cache, tmp_path, exact_head, arc
 
 # One row per micro-batch, gradient accumulation filling the generation batch: each group's prompt and images forwarded
 # once per scoring pass and once per optimizer step, by the first chunk holding one of its rows ([`core.tree.holds`]).
-# Qwen's 3-D positions (Qwen3-VL's DeepStack), Gemma's image blocks under a window, Idefics3's images per row, a hybrid
-# (Qwen3.5: its recurrent states held), experts with TRL's load-balancing loss (Qwen3-VL-MoE), and RLOO in TRL's row
-# order (`shuffle_groups=False`: regrouped, its logged loss, a float32 sum over micro-batches, moves by ~1e-7)
+# Qwen's 3-D positions (Qwen3-VL's DeepStack), Gemma's image blocks under a window, Idefics3's images per row, hybrids
+# (Qwen3.5: its recurrent states held; LFM2-VL: its convolution states, and each image's pixel mask and spatial shape),
+# experts with TRL's load-balancing loss (Qwen3-VL-MoE), and RLOO in TRL's row order (`shuffle_groups=False`:
+# regrouped, its logged loss, a float32 sum over micro-batches, moves by ~1e-7). (Mistral 3's Ministral 3 holds none
+# here: its queries' scale changes every 16 positions, the tiny model's original length)
 HELD = [("qwen2_vl", "grpo"), ("qwen3_vl", "grpo"), ("qwen3_5", "grpo"), ("gemma3_vlm", "grpo"), ("idefics3", "grpo"),
-        ("llava", "grpo"), ("qwen3_vl_moe", "grpo"), ("qwen2_vl", "rloo")]  # fmt: skip
+        ("llava", "grpo"), ("qwen3_vl_moe", "grpo"), ("qwen2_vl", "rloo"), ("lfm2_vl", "grpo")]  # fmt: skip
 
 
 def recording_image_forwards(monkeypatch) -> list[tuple[str, int, int]]:
@@ -403,7 +412,7 @@ def test_a_family_without_known_image_placement_runs_stock_with_one_warning(mode
 def test_a_reward_model_over_image_prompts_scores_each_group_once(model_cache, tmp_path, exact_head):
     """TRL scores image prompts with a reward model from their text (its chat template writes no image): each group's
     prompt once, the groups told apart by their images' pixels too."""
-    from .test_reward_sharing import build_reward_model
+    from .helpers import build_reward_model
 
     reward_path = build_reward_model(tmp_path / "reward", tiny_workload(model_cache))
     stock_tokens = []
@@ -418,15 +427,15 @@ def test_a_reward_model_over_image_prompts_scores_each_group_once(model_cache, t
     assert 0 < ours.reward_forward_tokens < 0.5 * sum(stock_tokens)
 
 
-def _processed(processor, texts, images):
+def _processed(processor, texts, images, **template_kwargs):
     """What TRL hands `generate` for these rows: left-padded tokens and token types, the images as the processor
-    returns them."""
+    returns them (`template_kwargs`: the family's `chat_template_kwargs`)."""
     from trl.data_utils import prepare_multimodal_messages
 
     conversations = [prepare_multimodal_messages([{"role": "user", "content": text}], images=[image])
                      for text, image in zip(texts, images, strict=True)]  # fmt: skip
     out = processor.apply_chat_template(conversation=conversations, add_generation_prompt=True, tokenize=True,
-                                        return_dict=True)  # fmt: skip
+                                        return_dict=True, **template_kwargs)  # fmt: skip
     rows = out["input_ids"]
     width = max(map(len, rows))
 
@@ -477,7 +486,8 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
     texts = ["Describe the picture.", "Describe the picture.", "What colour?", "Describe the picture."]
     images = [one, other, one, one]  # rows 0 and 3 are one prompt; row 1 has row 0's tokens and other pixels
     rows, images = [0, 1, 2, 3, 1, 2], [images[i] for i in [0, 1, 2, 3, 1, 2]]
-    ids, mask, extra, prompt_ids = _processed(build_processing_class(cfg), [texts[i] for i in rows], images)
+    ids, mask, extra, prompt_ids = _processed(build_processing_class(cfg), [texts[i] for i in rows], images,
+                                              **SETTINGS.get(arch, {}).get("chat_template_kwargs", {}))  # fmt: skip
     assert prompt_ids[0] == prompt_ids[1] and prompt_ids[0] == prompt_ids[3]
 
     encoded = []
