@@ -32,10 +32,11 @@ ARCHITECTURES = {
     "qwen3_vl_moe": "Qwen3VLMoeConfig", "glm4v": "Glm4vConfig",
     "glm4v_moe": "Glm4vMoeConfig", "internvl": "InternVLConfig", "llava": "LlavaConfig",
     "llava_next": "LlavaNextConfig", "idefics3": "Idefics3Config", "smolvlm": "SmolVLMConfig",
+    "mistral3": "Mistral3Config", "lfm2_vl": "Lfm2VlConfig",
 }  # fmt: skip
 MULTIMODAL = ("gemma3_vlm", "qwen2_vl", "qwen2_5_vl", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe",
               "glm4v", "glm4v_moe", "internvl", "llava", "llava_next",
-              "idefics3", "smolvlm")
+              "idefics3", "smolvlm", "mistral3", "lfm2_vl")
 MOE = ("qwen3_moe", "gpt_oss", "glm4_moe", "ernie4_5_moe", "minimax_m2", "deepseek_v3", "qwen3_next", "qwen3_5_moe",
        "nemotron_h", "mixtral", "qwen2_moe", "olmoe")
 # Each multimodal family's special tokens, added after the byte tokenizer's vocabulary, by the tokenizer attribute its
@@ -64,12 +65,17 @@ IMAGE_TOKENS = {
     # plain text here, are split into bytes by the byte tokenizer)
     "idefics3": {None: ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")},
     "smolvlm": {None: ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")},
+    # Mistral 3: each row of an image's tokens closed by a break token, the last by the end token
+    "mistral3": {None: ("[IMG]", "[IMG_BREAK]", "[IMG_END]")},
+    # LFM2-VL: an image's tokens between start and end tokens (a split image's tiles tagged by plain-text row and
+    # column tags, its thumbnail by its own token)
+    "lfm2_vl": {None: ("<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"), "image_token": "<image>"},
 }
 # What a family's chat template writes for an image (its processor expands it into the image's tokens)
 IMAGE_PLACEHOLDER = {"gemma3_vlm": "<start_of_image>", "gemma4": "<|image|>", "llava": "<image>", "llava_next": "<image>",
                      **dict.fromkeys(("glm4v", "glm4v_moe"), "<|begin_of_image|><|image|><|end_of_image|>"),
                      "internvl": "<IMG_CONTEXT>",
-                     "idefics3": "<image>", "smolvlm": "<image>",
+                     "idefics3": "<image>", "smolvlm": "<image>", "mistral3": "[IMG]", "lfm2_vl": "<image>",
                      **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"),
                                      "<|vision_start|><|image_pad|><|vision_end|>")}  # fmt: skip
 LLAVA_TILE = 8  # LLaVA's tiny CLIP tower: 8x8 images in patches of 2 (16 tokens); LLaVA-Next's tiles of that size
@@ -110,6 +116,12 @@ def _longrope(head_dim: int, partial: float, original: int) -> dict:
             "long_factor": [1.0 + 0.5 * i for i in range(count)]}  # fmt: skip
 
 
+# Ministral 3's YaRN, and queries scaled by log(1 + floor(position / original length)) (Llama 4's scaling); the
+# original length shrunk to 16 so that the scale changes inside a row
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1}
+
+
 def _family_kwargs(cfg, head_dim: int) -> dict:
     """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
     arch, layers, window = cfg.arch, cfg.num_hidden_layers, cfg.sliding_window
@@ -138,12 +150,9 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         "exaone4": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
         # Ministral 8B: Mistral with windows on every other layer
         "ministral": dict(head_dim=head_dim, sliding_window=window or 4096, layer_types=alternating(layers)),
-        # Ministral 3 (Mistral 3's language model): YaRN, and queries scaled by log(1 + floor(position / original
-        # length)) (Llama 4's scaling); the original length shrunk to 16 so that the scale changes inside a row
+        # Ministral 3 (Mistral 3's language model): YaRN with queries scaled by their position
         "ministral3": dict(head_dim=head_dim, **({"sliding_window": window} if window else {}),
-                           rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta_fast": 32.0,
-                                            "beta_slow": 1.0, "original_max_position_embeddings": 16,
-                                            "llama_4_scaling_beta": 0.1}),
+                           rope_parameters=_MINISTRAL3_ROPE),
         "smollm3": dict(no_rope_layers=[int(i % 2 == 0) for i in range(layers)]),  # every other layer without rotary
         # the multipliers that scale the scores, embeddings, residuals and logits
         "granite": dict(attention_multiplier=0.5, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0),
@@ -274,6 +283,23 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                       patch_size=2)  # fmt: skip
         return dict(text_config={**text, "model_type": "llama"}, vision_config=vision, image_token_id=ids["<image>"],
                     scale_factor=2)  # fmt: skip
+    if cfg.arch == "mistral3":  # Ministral 3 (`Mistral3ForConditionalGeneration`): a Pixtral tower on images of up
+        # to 16 pixels a side in patches of 2, with 2-D rotary positions, its patches merged 2x2 (an 8x8 image: 4
+        # tokens and a break after each row of 2); Ministral 3's language model (Mistral Small 3.1's is `mistral`)
+        text.update(model_type="ministral3", head_dim=head_dim, rope_parameters=_MINISTRAL3_ROPE,
+                    **({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}))  # fmt: skip
+        vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, head_dim=8, patch_size=2, image_size=16)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"], spatial_merge_size=2,
+                    tie_word_embeddings=False)  # fmt: skip
+    if cfg.arch == "lfm2_vl":  # LFM2-VL: a SigLIP2 NaFlex tower (each image at its own size in patches of 2, padded to
+        # 32 patches with a pixel mask, learned positions on a 4x4 grid resized to its shape), pixel-unshuffled by 2:
+        # an 8x8 image is 4 tokens; LFM2's language model (gated short convolutions among attention layers)
+        text.update(model_type="lfm2", layer_types=hybrid(cfg.num_hidden_layers, "conv"), conv_L_cache=3)
+        vision = dict(model_type="siglip2_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, patch_size=2, num_patches=16, vision_use_head=False)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, image_token_id=ids["<image>"], downsample_factor=2,
+                    projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
     if cfg.arch in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Gated DeltaNet and gated attention, 3-D rotary positions
         # on part of each head, interleaved (real: a quarter of 256 dims; here half of 16, sections [2, 1, 1], so that
         # an image's height and width positions reach the rotary)
@@ -397,6 +423,12 @@ def build_processor(cfg, tokenizer):
         # Its apply_chat_template reads the video sampling defaults even for images (SmolVLM's: 64 frames at 1 fps)
         processor.video_processor = types.SimpleNamespace(num_frames=64, fps=1)
         return processor
+    if cfg.arch == "mistral3":  # Pixtral's sizes: at most 16 pixels a side, in multiples of a merged patch (4)
+        return _pixtral_processor()(image_processor=transformers.PixtralImageProcessorPil(size={"longest_edge": 16}),
+                                    tokenizer=tokenizer, patch_size=2, spatial_merge_size=2, **template)  # fmt: skip
+    if cfg.arch == "lfm2_vl":
+        return transformers.Lfm2VlProcessor(image_processor=lfm2_vl_image_processor(), tokenizer=tokenizer,
+                                            **template)  # fmt: skip
     from transformers.models.gemma4 import feature_extraction_gemma4, image_processing_pil_gemma4
 
     return _without_video(transformers.Gemma4Processor)(
@@ -419,3 +451,96 @@ def _without_video(processor_class):
 
     Processor.__name__ = Processor.__qualname__ = processor_class.__name__
     return Processor
+
+
+def _pixtral_processor():
+    """transformers' `PixtralProcessor` (Mistral 3's). Its export requires torchvision, and its module imports the
+    torchvision image processor for one helper it reads only to count a serving request's tokens
+    (`_get_num_multimodal_tokens`): the module is imported as without PIL, which skips that import alone."""
+    import importlib
+    import sys
+    from unittest import mock
+
+    name = "transformers.models.pixtral.processing_pixtral"
+    if name not in sys.modules:
+        with mock.patch("transformers.utils.is_vision_available", return_value=False):
+            importlib.import_module(name)
+    return sys.modules[name].PixtralProcessor
+
+
+def lfm2_vl_image_processor():
+    """
+    LFM2-VL's image processor on PIL (transformers has only a torchvision one), as the tiny tower's: patches of 2, 2x2
+    of them one token, 4 to 8 tokens an image. Each image is resized as `Lfm2VlImageProcessor.smart_resize` sizes it
+    (sides in multiples of 4: the 8x8 and 16x8 test images keep theirs, whose pixel values are then the real one's),
+    cut into patches and padded to 32 of them (`pixel_values`, `pixel_attention_mask`, `spatial_shapes`: one entry per
+    image). Images are not split into tiles (`do_image_splitting=False`; the real processor splits only an image over
+    twice its token budget).
+    """
+    import math
+
+    import numpy as np
+    from transformers import Siglip2ImageProcessorPil
+    from transformers.image_processing_utils import BatchFeature
+    from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, SizeDict
+    from transformers.models.siglip2.image_processing_pil_siglip2 import convert_image_to_patches, pad_along_first_dim
+    from transformers.processing_utils import ImagesKwargs
+
+    class Lfm2VlImageProcessorKwargs(ImagesKwargs, total=False):  # what Lfm2VlProcessor and TRL pass
+        downsample_factor: int
+        do_image_splitting: bool
+        min_tiles: int
+        max_tiles: int
+        use_thumbnail: bool
+        min_image_tokens: int
+        max_image_tokens: int
+        encoder_patch_size: int
+        tile_size: int
+        max_pixels_tolerance: float
+        return_row_col_info: bool
+
+    class Lfm2VlImageProcessorPil(Siglip2ImageProcessorPil):
+        valid_kwargs = Lfm2VlImageProcessorKwargs
+        image_mean, image_std = IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD
+        downsample_factor, encoder_patch_size, min_image_tokens, max_image_tokens = 2, 2, 4, 8
+        do_image_splitting, min_tiles, max_tiles, use_thumbnail, tile_size = False, 1, 1, True, 8
+        max_pixels_tolerance, return_row_col_info = 2.0, False
+
+        def _preprocess(self, images, resample, do_rescale, rescale_factor, do_normalize, image_mean, image_std,
+                        return_tensors, downsample_factor, encoder_patch_size, min_image_tokens, max_image_tokens,
+                        return_row_col_info=False, **kwargs):  # fmt: skip
+            factor, patch = downsample_factor, encoder_patch_size
+            total, max_patches = patch * factor, max_image_tokens * factor**2
+            low, high = (tokens * patch**2 * factor**2 for tokens in (min_image_tokens, max_image_tokens))
+            data = {"pixel_values": [], "pixel_attention_mask": [], "spatial_shapes": [], "image_sizes": []}
+            for image in images:  # (C, H, W)
+                height, width = image.shape[-2:]
+                # Lfm2VlImageProcessor.smart_resize (transformers 5.24)
+                h_bar, w_bar = (max(total, round(side / total) * total) for side in (height, width))
+                if h_bar * w_bar > high:
+                    beta = math.sqrt(height * width / high)
+                    h_bar, w_bar = (max(total, math.floor(side / beta / total) * total) for side in (height, width))
+                elif h_bar * w_bar < low:
+                    beta = math.sqrt(low / (height * width))
+                    h_bar, w_bar = (math.ceil(side * beta / total) * total for side in (height, width))
+                if (h_bar, w_bar) != (height, width):  # PIL's bilinear, where the real one resizes with torchvision's
+                    image = self.resize(image=image, size=SizeDict(height=h_bar, width=w_bar), resample=resample)
+                if do_rescale and do_normalize:  # fused as the torchvision backend fuses them: the same float32 values
+                    image = self.normalize(image.astype(np.float32), [m * (1.0 / rescale_factor) for m in image_mean],
+                                           [s * (1.0 / rescale_factor) for s in image_std])  # fmt: skip
+                elif do_rescale:
+                    image = self.rescale(image, rescale_factor)
+                elif do_normalize:
+                    image = self.normalize(image, image_mean, image_std)
+                patches, mask = pad_along_first_dim(convert_image_to_patches(image, patch), max_patches)
+                data["pixel_values"].append(patches)
+                data["pixel_attention_mask"].append(mask)
+                data["spatial_shapes"].append((h_bar // patch, w_bar // patch))
+                data["image_sizes"].append([h_bar, w_bar])
+            if return_row_col_info:  # one tile each
+                data.update(image_rows=[1] * len(images), image_cols=[1] * len(images))
+            else:
+                del data["image_sizes"]
+            return BatchFeature(data=data, tensor_type=return_tensors)
+
+    return Lfm2VlImageProcessorPil()

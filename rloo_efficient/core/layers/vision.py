@@ -18,7 +18,10 @@ training, that one encode receives every completion's gradient). What each famil
   Gemma 4's `use_bidirectional_attention="vision"` on its sliding layers; under a window, as stock combines them:
   (causal or same image) and within the window). The tokens' image blocks ([`token_blocks`], from stock's token
   types gathered like the tokens) go to the attention in the layout: the nodes holding images attend under them.
-- **LLaVA, LLaVA-Next, Idefics3, SmolVLM**: positions are the columns, as for text.
+- **LLaVA, LLaVA-Next, Idefics3, SmolVLM, Mistral 3, LFM2-VL**: positions are the columns, as for text. Mistral 3's
+  Pixtral tower reads each image at its own size (`image_sizes`: the batch's pixels are padded to the largest),
+  LFM2-VL's SigLIP2 tower each image's patches under its pixel mask at its spatial shape (`pixel_attention_mask`,
+  `spatial_shapes`): selected with the images.
 """
 
 import functools
@@ -57,6 +60,10 @@ VISION_FAMILIES = {
     "llava_next": dict(pixels="images", **_COLUMNS),
     "idefics3": dict(pixels="rows", **_COLUMNS),
     "smolvlm": dict(pixels="rows", **_COLUMNS),
+    "mistral3": dict(pixels="images", **_COLUMNS),  # each image's `image_sizes`
+    # Its pixel masks and spatial shapes per image; an image split into tiles (over twice the processor's token budget)
+    # gives an entry per tile: stock's path
+    "lfm2_vl": dict(pixels="images", **_COLUMNS),
 }
 # The model kwargs that carry images (what TRL passes a multimodal forward beside the tokens)
 IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -126,10 +133,10 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels:
     """
     The image kwargs of the ordered `rows` of a batch that `kwargs` and `num_images` (per row) describe, laid out as
     the processor lays out a batch of just those rows, `pixels` as the family's ([`VISION_FAMILIES`], checked by
-    [`layout_reason`]): Qwen's patch rows with their grids, one entry per image (with Gemma 4's patch positions and
-    LLaVA-Next's sizes), or one per row (Idefics3's tiles, with their pixel masks), or each row's tiles (InternVL, by
-    `num_tiles`, TRL's count per row). Index arrays are built on the host;
-    each tensor is gathered once. Empty when the rows hold no image.
+    [`layout_reason`]): Qwen's patch rows with their grids, one entry per image (with Gemma 4's patch positions,
+    LLaVA-Next's and Mistral 3's sizes, LFM2-VL's pixel masks and spatial shapes), or one per row (Idefics3's tiles,
+    with their pixel masks), or each row's tiles (InternVL, by `num_tiles`, TRL's count per row). Index arrays are
+    built on the host; each tensor is gathered once. Empty when the rows hold no image.
     """
     rows = np.asarray(rows, dtype=np.int64)
     images = image_indices(num_images, rows)
@@ -150,12 +157,13 @@ def select_images(kwargs: dict, num_images: list[int], rows: np.ndarray, pixels:
         out.update(pixel_values=take(pixel_values, ranges(first_patch[images], per_image[images])),
                    image_grid_thw=take(grid, images))  # fmt: skip
     else:
-        out["pixel_values"] = take(pixel_values, images if pixels == "images" else rows)
-    for key in ("image_position_ids", "image_sizes"):  # per image
+        entries = images if pixels == "images" else rows
+        out["pixel_values"] = take(pixel_values, entries)
+        if kwargs.get("pixel_attention_mask") is not None:  # laid out as the pixels: per row (Idefics3), per image
+            out["pixel_attention_mask"] = take(kwargs["pixel_attention_mask"], entries)
+    for key in ("image_position_ids", "image_sizes", "spatial_shapes"):  # per image
         if kwargs.get(key) is not None:
             out[key] = take(kwargs[key], images)
-    if kwargs.get("pixel_attention_mask") is not None:  # per row
-        out["pixel_attention_mask"] = take(kwargs["pixel_attention_mask"], rows)
     return out
 
 
