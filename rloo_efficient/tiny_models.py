@@ -300,6 +300,12 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                       num_attention_heads=2, patch_size=2, num_patches=16, vision_use_head=False)  # fmt: skip
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<image>"], downsample_factor=2,
                     projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
+    return _rope_index_kwargs(cfg, text, head_dim, ids)
+
+
+def _rope_index_kwargs(cfg, text: dict, head_dim: int, ids: dict) -> dict:
+    """[`_multimodal_kwargs`] of the families with their own position index or image blocks: Qwen3.5, Qwen3-VL, GLM-4V
+    and Gemma 4."""
     if cfg.arch in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5: Gated DeltaNet and gated attention, 3-D rotary positions
         # on part of each head, interleaved (real: a quarter of 256 dims; here half of 16, sections [2, 1, 1], so that
         # an image's height and width positions reach the rotary)

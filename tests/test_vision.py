@@ -109,6 +109,23 @@ IMAGE_COLUMNS = {
 }
 
 
+def _compare_calls(stock_images: list, our_images: list, stock_chunks: bool, one_image_each: bool) -> None:
+    """Each of ours' vision-tower calls against stock's same call: the same images (`stock_chunks`: a subset, a group
+    with nothing scored left out), each once (`one_image_each`: a prompt's images differ), or no more often than in
+    stock's call."""
+    for (_, stock_call), (_, our_call) in zip(stock_images, our_images, strict=True):
+        if stock_chunks:  # a group with nothing scored is left out (its images too); a chunk with nothing runs stock's
+            assert set(our_call) <= set(stock_call)
+            if our_call == stock_call:
+                continue
+        else:
+            assert set(our_call) == set(stock_call)
+        if one_image_each:
+            assert len(our_call) == len(set(our_call))
+        else:  # no image more often than in stock's call
+            assert all(our_call.count(image) <= stock_call.count(image) for image in our_call)
+
+
 def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, images=None,
              edit_config=None, stock_chunks=False, ours_only=None, once_per_pass=False, **overrides):  # fmt: skip
     """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one
@@ -172,17 +189,8 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
     if once_per_pass:  # each pass (a scoring pass; training, per optimizer step) encodes a group's images once
         encodes = lambda calls: sum(len(call) for name, call in calls if name == "logps")  # noqa: E731
         assert encodes(stock_images) == ours.num_generations * encodes(our_images)  # stock: once per row
-    for (_, stock_call), (_, our_call) in [] if held else zip(stock_images, our_images, strict=True):
-        if stock_chunks:  # a group with nothing scored is left out (its images too); a chunk with nothing runs stock's
-            assert set(our_call) <= set(stock_call)
-            if our_call == stock_call:
-                continue
-        else:
-            assert set(our_call) == set(stock_call)
-        if images is None:
-            assert len(our_call) == len(set(our_call))
-        else:  # no image more often than in stock's call
-            assert all(our_call.count(image) <= stock_call.count(image) for image in our_call)
+    if not held:  # call by call (held, a call's images are those of the groups whose prompts it forwards: above)
+        _compare_calls(stock_images, our_images, stock_chunks, images is None)
     assert sum(len(call) for _, call in stock_images) > sum(len(call) for _, call in our_images)
     assert_same_run(stock, ours, *POOLED_IN_FLOAT32.get(arch, TOLERANCES[cfg.model_dtype]))
     return stock, ours
