@@ -9,7 +9,13 @@ import contextlib
 import numpy as np
 import torch
 
-from ..core.generation.generate import TOKEN_TYPE_FIELDS, generate_with_shared_prefill, row_tiles, text_only
+from ..core.generation.generate import (
+    TOKEN_TYPE_FIELDS,
+    generate_with_shared_prefill,
+    on_every_rank,
+    row_tiles,
+    text_only,
+)
 from ..core.layers.vision import IMAGE_KWARGS, layout_reason
 from ..core.tree.rows import prompt_key
 
@@ -92,11 +98,7 @@ class SharedGenerationMixin:
         """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
         if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
             return can
-        import torch.distributed as dist
-
-        flag = torch.tensor([int(can)], device=self.accelerator.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return on_every_rank(can, self.accelerator.device)
 
     def _all_ranks_agree(self, values) -> bool:
         """Whether every process has the same integer `values` (a 1-D array of one length on all of them), by one

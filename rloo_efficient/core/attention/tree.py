@@ -275,13 +275,10 @@ def _chain_backward(ctx, grad_out):
     bias = _chain_bias(layout, held_tokens, window, query.dtype, query.device)
     dq, dkeys, dvalues = attention_backward(ctx.states[0], grad, query, keys, values, bias, out, lse, False, scale)
     counts = [count for _, _, count in layout.chain]
-    grads = [None] * len(held)
-    for parity, gathered in enumerate((dkeys, dvalues)):
+    grads, owns = [None] * len(held), []
+    for parity, gathered in enumerate((dkeys, dvalues)):  # keys, then values
         *runs, own = gathered.split([*counts, key.shape[2]], dim=2)
-        if parity == 0:
-            dk = own
-        else:
-            dv = own
+        owns.append(own)
         for (slot, first, count), run in zip(layout.chain, runs, strict=True):
             index = 2 * slot + parity
             if not ctx.needs_input_grad[9 + index]:
@@ -292,7 +289,7 @@ def _chain_backward(ctx, grad_out):
                 total = held[index].new_zeros(held[index].shape) if grads[index] is None else grads[index].clone()
                 total.narrow(2, first, count).add_(run)
                 grads[index] = total
-    return dq, dk, dv, None, None, None, None, None, None, *grads
+    return dq, *owns, None, None, None, None, None, None, *grads
 
 
 def _chain_applies(layout: TreeLayout, sinks, history) -> bool:

@@ -106,10 +106,10 @@ def _held_token_weights(plan: HoldPlan, reads, member_keys: np.ndarray) -> list[
     return out
 
 
-def _image_nodes(tree, sequences: list, member_rows: np.ndarray, image_tokens: set[int]) -> np.ndarray:
-    """The nodes holding an image's placeholder tokens."""
-    values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows]
-                                       + tree.token_position]  # fmt: skip
+def _image_nodes(tree, sequences: list, member_rows: np.ndarray, positions: np.ndarray,
+                 image_tokens: set[int]) -> np.ndarray:  # fmt: skip
+    """The nodes holding an image's placeholder tokens (`positions`: each flat token's in its rows)."""
+    values = np.concatenate(sequences)[np.cumsum([0, *(len(s) for s in sequences)])[:-1][member_rows] + positions]
     holds = np.isin(values, np.fromiter(image_tokens, dtype=np.int64))
     return np.unique(np.repeat(np.arange(len(tree.start)), tree.length)[holds])
 
@@ -208,7 +208,7 @@ def pack_rows(input_ids: torch.Tensor, logits_to_keep: int, rows: torch.Tensor, 
         reads = plan.reads_of(chunk.reads, tree, root_keys, root_keys, recurrent)
         if token_weights:  # how many of these rows hold each held token
             parts += _held_token_weights(plan, reads, chunk.key[members])
-    image_nodes = _image_nodes(tree, sequences, member_rows, image_tokens) if images else None
+    image_nodes = _image_nodes(tree, sequences, member_rows, positions, image_tokens) if images else None
     held_args = {} if reads is None else dict(held_reads=reads.held_reads, held_roots=reads.held_roots,
                                               held_states=reads.states)  # fmt: skip
     layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent, **held_args)

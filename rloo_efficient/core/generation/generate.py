@@ -261,7 +261,7 @@ def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, atte
     if tree and images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
         plan = plan_tree_prefill(prompt_ids, first, width)
     if synced:  # every rank shares, or none
-        share = _on_every_rank(width >= 2 and not dropped, input_ids.device)
+        share = on_every_rank(width >= 2 and not dropped, input_ids.device)
     else:
         share = width >= 2 and not dropped and (len(first) < len(inverse) or plan is not None)  # rows or openings alike
     if not share:
@@ -293,8 +293,8 @@ def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, atte
     return output, tokens
 
 
-def _on_every_rank(value: bool, device) -> bool:
-    """Whether `value` holds on every rank (one all-reduce)."""
+def on_every_rank(value: bool, device) -> bool:
+    """Whether `value` holds on every rank (one all-reduce on `device`)."""
     import torch.distributed as dist
 
     every = torch.tensor([int(value)], device=device)

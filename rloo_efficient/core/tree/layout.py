@@ -374,12 +374,18 @@ class _Sent:
         return Packed(queries, keys, self.take().to(torch.int32), self.take().to(torch.int32), max_q, max_k, depth)
 
 
+def _below(tree: Tree) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node's descendants start in the flat sequence, and how many tokens its subtree holds below it (the
+    queries of its level's part)."""
+    below = tree.start + tree.length
+    return below, tree.subtree_end - below
+
+
 def _plan_parts(sent: _Sent, ratio: float) -> list[tuple]:
     """Each level's parts: its nodes with descendants, bucketed by their queries' work (their subtrees' tokens)."""
     tree = sent.tree
     all_nodes = np.arange(len(tree.start))
-    below = tree.start + tree.length  # where each node's descendants start
-    queries = tree.subtree_end - below  # how many tokens each node's subtree holds below it
+    below, queries = _below(tree)
     planned = []
     for depth in range(int(tree.depth.max()) + 1 if len(all_nodes) else 0):
         level = all_nodes[(tree.depth == depth) & (queries > 0)]
@@ -407,8 +413,7 @@ def _plan_packed_parts(sent: _Sent) -> list[tuple]:
     """Each level's part as one variable-length call: its nodes' subtrees reading their tokens."""
     tree = sent.tree
     all_nodes = np.arange(len(tree.start))
-    below = tree.start + tree.length
-    queries = tree.subtree_end - below
+    below, queries = _below(tree)
     planned = []
     for depth in range(int(tree.depth.max()) + 1):
         level = all_nodes[(tree.depth == depth) & (queries > 0)]
