@@ -106,7 +106,7 @@ def count_forwards(trainer) -> dict:
         counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
 
     if isinstance(trainer, GroupSharingMixin):  # ours: each packed forward's tokens, and its prefix tree's real ones
-        import rloo_efficient.trainers.packed as packed_forward
+        import rloo_efficient.core.forward.passes as packed_forward
 
         pack = packed_forward.pack_rows
 

@@ -101,7 +101,8 @@ PER_MICRO_BATCH = {"RLOOTrainer": ("entropy",),
 
 def per_micro_batch(trainer) -> tuple[str, ...]:
     """The metrics that legitimately differ from stock's for `trainer` (ours): none unless it regrouped rows."""
-    if not (getattr(trainer, "_keep_groups", False) and trainer.args.steps_per_generation > 1):
+    switches = getattr(trainer, "_switches", None)
+    if not (switches is not None and switches.keep_groups and trainer.args.steps_per_generation > 1):
         return ()
     base = next(cls.__name__ for cls in type(trainer).__mro__ if cls.__module__.startswith("trl."))
     return PER_MICRO_BATCH[base]

@@ -68,7 +68,7 @@ def image_prompts(directory: Path) -> dict:
     A tiny Qwen2-VL sharded as accelerate's FSDP2 wraps it (each decoder layer and vision block, then the root): the
     shared prefill with images, rank 0's four rows two prompts, rank 1's three, each image encoded once per distinct
     prompt; `synced` keeps the ranks on the same forwards. Then the ranks' agreement on the image prefill
-    ([`GroupSharingMixin._all_ranks_can`]): one rank that cannot makes both take stock's `generate`.
+    ([`trainers.ranks.Ranks.can`]): one rank that cannot makes both take stock's `generate`.
     """
     import functools
     from types import SimpleNamespace
@@ -77,8 +77,8 @@ def image_prompts(directory: Path) -> dict:
     from PIL import Image
     from trl.data_utils import prepare_multimodal_messages
 
-    from rloo_efficient import GroupSharingMixin
     from rloo_efficient.tiny_models import model_config, model_from_config
+    from rloo_efficient.trainers.ranks import Ranks
     from rloo_efficient.workload import WorkloadConfig, build_processing_class, build_tokenizer
 
     cfg = WorkloadConfig(arch="qwen2_vl", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -136,10 +136,8 @@ def image_prompts(directory: Path) -> dict:
                                                                                     strict=True))}  # fmt: skip
 
     # The agreement, on the sharded model as the trainer sees it
-    trainer = SimpleNamespace(model_wrapped=model, accelerator=SimpleNamespace(
-        num_processes=dist.get_world_size(), device=torch.device("cpu"), unwrap_model=lambda m: m))  # fmt: skip
-    trainer._forwards_are_collective = functools.partial(GroupSharingMixin._forwards_are_collective, trainer)
-    out["ranks_agree"] = [GroupSharingMixin._all_ranks_can(trainer, can) for can in (True, dist.get_rank() == 1)]
+    ranks = Ranks(SimpleNamespace(num_processes=dist.get_world_size(), device=torch.device("cpu")), lambda: model)
+    out["ranks_agree"] = [ranks.can(can) for can in (True, dist.get_rank() == 1)]
     return out
 
 

@@ -98,14 +98,15 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
 
     trainer._generate_single_turn = recorded
     agreed = []  # whether the processes' plans of held prompts agreed, per plan: [training (else a no-grad pass), agreed]
-    if hasattr(trainer, "_all_ranks_agree"):
-        agree = trainer._all_ranks_agree
+    ranks = getattr(trainer, "_ranks", None)  # ours: every agreement across processes goes through it
+    if ranks is not None:
+        agree = ranks.agree
 
         def recorded_agree(values):
             agreed.append([torch.is_grad_enabled(), agree(values)])
             return agreed[-1][1]
 
-        trainer._all_ranks_agree = recorded_agree
+        ranks.agree = recorded_agree
     scoring_chunks = []  # the chunks stock's no-grad log-prob passes forward (TRL's, by its batch size)
     forward = trainer._get_per_token_logps_and_entropies
 
@@ -134,7 +135,7 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         "stock_scoring_chunks": sum(scoring_chunks),
         "scoring_forward_calls": getattr(trainer, "scoring_forward_calls", None),
         "reward_forward_tokens": getattr(trainer, "reward_forward_tokens", None),
-        "share_prefix": getattr(trainer, "_share_prefix", None),
+        "share_prefix": trainer._switches.prefix if hasattr(trainer, "_switches") else None,
         "reward_funcs": [type(func).__name__ for func in trainer.reward_funcs],
         # Under ZeRO-3, the fraction of each model's parameters this rank holds between forwards
         "held_fraction": {name: held_fraction(model) for name, model in (("policy", trainer.model_wrapped),

@@ -36,7 +36,7 @@ def compare(path, dataset, tmp_path, reward=vowel_reward, run_kwargs=None, stock
     stock = run(stock_class, path, grpo_args(tmp_path / "stock", config_class=trl.GRPOConfig, **overrides), dataset,
                 reward=copy(), **run_kwargs)  # fmt: skip
     ours = run(ours_class, path, grpo_args(tmp_path / "ours", **overrides), dataset, reward=copy(), **run_kwargs)
-    assert ours._share_prefix and ours.packed_forward_tokens > 0  # the packed forwards ran
+    assert ours._switches.prefix and ours.packed_forward_tokens > 0  # the packed forwards ran
     assert (ours.shared_prefill_tokens > 0) == prefill  # and the shared generation prefill, where generation is ours
     assert_same_run(stock, ours, rtol, atol)
     return stock, ours
@@ -212,10 +212,10 @@ def test_where_keeping_groups_would_change_the_math_the_row_shuffle_stays(worklo
         trainer = GRPOTrainer(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
                               processing_class=build_tokenizer())  # fmt: skip
     messages = [str(w.message) for w in caught if "row shuffle" in str(w.message)]
-    assert not trainer._keep_groups and len(messages) == 1 and reason in messages[0]
+    assert not trainer._switches.keep_groups and len(messages) == 1 and reason in messages[0]
     args = grpo_args(tmp_path, gradient_accumulation_steps=2, max_steps=1, shuffle_groups=True, **overrides)
     assert GRPOTrainer(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
-                       processing_class=build_tokenizer())._keep_groups  # asked for: kept anyway  # fmt: skip
+                       processing_class=build_tokenizer())._switches.keep_groups  # asked for: kept anyway  # fmt: skip
 
 
 def test_a_subclass_with_its_own_loss_keeps_the_row_shuffle(workload, tmp_path):
@@ -231,7 +231,7 @@ def test_a_subclass_with_its_own_loss_keeps_the_row_shuffle(workload, tmp_path):
         warnings.simplefilter("always")
         trainer = SharedGMPO(model=path, reward_funcs=vowel_reward, train_dataset=dataset, args=args,
                              processing_class=build_tokenizer())  # fmt: skip
-    assert not trainer._keep_groups
+    assert not trainer._switches.keep_groups
     assert any("SharedGMPO computes its own loss (GMPOTrainer._compute_loss)" in str(w.message) for w in caught)
 
 

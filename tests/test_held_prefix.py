@@ -27,6 +27,25 @@ from .conftest import emulate_varlen, tiny_workload
 from .trees import stock_batch
 
 
+def bare_held(collective: bool = False, fsdp: int = 0, agree=None):
+    """A [`HeldPrefixes`] outside a trainer: no budget limit, each held token costing 1 byte, every width within the
+    position period; `collective`: every forward gathers from all ranks, `agree(values)` what the all-reduce says
+    (default: every process agrees). Its warnings go to `.warned`."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.held_prefix import HeldPrefixes
+
+    warned = []
+    ranks = SimpleNamespace(collective=lambda model=None: collective, agree=agree or (lambda values: True))
+    args = SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=None, bf16=False, fp16=False)
+    held = HeldPrefixes(2**40, lambda: None, args, ranks, SimpleNamespace(warn_once=warned.append), None, fsdp=fsdp)
+    held.warned = warned
+    held._within_period = lambda width: True
+    held._held_token_bytes = lambda training: 1
+    held._kv_source = lambda: None
+    return held
+
+
 @pytest.fixture(scope="module")
 def scoring_model(workload):
     cfg, path, dataset = workload
@@ -243,25 +262,21 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
         if case == "fsdp1":  # what the Trainer sets from accelerate's FSDP plugin (CPU processes run no FSDP), as our
             # construction reads it (set only there: the rest of the Trainer would look for the plugin); accelerate's
             # state, without a plugin, is not FSDP2
-            from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+            from rloo_efficient.trainers.held_prefix import HeldPrefixes
 
-            init_holds = HeldPrefixMixin._init_holds
+            init_holds = HeldPrefixes.__init__
 
-            def with_fsdp(self, budget):
-                self.is_fsdp_enabled = True
-                try:
-                    init_holds(self, budget)
-                finally:
-                    self.is_fsdp_enabled = False
+            def with_fsdp(self, *args, **kwargs):
+                init_holds(self, *args, **{**kwargs, "fsdp": 1})
 
-            patch.setattr(HeldPrefixMixin, "_init_holds", with_fsdp)
+            patch.setattr(HeldPrefixes, "__init__", with_fsdp)
         trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=training_args(tmp_path, **overrides),
                               train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
         trainer.train()
     messages = [str(w.message) for w in caught if "not held across micro-batches" in str(w.message)]
     named = "use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP1"
     assert len(messages) == 1 and named in messages[0]
-    assert not trainer._hold_training and trainer._train_scope is None
+    assert not trainer._held.training and trainer._held.train_scope is None
     assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
 
 
@@ -275,7 +290,7 @@ def test_zero3_gradient_partitions_are_zeroed_at_a_window_start_or_training_does
 
     import transformers.integrations
 
-    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin, zero_stale_gradients
+    from rloo_efficient.trainers.held_prefix import zero_stale_gradients
 
     stale = torch.ones(6)
     engine = SimpleNamespace(optimizer=SimpleNamespace(grad_partitions_flat_buffer=stale))
@@ -284,19 +299,15 @@ def test_zero3_gradient_partitions_are_zeroed_at_a_window_start_or_training_does
     assert zero_stale_gradients(engine) and stale.tolist() == [0.0] * 6
     assert not zero_stale_gradients(SimpleNamespace(optimizer=SimpleNamespace()))
 
-    class Base:
-        def training_step(self, model, inputs, num_items_in_batch):
-            return "stepped"
-
-    class Trainer(HeldPrefixMixin, Base):
-        _hold_training = True
-        accelerator = SimpleNamespace(sync_gradients=False)
-
-    trainer = Trainer()
+    held = bare_held()
+    held.step_ends(sync_gradients=False)  # inside a window: nothing checked
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert trainer.training_step(SimpleNamespace(optimizer=None), {}, 1) == "stepped"
-    assert not trainer._hold_training and any("ZeRO-3 optimizer keeps no gradient" in str(w.message) for w in caught)
+        held.step_begins(SimpleNamespace(optimizer=None))
+        assert held.training and not caught
+        held.step_ends(sync_gradients=True)
+        held.step_begins(SimpleNamespace(optimizer=None))  # a window's first micro-batch
+    assert not held.training and any("ZeRO-3 optimizer keeps no gradient" in str(w.message) for w in caught)
 
 
 def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
@@ -304,29 +315,24 @@ def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
     ([`core.forward.sharded`]); FSDP1's flat parameters have no such hook: there, training forwards its prompts."""
     from types import SimpleNamespace
 
-    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
+    from rloo_efficient.trainers.held_prefix import hold_reason
 
     args = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-    for fsdp2, held in ((True, True), (False, False)):
-        trainer = SimpleNamespace(is_fsdp_enabled=True, accelerator=SimpleNamespace(is_fsdp2=fsdp2), args=args)
-        assert (HeldPrefixMixin._hold_reason(trainer) is None) == held
+    for version, held in ((2, True), (1, False)):
+        assert (hold_reason(args, version) is None) == held
     # A unit nested inside another (known once the model is sharded): the first training window says so, holds nothing
     import warnings
 
     from rloo_efficient.trainers import held_prefix
 
     for nested in (True, False):
-        trainer = SimpleNamespace(is_fsdp_enabled=True, _hold_training=True, _train_scope=None, _unwrapped=lambda: None,
-                                  _close_train_scope=lambda: None, args=SimpleNamespace(steps_per_generation=2),
-                                  num_iterations=1, _step=0, current_gradient_accumulation_steps=2,
-                                  _window_position=0)  # fmt: skip
-        trainer._warn_hold = lambda reason, trainer=trainer: HeldPrefixMixin._warn_hold(trainer, reason)
+        held = bare_held(fsdp=2)
         with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             patch.setattr(held_prefix, "nested_units", lambda model, nested=nested: nested)
-            scope = HeldPrefixMixin._training_scope(trainer, {})  # (no buffered batches: nothing to plan)
+            held.prepare({}, lambda position: None)  # (no buffered batches: nothing to plan)
         said = [str(w.message) for w in caught if "inside another sharded one" in str(w.message)]
-        assert scope is None and trainer._hold_training == (not nested) and len(said) == nested
+        assert held.active_scope is None and held.training == (not nested) and len(said) == nested
 
 
 def test_image_placeholders_count_against_the_budget_by_group():
@@ -354,16 +360,15 @@ def test_a_training_micro_batch_cannot_skip_prompts_held_for_it():
     gradient: refused, naming the way out."""
     from types import SimpleNamespace
 
-    from rloo_efficient.trainers.packed import PackedForwardMixin
-
-    waiting = SimpleNamespace(_active_scope=SimpleNamespace(held=SimpleNamespace(sources={0: object()})))
+    waiting = bare_held()
+    waiting.active_scope = SimpleNamespace(held=SimpleNamespace(sources={0: object()}))
     with torch.enable_grad(), pytest.raises(RuntimeError, match="held_prefix_budget_gib=0"):
-        PackedForwardMixin._check_nothing_held(waiting)
+        waiting.check_nothing_held()
     with torch.no_grad():  # a scoring pass: nothing to lose
-        PackedForwardMixin._check_nothing_held(waiting)
-    waiting._active_scope.held.sources = {}
+        waiting.check_nothing_held()
+    waiting.active_scope.held.sources = {}
     with torch.enable_grad():
-        PackedForwardMixin._check_nothing_held(waiting)
+        waiting.check_nothing_held()
 
 
 def test_a_scoring_pass_forwards_as_many_rows_as_one_of_stocks_forwards_holds():
@@ -420,10 +425,7 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
     scope holds nothing (a training micro-batch on stock's forward while prompts wait for their backward would lose
     their gradient), and a no-grad pass keeps stock's chunks (stock's forward would split a merged chunk by its batch
     size: more forwards on one process than on the others, each a collective under ZeRO-3)."""
-    from types import SimpleNamespace
-
     from rloo_efficient.core.tree.rows import row_tokens
-    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
 
     def batch(system: int, task: int):
         prompts, completions = rl_rows(seed=5, groups=2, k=4, system=system, task=task)
@@ -435,18 +437,14 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
     width, structure = batch(system=70, task=40)  # long prompts, one row per chunk: worth holding
     chunks = [(row, row + 1) for row in range(8)]
     assert (plan_holds([row_tokens(structure[a:b]) for a, b in chunks], full=False) is None) == empty
-    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True,
-                              _held_token_bytes=lambda training: 1, _kv_source=lambda: None,
-                              _plans_agree=lambda *args, **kwargs: True)  # fmt: skip
-    trainer._scoring_plan = lambda *args: HeldPrefixMixin._scoring_plan(trainer, *args)
-    trainer._agreed_plan = lambda *args, **kwargs: HeldPrefixMixin._agreed_plan(trainer, *args, **kwargs)
+    held = bare_held()
     # Short prompts, four rows per chunk: both groups merged whole into one chunk, nothing held
     width, structure = batch(system=6, task=4)
     chunks = [(0, 4), (4, 8)]
-    merged = HeldPrefixMixin._merged_chunks(trainer, structure, chunks, None, width)
+    merged = held._merged_chunks(structure, chunks, None, width)
     assert (merged is None) == empty
     if not empty:
-        assert merged[0] is None and len(merged[3]) < len(chunks)
+        assert merged.scope is None and len(merged.chunks) < len(chunks)
 
 
 def test_a_source_forwards_later_chunks_nodes_within_stocks_forward_and_the_budget():
@@ -539,10 +537,6 @@ def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
     """Each process hoists by its own prompts' lengths: where every forward is a collective (ZeRO-3, FSDP) and the
     hoisted plans differ, the plans without hoisting are compared next, and held where they agree; where those differ
     too, nothing is held, with one warning."""
-    from types import SimpleNamespace
-
-    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
-
     prompts = {g: list(range(10 + 30 * g, 30 + 30 * g)) for g in range(3)}
     chunk_groups = [[0], [0], [1, 2], [1, 2]]
     chunks = [(np.array(groups), np.full(len(groups), 20), np.full(len(groups), 2),
@@ -557,16 +551,14 @@ def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
         return np.append(rows.ravel(), 0).tolist()
 
     assert pattern(plan_for(True)) != pattern(plan_for(False))  # hoisted: B's prompt in chunk 0's source
-    trainer = SimpleNamespace(_forwards_are_collective=lambda model: True, _unwrapped=lambda: None, warned=[])
-    trainer._warn_once = trainer.warned.append
-    trainer._plans_agree = lambda *args: HeldPrefixMixin._plans_agree(trainer, *args)
-    for other, held in ((pattern(plan_for(True)), True), (pattern(plan_for(False)), False), (None, None)):
-        trainer._all_ranks_agree = lambda values, other=other: values.tolist() == other  # the other process's pattern
-        plan = HeldPrefixMixin._agreed_plan(trainer, plan_for, 4, training=True)
-        if held is None:
-            assert plan is False and trainer.warned  # neither agrees: nothing held, one warning
+    for other, hoisted in ((pattern(plan_for(True)), True), (pattern(plan_for(False)), False), (None, None)):
+        # (the other process's pattern)
+        held = bare_held(collective=True, agree=lambda values, other=other: values.tolist() == other)
+        plan = held._agreed_plan(plan_for, 4, training=True)
+        if hoisted is None:
+            assert plan is False and held.warned  # neither agrees: nothing held, one warning
         else:
-            assert pattern(plan) == pattern(plan_for(held)) and not trainer.warned
+            assert pattern(plan) == pattern(plan_for(hoisted)) and not held.warned
 
 
 @pytest.mark.parametrize("merge", [False, True])
@@ -574,11 +566,8 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
     """Through the trainer's no-grad planning (stock's chunks, or merged ones): where every forward is a collective
     and the processes' hoisted plans differ, the plan held is the unhoisted one they agree on; where neither agrees,
     nothing is held."""
-    from types import SimpleNamespace
-
     from rloo_efficient.core.tree.holds import scoring_chunks
     from rloo_efficient.core.tree.rows import row_tokens
-    from rloo_efficient.trainers.held_prefix import HeldPrefixMixin
 
     completion = 60 if merge else 2  # long completions: each group split over merged chunks, its prompt held
     prompts = [list(range(1000 + 200 * g, 1100 + 200 * g)) for g in range(3) for _ in range(4)]
@@ -586,14 +575,8 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
     input_ids, _, _, structure = stock_batch(prompts, completions)
     width = input_ids.shape[1]
     stock = [(row, row + 2) for row in range(0, 12, 2)]  # two rows per chunk
-    trainer = SimpleNamespace(_hold_budget=2**40, _within_period=lambda width: True,
-                              _held_token_bytes=lambda training: 1, _kv_source=lambda: None,
-                              _forwards_are_collective=lambda model: True,
-                              _unwrapped=lambda: None, warned=[])  # fmt: skip
-    trainer._warn_once = trainer.warned.append
-    for name in ("_scoring_plan", "_agreed_plan", "_plans_agree"):
-        setattr(trainer, name, lambda *args, name=name, **kwargs: getattr(HeldPrefixMixin, name)(trainer, *args,
-                                                                                                 **kwargs))  # fmt: skip
+    other = []  # the other process's pattern
+    trainer = bare_held(collective=True, agree=lambda values: values.tolist() == other[-1])
     chunks = stock
     if merge:
         group, plen, scored, _ = row_tokens(structure)
@@ -607,13 +590,13 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
         rows[:2] = plan.forward_pattern(len(stock), training=False)
         return np.append(rows.ravel(), len(chunks) if merge else 0).tolist()
 
-    def plan_held(other):
-        trainer._all_ranks_agree = lambda values: values.tolist() == other  # the other process's pattern
+    def plan_held(other_pattern):
+        other.append(other_pattern)
         with torch.no_grad():
             if merge:
-                merged = HeldPrefixMixin._merged_chunks(trainer, structure, stock, None, width)
-                return None if merged is None else merged[0] and merged[0].plan
-            scope = HeldPrefixMixin._held_chunks(trainer, structure, stock, False, None, width)[0]
+                merged = trainer._merged_chunks(structure, stock, None, width)
+                return None if merged is None else merged.scope and merged.scope.plan
+            scope = trainer._held_chunks(structure, stock, False, None, width).scope
             return scope and scope.plan
 
     for hoist in (True, False):

@@ -19,7 +19,7 @@ from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.rope import rope_length
 from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups
 from rloo_efficient.trainers.config import ROWS_KEY
-from rloo_efficient.trainers.mixin import GroupSharingMixin
+from rloo_efficient.trainers.group_shuffle import ordered_for_group_shuffle
 from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
 from .conftest import (
@@ -55,9 +55,9 @@ def _compare(path, dataset, tmp_path, rtol=F64_RTOL, atol=F64_ATOL, run_kwargs=N
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **overrides),
                 dataset, **run_kwargs)  # fmt: skip
     ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **overrides), dataset, **run_kwargs)
-    assert ours._share_prefix and ours.packed_forward_tokens > 0  # the shared path really ran
-    assert ours._share_prefill and ours.shared_prefill_tokens > 0  # and so did the shared generation prefill
-    assert ours._prompt_cache_once == cache_once  # with the prompt's cache once per group where the model allows
+    assert ours._switches.prefix and ours.packed_forward_tokens > 0  # the shared path really ran
+    assert ours._switches.prefill and ours.shared_prefill_tokens > 0  # and so did the shared generation prefill
+    assert ours._switches.prompt_cache_once == cache_once  # with the prompt's cache once per group where the model allows
     assert list(ours._logs["prompt"]) == list(stock._logs["prompt"])
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     assert_metrics_close(step_metrics(stock), step_metrics(ours), rtol, atol, per_micro_batch(ours))
@@ -124,7 +124,7 @@ def test_variable_length_calls_match_stock_trl(model_cache, tmp_path, exact_head
 
 
 def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
-    import rloo_efficient.trainers.packed as mixin  # the packed forward: its pack_rows
+    import rloo_efficient.core.forward.passes as mixin  # the packed pass: its pack_rows
 
     workload, overrides = FAMILY_LAYOUTS[layout]
     cfg = tiny_workload(model_cache, arch=arch, **{**TRAINING_FAMILIES[arch], **workload})
@@ -354,7 +354,7 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     batch = {"group_ids": group_ids, "x": torch.arange(12) * 10, "names": [f"r{i}" for i in range(12)], "n": None,
              "pairs": tuple((i, i) for i in range(12)), "count": torch.tensor(5)}  # a scalar passes through, as in TRL
     torch.manual_seed(0)
-    shuffled = shuffle_sequence_dict(GroupSharingMixin._ordered_for_group_shuffle(batch, group_ids))
+    shuffled = shuffle_sequence_dict(ordered_for_group_shuffle(batch, group_ids))
     after_groups = torch.rand(1)
     torch.manual_seed(0)
     row_permutation = torch.randperm(12)
@@ -382,7 +382,7 @@ def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(wor
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
     ours = run(RLOOTrainer, path, training_args(tmp_path / "o", **common), dataset)
     rows = run(RLOOTrainer, path, training_args(tmp_path / "r", shuffle_groups=False, **common), dataset)
-    assert ours._keep_groups and not rows._keep_groups
+    assert ours._switches.keep_groups and not rows._switches.keep_groups
     for batch in ours._buffered_inputs:
         assert (batch[ROWS_KEY][:, 0] == batch[ROWS_KEY][0, 0]).all()  # one whole group per micro-batch
     assert any(len(set(batch[ROWS_KEY][:, 0].tolist())) > 1 for batch in rows._buffered_inputs)  # stock's: split
@@ -465,7 +465,7 @@ def test_active_dropout_falls_back(model_cache, tmp_path):
     with pytest.warns(UserWarning, match="dropout is active"):
         trainer = RLOOTrainer(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                               train_dataset=build_dataset(cfg), processing_class=build_tokenizer())  # fmt: skip
-    assert not trainer._share_prefix
+    assert not trainer._switches.prefix
 
 
 @pytest.mark.parametrize("disable_dropout", [False, True])
@@ -484,10 +484,10 @@ def test_lora_dropout_says_what_to_set_and_disable_dropout_shares(model_cache, t
                                                      target_modules=["q_proj", "v_proj"]))  # fmt: skip
     messages = [str(w.message) for w in caught if "dropout is active" in str(w.message)]
     if disable_dropout:
-        assert not messages and trainer._share_prefix and trainer._share_prefill
+        assert not messages and trainer._switches.prefix and trainer._switches.prefill
     else:
         assert messages and all("LoRA's dropout" in m and "lora_dropout=0" in m and "disable_dropout=True" in m
-                                for m in messages) and not trainer._share_prefix  # fmt: skip
+                                for m in messages) and not trainer._switches.prefix  # fmt: skip
 
 
 def test_functional_residual_dropout_counts_as_dropout(model_cache):

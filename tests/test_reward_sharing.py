@@ -213,7 +213,7 @@ def test_hydra_however_the_policy_is_passed_matches_stock_and_saves_what_stock_s
     policy, run_kwargs = policy_doors(path)[door]
     stock, ours = compare(path, dataset, tmp_path, [vowel_reward, adapter], run_kwargs=run_kwargs, policy=policy,
                           learning_rate=5e-2, save_strategy="steps", save_steps=2)  # fmt: skip
-    assert ours._share_prefix and ours._prompt_cache_once  # the reward adapter's dropout turned nothing off
+    assert ours._switches.prefix and ours._switches.prompt_cache_once  # the reward adapter's dropout turned nothing off
     hydra = ours.reward_funcs[1]
     assert isinstance(hydra, HydraReward) and isinstance(stock.reward_funcs[1], torch.nn.Module)
     # No second copy of the base: ours holds the policy (with its adapters and the reward's) and the score head only
@@ -308,21 +308,21 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
 
     # Packed or padded (share_reward_prefix=False), the adapter's scores are the same
     args = (hydra, trainer.reward_processing_classes[0], ["ab", "ab", "c"], ["abcd", "abde", "cfg"])
-    packed = trainer._grouped_reward_scores(*args)
-    trainer._settings.share_reward_prefix = False
-    torch.testing.assert_close(trainer._grouped_reward_scores(*args), packed, rtol=1e-10, atol=1e-12)
-    trainer._settings.share_reward_prefix = True
+    packed = trainer._rewards.grouped_scores(*args)
+    trainer._switches.settings.share_reward_prefix = False
+    torch.testing.assert_close(trainer._rewards.grouped_scores(*args), packed, rtol=1e-10, atol=1e-12)
+    trainer._switches.settings.share_reward_prefix = True
 
     # A reward call, also one that raises, leaves the policy's adapter active and every flag as it was, even one the
     # user set (PEFT's set_adapter alone would make all of the policy's adapter trainable again)
     next(p for n, p in policy.named_parameters() if ".default." in n).requires_grad_(False)
     flags = {n: p.requires_grad for n, p in policy.named_parameters()}
-    trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
+    trainer._rewards.grouped_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
     assert policy.active_adapter == "default"
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
     monkeypatch.setattr(reward_phase, "packed_scores", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
-        trainer._grouped_reward_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
+        trainer._rewards.grouped_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
     assert policy.active_adapter == "default"
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
 

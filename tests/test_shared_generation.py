@@ -306,7 +306,7 @@ def test_trainer_switches(workload, stock_run, tmp_path, prefill, once):
     ours = run(RLOOTrainer, path, args, dataset)
     assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
     assert (ours.shared_prefill_tokens > 0) == prefill
-    assert ours._prompt_cache_once == (prefill and once)
+    assert ours._switches.prompt_cache_once == (prefill and once)
 
 
 @pytest.mark.parametrize("keeps", [True, False])
@@ -322,7 +322,7 @@ def test_trainer_default_chooses_per_call_by_the_cost_model(workload, stock_run,
     built = []
     monkeypatch.setattr(shared_generation, "PrefixCache", lambda *a, **kw: built.append(1) or PrefixCache(*a, **kw))
     ours = run(RLOOTrainer, path, training_args(tmp_path, share_prompt_kv_cache=None), dataset)
-    assert ours._prompt_cache_once is None and ours.shared_prefill_tokens > 0
+    assert ours._switches.prompt_cache_once is None and ours.shared_prefill_tokens > 0
     assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
     assert bool(built) == keeps
 
@@ -379,7 +379,7 @@ def test_continuous_batching_generates_as_stock_and_every_other_phase_shares(wor
                 dataset)  # fmt: skip
     with pytest.warns(UserWarning, match="generation runs stock TRL's transformers' continuous batching backend"):
         ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset)
-    assert not ours._share_prefill and not ours._prompt_cache_once and ours.shared_prefill_tokens == 0
+    assert not ours._switches.prefill and not ours._switches.prompt_cache_once and ours.shared_prefill_tokens == 0
     assert ours.packed_forward_tokens > 0  # the packed log-prob and training passes ran
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-6, 1e-8)

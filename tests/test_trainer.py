@@ -196,7 +196,7 @@ def test_trl_settings_users_switch_on_share_and_match_stock(workload, tmp_path, 
     common = dict(max_steps=2, beta=0.1, **overrides)
     stock = run(stock_class, path, training_args(tmp_path / "s", config_class=stock_config, **common), dataset)
     ours = run(ours_class, path, training_args(tmp_path / "o", config_class=ours_config, **common), dataset)
-    assert ours._share_prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert ours._switches.prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     # The float32 head rounds the log-probs to float32 in both: float32's resolution there
     rtol, atol = (1e-6, 1e-7) if setting == "cast_lm_head_to_fp32" else (1e-9, 1e-12)
@@ -213,7 +213,7 @@ def test_torch_compile_shares_and_matches_stock(workload, tmp_path, exact_head):
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **common), dataset)
     ours = run(RLOOTrainer, path, training_args(tmp_path / "o", **common), dataset)
     assert type(ours.model_wrapped).__name__ == "OptimizedModule"  # the compiled wrapper really ran
-    assert "generate" not in vars(ours._generating_model())
-    assert ours._share_prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert "generate" not in vars(ours.accelerator.unwrap_model(ours.model_wrapped, keep_torch_compile=False))
+    assert ours._switches.prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])
     assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-9, 1e-12, per_micro_batch(ours))

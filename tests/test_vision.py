@@ -161,7 +161,7 @@ def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_st
     # The packed forward and the shared prefill ran, with the images
     fanned_out = (ours_only or {}).get("share_prompt_kv_cache") is False
     assert ours._is_vlm and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
-    assert ours._prompt_cache_once != fanned_out
+    assert ours._switches.prompt_cache_once != fanned_out
     # Each call's images once per group, in generation and in every log-prob pass: stock's encode every row's (k = 4
     # per group), in the same calls (the same chunks of the same batches). With one image per prompt (each prompt's
     # its own), a call's distinct images once each; with several, two prompts may share one, encoded once for each
@@ -231,17 +231,17 @@ def recording_image_forwards(monkeypatch) -> list[tuple[str, int, int]]:
     """Each packed forward with images of ours: `(kind, groups, groups whose images it encodes)`, kind "source" for a
     held prompts' forward."""
     from rloo_efficient.core.forward.packing import SourceBatch
-    from rloo_efficient.trainers.packed import PackedForwardMixin
+    from rloo_efficient.core.layers.vision import ImageBatch
 
     forwards = []
-    with_images = PackedForwardMixin._with_images
+    with_images = ImageBatch.packed
 
-    def recorded(self, model, packed, *args):
+    def recorded(self, packed, *args):
         kind = "source" if isinstance(packed, SourceBatch) else "chunk"
         forwards.append((kind, len(packed.first_rows), len(packed.image_rows)))
-        return with_images(self, model, packed, *args)
+        return with_images(self, packed, *args)
 
-    monkeypatch.setattr(PackedForwardMixin, "_with_images", recorded)
+    monkeypatch.setattr(ImageBatch, "packed", recorded)
     return forwards
 
 

@@ -1,137 +1,112 @@
 """
-Generation's glue ([`GroupSharingMixin`]'s, kept apart): each distinct prompt tokenized once, and while TRL's
-`_generate_single_turn` runs, the model's `generate` prefilling each distinct prompt once ([`core.generation.generate`]),
-its images encoded once; vLLM and continuous batching go to TRL untouched.
+Generation's trainer side ([`SharedGeneration`]): each distinct prompt tokenized once ([`distinct_prompts`]), and
+while TRL's `_generate_single_turn` runs, the model's `generate` prefilling each distinct prompt once
+([`core.generation.generate`]), its images encoded once; a tool loop's caches held from turn to turn. vLLM and
+continuous batching go to TRL untouched.
 """
 
 import contextlib
 
-import numpy as np
-import torch
-
-from ..core.generation.generate import (
-    TOKEN_TYPE_FIELDS,
-    generate_with_shared_prefill,
-    on_every_rank,
-    row_tiles,
-    text_only,
-)
-from ..core.layers.vision import IMAGE_KWARGS, layout_reason
+from ..core.generation.generate import generate_with_shared_prefill, row_tiles, text_only
+from ..core.generation.turn_cache import TurnCaches
+from ..core.layers.vision import IMAGE_KWARGS, TOKEN_TYPE_FIELDS, ModelVision, layout_reason
 from ..core.tree.rows import prompt_key
+from .ranks import Ranks
+from .switches import Switches
 
 
-class SharedGenerationMixin:
-    """TRL methods wrapped (each calls `super()`): `_tokenize_prompts` (each distinct prompt, with its environment,
-    tokenized once; its rows get copies) and `_generate_single_turn` (the model's `generate` prefills each distinct
-    prompt once while it runs)."""
+def distinct_prompts(prompts: list, environments: list | None) -> tuple[list[int], list[int]]:
+    """`(first, index)`: the first row of each distinct prompt (with its environment, where given: part of the key),
+    and each row's distinct prompt."""
+    keys = [(None if environments is None else environments[i], prompt_key(p)) for i, p in enumerate(prompts)]
+    position: dict[tuple, int] = {}
+    first = []
+    for row, key in enumerate(keys):
+        if key not in position:
+            position[key] = len(first)
+            first.append(row)
+    return first, [position[key] for key in keys]
 
-    def _tokenize_prompts(self, prompts: list):
-        if not self._settings.share_prompt_prefix or self._is_vlm:
-            return super()._tokenize_prompts(prompts)
-        # With environments (GRPO), each prompt is rendered with its environment's tools: part of the key
-        environments = getattr(self, "_batch_environments", None)
-        if getattr(self, "environment_factories", None) is None:
-            environments = None
-        keys = [(None if environments is None else environments[i], prompt_key(p)) for i, p in enumerate(prompts)]
-        first: dict[tuple, int] = {}
-        for row, key in enumerate(keys):
-            first.setdefault(key, row)
-        if len(first) == len(prompts):
-            return super()._tokenize_prompts(prompts)
-        rows = list(first.values())
-        if environments is not None:
-            self._batch_environments = [environments[row] for row in rows]
+
+class SharedGeneration:
+    """
+    The shared prefill of one trainer: `switches` (whether it is on, the prompt's cache kept once, the tool budget,
+    the fallbacks), `ranks` (where every process must take it or none), the policy's `vision`, `counts`
+    (`shared_prefill_tokens` counted there).
+    """
+
+    def __init__(self, switches: Switches, ranks: Ranks, vision: ModelVision, counts):
+        self.switches, self.ranks, self.vision, self.counts = switches, ranks, vision, counts
+        self.turns: TurnCaches | None = None  # a tool loop's held caches, while TRL's `_generate` runs
+
+    @contextlib.contextmanager
+    def tool_loop(self):
+        """While TRL's `_generate` runs its tool loop: each turn's KV caches held for the rows' next turn, within the
+        budget, and all of them released when it ends."""
+        budget = self.switches.turn_budget
+        self.turns = TurnCaches(budget) if budget is not None else None
         try:
-            unique_ids, images, fields = super()._tokenize_prompts([prompts[row] for row in rows])
+            yield
         finally:
-            if environments is not None:
-                self._batch_environments = environments
-        if fields:  # per-prompt fields would need the same fan-out: tokenize every row, as stock does
-            return super()._tokenize_prompts(prompts)
-        position = {key: index for index, key in enumerate(first)}
-        # Each row gets its own copy of its prompt's tokens (a list later code may edit in place)
-        return [list(unique_ids[position[key]]) for key in keys], images, fields
+            if self.turns is not None and self.turns.over_budget:
+                self.switches.warn_once("rloo_efficient: a tool turn's KV caches were not held across the tool call: "
+                                        "they would take more than tool_cache_budget_gib; the next turn prefilled its "
+                                        "rows' histories instead")  # fmt: skip
+            self.turns = None  # every held cache released
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        if not self._share_prefill:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        if "generate" in vars(self._generating_model()):
+    def prefill(self, model, prompt_ids: list[list[int]], images, multimodal_fields):
+        """A context in which `model`'s `generate` (the module whose `generate` TRL calls) prefills each distinct prompt
+        once ([`prefilling`]); None where this call cannot (then stock's `generate` runs, and the reason is said
+        once), agreed by every process where forwards are collective."""
+        if "generate" in vars(model):
             # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
             # is called as stock calls it, with stock's arguments
-            self._warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
-                            "generate: the model's generate is replaced on the model object")  # fmt: skip
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+            self.switches.warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock "
+                                    "TRL's generate: the model's generate is replaced on the model object")  # fmt: skip
+            return None
         with_images = not text_only(images, multimodal_fields)
-        reason = self._image_prefill_reason(prompt_ids, images, multimodal_fields) if with_images else None
+        reason = self._image_reason(model, prompt_ids, images, multimodal_fields) if with_images else None
         # Where every forward gathers parameters from all ranks, they all take stock's generate or none does
-        if not self._all_ranks_can(reason is None):
-            self._fall_back(reason or "another process's prompts cannot be prefilled once", permanent=False)
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        with self._shared_prefill(prompt_ids, images if with_images else None):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        if not self.ranks.can(reason is None):
+            self.switches.fall_back(reason or "another process's prompts cannot be prefilled once", permanent=False)
+            return None
+        return self.prefilling(model, prompt_ids, images if with_images else None)
 
-    def _generating_model(self):
-        """The module whose `generate` TRL's generation calls: what `unwrap_model_for_generation` yields, or under
-        `torch_compile` the module inside the compiled wrapper (whose `generate` is that module's: an attribute set on
-        the wrapper lands there, and must be found and removed there)."""
-        return self.accelerator.unwrap_model(self.model_wrapped, keep_torch_compile=False)
-
-    def _image_prefill_reason(self, prompt_ids, images, multimodal_fields) -> str | None:
+    def _image_reason(self, model, prompt_ids, images, multimodal_fields) -> str | None:
         """Why prompts with images cannot be prefilled once per group, or None when they can."""
-        if self._vision_reason is not None:
-            return self._vision_reason
+        if self.vision.reason is not None:
+            return self.vision.reason
         unknown = set(multimodal_fields) - set(IMAGE_KWARGS) - set(TOKEN_TYPE_FIELDS)
         if unknown:
             return f"the processor returns fields the shared prefill does not split ({', '.join(sorted(unknown))})"
-        if any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
+        if any(ids and ids[-1] in self.vision.image_tokens for ids in prompt_ids):
             return "a prompt ends with an image's token"  # the prefill stops one token short of it
         if "pixel_values" in multimodal_fields:
-            fields = multimodal_fields
-            if self._vision["pixels"] == "tiles":  # InternVL: each row's tiles, from its image tokens
-                model = self._unwrapped()
+            fields, pixels = multimodal_fields, self.vision.family["pixels"]
+            if pixels == "tiles":  # InternVL: each row's tiles, from its image tokens
                 fields = {**fields, "num_tiles": row_tiles(model, prompt_ids, len(fields["pixel_values"]))}
-            return layout_reason(fields, [len(row or []) for row in images or [[]] * len(prompt_ids)],
-                                 self._vision["pixels"])  # fmt: skip
+            return layout_reason(fields, [len(row or []) for row in images or [[]] * len(prompt_ids)], pixels)
         return None
 
-    def _all_ranks_can(self, can: bool) -> bool:
-        """`can`, agreed by every process (one all-reduce) where each forward gathers parameters from all of them."""
-        if not self._forwards_are_collective(self.accelerator.unwrap_model(self.model_wrapped)):
-            return can
-        return on_every_rank(can, self.accelerator.device)
-
-    def _all_ranks_agree(self, values) -> bool:
-        """Whether every process has the same integer `values` (a 1-D array of one length on all of them), by one
-        all-reduce where each forward gathers parameters from all of them (else True)."""
-        if not self._forwards_are_collective(self._unwrapped()):
-            return True
-        import torch.distributed as dist
-
-        values = np.asarray(values, dtype=np.int64)
-        both = torch.as_tensor(np.concatenate([values, -values]), device=self.accelerator.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        highest, lowest = both.chunk(2)
-        return bool(torch.equal(highest, -lowest))
-
     @contextlib.contextmanager
-    def _shared_prefill(self, prompt_ids: list[list[int]], images: list | None = None):
+    def prefilling(self, model, prompt_ids: list[list[int]], images: list | None = None):
         """
         While TRL's generation runs (its regular transformers path: vLLM and continuous batching never call `generate`),
-        the model's `generate` is [`generate_with_shared_prefill`] for these prompts' token lists (and their images):
+        `model`'s `generate` is [`generate_with_shared_prefill`] for these prompts' token lists (and their images):
         each distinct prompt prefilled once, its images encoded once, decoding continued from that cache, sampling
         exactly as the stock call.
         """
-        model = self._generating_model()
         stock_generate = model.generate
+        switches, counts = self.switches, self.counts
 
         def generate(input_ids, attention_mask, **kwargs):
             output, tokens = generate_with_shared_prefill(
-                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self._prompt_cache_once,
-                tree=self._settings.share_prefill_tree, synced=self._forwards_are_collective(model),
-                generate=stock_generate, images=images, turns=self._turns, static=self._settings.static_decoding,
+                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=switches.prompt_cache_once,
+                tree=switches.settings.share_prefill_tree, synced=self.ranks.collective(model),
+                generate=stock_generate, images=images, turns=self.turns, static=switches.settings.static_decoding,
                 **kwargs,
             )  # fmt: skip
-            self.shared_prefill_tokens += tokens
+            counts.shared_prefill_tokens += tokens
             return output
 
         model.generate = generate  # on the instance: found before the class's method
@@ -140,14 +115,3 @@ class SharedGenerationMixin:
         finally:
             if vars(model).get("generate") is generate:  # ours, unless the block replaced it: the class's again
                 del model.generate
-
-    def _forwards_are_collective(self, model) -> bool:
-        """Whether every forward gathers parameters from all ranks (so that ranks must run the same forwards)."""
-        if self.accelerator.num_processes == 1:
-            return False
-        from torch.distributed.fsdp import FSDPModule
-        from transformers.distributed.fsdp import is_fsdp_managed_module
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
-        # As transformers' generate decides to keep ranks in step (`synced_gpus`), and FSDP2 applied by accelerate
-        return is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or isinstance(model, FSDPModule)

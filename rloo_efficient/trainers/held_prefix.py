@@ -17,14 +17,17 @@ micro-batches).
 """
 
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from ..core.forward.passes import ChunkPlan
 from ..core.forward.scope import HeldScope
 from ..core.forward.sharded import nested_units
 from ..core.generation.prompt_cache import kv_sources, kv_token_bytes
 from ..core.layers.families import position_period
+from ..core.layers.vision import ModelVision
 from ..core.tree.holds import (
     HoldPlan,
     chunks_encoding,
@@ -35,7 +38,9 @@ from ..core.tree.holds import (
     scoring_chunks,
 )
 from ..core.tree.rows import row_tokens
-from .config import ROWS_KEY, default_budget
+from .config import ROWS_KEY
+from .ranks import Ranks
+from .switches import Switches
 
 
 # Under DeepSpeed ZeRO-3 and FSDP every forward and backward gathers parameters from all processes, so that all of them
@@ -85,124 +90,161 @@ class TrainScope:
         self.cursor = len(self.batches)
 
 
-class HeldPrefixMixin:
-    """The trainer side of held prefixes, mixed into [`mixin.GroupSharingMixin`]: `training_step` counts each
-    optimizer step's micro-batches, `_prepare_inputs` plans a training scope when its first micro-batch is served, and
-    [`_held_chunks`] gives the packed forward each chunk's scope."""
+def hold_reason(args, fsdp: int) -> str | None:
+    """Why prompts cannot be held across training micro-batches under `args` (TRL's config) and `fsdp` (0: no FSDP;
+    1 or 2: its version), or None."""
+    if fsdp == 1:
+        return ("under FSDP1 a held prompt's gradient enters each layer at its keys and values, inside the layer, "
+                "while FSDP gathers a layer's parameters again only for a gradient reaching its output (FSDP2 "
+                "holds them)")  # fmt: skip
+    if args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        return ("gradient checkpointing with use_reentrant=True keeps no graph of a layer's keys (a held prompt's "
+                "gradient could not reach it)")  # fmt: skip
+    return None
 
-    _hold_budget: int | None = None  # bytes held prefixes may take; None: not held
-    _train_scope: TrainScope | None = None
-    _active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
-    _window_position = 0  # micro-batches run since the last optimizer step
-    held_forward_tokens = 0  # tokens the source forwards processed (part of `packed_forward_tokens`; read by tests)
 
-    _hold_training = False  # whether training micro-batches hold prompts too (the no-grad passes may alone)
+def warn_hold(reason: str) -> None:
+    warnings.warn(f"rloo_efficient: each training micro-batch forwards its rows' prompts (they are not held "
+                  f"across micro-batches): {reason}.", stacklevel=3)  # fmt: skip
 
-    def _init_holds(self, budget_gib: float | None) -> None:
-        """Turns holding on within `budget_gib` GiB (None: a quarter of the device's memory; 0: off)."""
-        if budget_gib == 0:
-            return
-        self._hold_budget = default_budget(self.accelerator.device) if budget_gib is None else int(budget_gib * 1024**3)
-        reason = self._hold_reason()
-        self._hold_training = reason is None
+
+class HeldPrefixes:
+    """
+    Prompts held across a no-grad pass's chunks and a step's training micro-batches, within `budget` bytes: the
+    trainer tells it where each optimizer step's window starts and ends ([`step_begins`], [`step_ends`]) and which
+    micro-batch comes next ([`prepare`]); the packed passes ask it for each pass's [`ChunkPlan`] ([`pass_plan`]).
+    `policy()`: the policy, unwrapped; `args`: TRL's config; `fsdp`: 0, or FSDP's version; `aux_loss`: the MoE
+    load-balancing loss is on (a training plan holds every token then).
+    """
+
+    def __init__(self, budget: int, policy: Callable, args, ranks: Ranks, switches: Switches, vision: ModelVision,
+                 fsdp: int = 0, aux_loss: bool = False):  # fmt: skip
+        self.budget, self.policy, self.args, self.ranks, self.switches = budget, policy, args, ranks, switches
+        self.vision, self.fsdp, self.aux_loss = vision, fsdp, aux_loss
+        self.train_scope: TrainScope | None = None
+        self.active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
+        self.window_position = 0  # micro-batches run since the last optimizer step
+        reason = hold_reason(args, fsdp)
+        self.training = reason is None  # whether training micro-batches hold prompts too (the no-grad passes may alone)
         if reason is not None:
-            self._warn_hold(reason)
+            warn_hold(reason)
 
-    def training_step(self, model, inputs, num_items_in_batch):
-        if self._hold_training and self._window_position == 0 and not zero_stale_gradients(model):
-            self._hold_training = False  # (before this window's first scope is planned)
-            self._warn_hold("this DeepSpeed ZeRO-3 optimizer keeps no gradient partitions to zero at a step's start "
-                            "(a held prompt's parameters would add to the last step's gradient)")  # fmt: skip
-        try:
-            return super().training_step(model, inputs, num_items_in_batch)
-        except BaseException:
-            self._close_train_scope()
-            raise
-        finally:
-            self._window_position = 0 if self.accelerator.sync_gradients else self._window_position + 1
+    # -- training: the trainer's windows and micro-batches ---------------------------------------------------------
+    def step_begins(self, model) -> None:
+        """A training micro-batch starts (`model`: the Trainer's wrapped model)."""
+        if self.training and self.window_position == 0 and not zero_stale_gradients(model):
+            self.training = False  # (before this window's first scope is planned)
+            warn_hold("this DeepSpeed ZeRO-3 optimizer keeps no gradient partitions to zero at a step's start (a held "
+                      "prompt's parameters would add to the last step's gradient)")  # fmt: skip
 
-    def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)
-        self._active_scope = None
-        # (a batch without rows too: where forwards are collective, every process plans, and agrees, each scope)
-        if self._hold_training and self._share_prefix and self.model.training and isinstance(inputs, dict):
-            self._active_scope = self._training_scope(inputs)
-        return inputs
+    def step_ends(self, sync_gradients: bool) -> None:
+        """A training micro-batch ended; `sync_gradients`: it ended its optimizer step's window."""
+        self.window_position = 0 if sync_gradients else self.window_position + 1
 
-    def _training_scope(self, inputs) -> TrainScope | None:
+    def prepare(self, inputs, upcoming: Callable) -> None:
+        """`inputs` is the next training micro-batch (None: a batch no training scope serves); `upcoming(position)`:
+        the micro-batches TRL will serve from `inputs` on, in order, to the end of the optimizer step (`position`:
+        micro-batches run in its window so far) or of the generation, where `inputs` is TRL's next buffered one (else
+        None)."""
+        self.active_scope = None
+        if inputs is not None and self.training:
+            self.active_scope = self._training_scope(inputs, upcoming)
+
+    def _training_scope(self, inputs, upcoming: Callable) -> TrainScope | None:
         """The training scope `inputs` is the next micro-batch of: the current one, or one planned from here to the
         end of the optimizer step or the generation, whichever comes first."""
-        scope = self._train_scope
+        scope = self.train_scope
         if scope is not None and scope.expects(inputs):
             return scope
-        self._close_train_scope()
-        if getattr(self, "is_fsdp_enabled", False) and nested_units(self._unwrapped()):  # (known once sharded)
-            self._hold_training = False
-            self._warn_hold("FSDP2 shards a module inside another sharded one (not only the root's), whose parameters "
-                            "a held prompt's backward would need gathered")  # fmt: skip
+        self.close()
+        if self.fsdp and nested_units(self.policy()):  # (known once sharded)
+            self.training = False
+            warn_hold("FSDP2 shards a module inside another sharded one (not only the root's), whose parameters a "
+                      "held prompt's backward would need gathered")  # fmt: skip
             return None
-        buffered = getattr(self, "_buffered_inputs", None)
-        per_generation = self.args.steps_per_generation
-        generate_every = per_generation * self.num_iterations
-        step = self._step
-        count = min(self.current_gradient_accumulation_steps - self._window_position,
-                    generate_every - step % generate_every)  # fmt: skip
-        if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
+        batches = upcoming(self.window_position)
+        if not batches or len(batches) < 2:
             return None
-        batches = [buffered[(step + t) % per_generation] for t in range(count)]
         width = max(batch["prompt_ids"].size(1) + batch["completion_ids"].size(1) for batch in batches)
         images = any(batch.get("pixel_values") is not None for batch in batches)  # each group's prompt held apart
         tables = None  # each micro-batch's rows, where the scope may hold
         if all(ROWS_KEY in batch for batch in batches) and self._within_period(width) and (
                 not images or self._images_packed(batches)):  # fmt: skip
             tables = [row_tokens(batch[ROWS_KEY]) for batch in batches]
-            image_cost = (self._image_tokens, self._held_image_bytes()) if images else None
+            image_cost = (self.vision.image_tokens, self._held_image_bytes()) if images else None
             cap = min(len(batch[ROWS_KEY]) for batch in batches) * width  # one of stock's forwards
 
         def plan_for(hoist: bool) -> HoldPlan | None:
             if tables is None:
                 return None
-            return plan_holds(tables, full=bool(self.aux_loss_enabled), budget=self._hold_budget,
+            return plan_holds(tables, full=self.aux_loss, budget=self.budget,
                               token_bytes=self._held_token_bytes(training=True), by_group=images,
                               image_cost=image_cost, source_cap=cap if hoist else None)  # fmt: skip
 
-        plan = self._agreed_plan(plan_for, count, training=True) or None
+        plan = self._agreed_plan(plan_for, len(batches), training=True) or None
         held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
-        self._train_scope = TrainScope(held, batches)
-        return self._train_scope
+        self.train_scope = TrainScope(held, batches)
+        return self.train_scope
 
     def _images_packed(self, batches: list) -> bool:
-        """Whether every micro-batch's images will be packed ([`packed.PackedForwardMixin._rows_for`]): a micro-batch
-        running stock's forward inside a training scope would leave the prompts held for it without their backward."""
-        return all(self._images_reason(batch) is None for batch in batches if batch.get("pixel_values") is not None)
+        """Whether every micro-batch's images will be packed ([`core.layers.vision.ModelVision.batch_reason`]): a
+        micro-batch running stock's forward inside a training scope would leave the prompts held for it without their
+        backward."""
+        return all(self.vision.batch_reason(batch) is None for batch in batches if batch.get("pixel_values") is not None)
 
-    def _close_train_scope(self) -> None:
-        if self._train_scope is not None:
-            self._train_scope.close()
-        self._train_scope = self._active_scope = None
+    def close(self) -> None:
+        """Releases the training scope (a step failed, or the next micro-batch is not the one it planned)."""
+        if self.train_scope is not None:
+            self.train_scope.close()
+        self.train_scope = self.active_scope = None
+
+    def check_nothing_held(self) -> None:
+        """Refuses stock's forward for a training micro-batch while prompts held for its training scope wait for their
+        backward: it would not read them, and their gradient would be lost."""
+        scope = self.active_scope
+        if torch.is_grad_enabled() and scope is not None and scope.held is not None and scope.held.sources:
+            raise RuntimeError("rloo_efficient: a training micro-batch would run stock's forward while prompts held "
+                               "across its micro-batches wait for their backward (their gradient would be lost). Set "
+                               "held_prefix_budget_gib=0 to forward each micro-batch's prompts itself.")  # fmt: skip
+
+    # -- the packed passes: each pass's chunks -----------------------------------------------------------------------
+    def pass_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
+                  width: int) -> ChunkPlan:  # fmt: skip
+        """How a packed pass over `chunks` (stock's `(start, end)` row ranges of `rows`) runs them: a no-grad pass's
+        chunks merged where every prompt they count once is held, or its own scope; a training micro-batch's scope;
+        else stock's chunks, nothing held. `images`: an image batch's rows with images, else None. `width`: the
+        batch's columns ([`_within_period`])."""
+        merged = None
+        if not torch.is_grad_enabled() and not compute_aux_loss:
+            merged = self._merged_chunks(rows, chunks, images, width)
+        return merged or self._held_chunks(rows, chunks, compute_aux_loss, images, width)
+
+    def pass_done(self, plan: ChunkPlan) -> None:
+        """After a pass: a training scope moves to its next micro-batch (its sources released by the pass)."""
+        train = self.train_scope
+        if train is not None and plan.scope is not None and train.held is plan.scope:
+            train.cursor += 1
+            if train.cursor == len(train.batches):
+                self.close()
 
     def _within_period(self, width: int) -> bool:
         """Whether a batch `width` columns wide may hold prompts: within Llama 4's scaling period
         ([`core.layers.families.position_period`]) every position scales alike, so a held node may sit at other rows'
         columns; past it, it may not. True for a model without one."""
-        period = position_period(self._unwrapped())
+        period = position_period(self.policy())
         return period is None or width <= period
 
     def _held_chunks(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
-                     width: int):  # fmt: skip
-        """`(scope, chunk indices, closes)` for a packed forward over `chunks` (`(start, end)` row ranges of `rows`):
-        the training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; `(None, ...)`
-        where nothing is held. `closes`: the caller closes the scope when done. `images`: an image batch's rows with
-        images, else None. `width`: the batch's columns ([`_within_period`])."""
-        if self._hold_budget is None:
-            return None, range(len(chunks)), False
+                     width: int) -> ChunkPlan:  # fmt: skip
+        """The training scope's current micro-batch under grad, or a scope planned now for a no-grad pass; stock's
+        chunks with nothing held where nothing is."""
         if torch.is_grad_enabled():
-            scope = self._active_scope
+            scope = self.active_scope
             if scope is None or scope.held is None or len(chunks) != 1 or not self._within_period(width):
-                return None, range(len(chunks)), False
-            return scope.held, [scope.cursor], False
+                return ChunkPlan(chunks)
+            return ChunkPlan(chunks, scope.held, [scope.cursor])
         if len(chunks) < 2:
-            return None, range(len(chunks)), False
+            return ChunkPlan(chunks)
         batch_size, scored = chunks[0][1] - chunks[0][0], row_tokens(rows)[2]
         encodes = None if images is None else lambda plan: chunks_encoding(plan, chunks, scored, images,
                                                                            compute_aux_loss)  # fmt: skip
@@ -210,14 +252,15 @@ class HeldPrefixMixin:
                                                                   batch_size if hoist else None),
                                  len(chunks), training=False, encodes=encodes)  # (every process, plan or not)
         if not plan:
-            return None, range(len(chunks)), False
-        return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(chunks)), True
+            return ChunkPlan(chunks)
+        return ChunkPlan(chunks, HeldScope(plan, training=False, kv_source=self._kv_source()), closes=True)
 
-    def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: np.ndarray | None, width: int):
+    def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: np.ndarray | None,
+                       width: int) -> ChunkPlan | None:  # fmt: skip
         """A no-grad pass's chunks merged ([`core.tree.holds.scoring_chunks`]), each no larger than one of stock's
-        forwards (`chunks`: stock's, of its batch size), where every prompt they count once is held: `(scope, chunk
-        indices, closes, chunks)`, else None (stock's chunks)."""
-        if self._hold_budget is None or len(chunks) < 2:
+        forwards (`chunks`: stock's, of its batch size), where every prompt they count once is held; else None
+        (stock's chunks)."""
+        if len(chunks) < 2:
             return None
         group, plen, scored, _ = row_tokens(rows)
         batch_size = chunks[0][1] - chunks[0][0]
@@ -238,8 +281,8 @@ class HeldPrefixMixin:
         if merged is None or plan is False:
             return None
         if plan is None:
-            return None, range(len(merged)), False, merged
-        return HeldScope(plan, training=False, kv_source=self._kv_source()), range(len(merged)), True, merged
+            return ChunkPlan(merged)
+        return ChunkPlan(merged, HeldScope(plan, training=False, kv_source=self._kv_source()), closes=True)
 
     def _scoring_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
                       width: int, batch_size: int | None):  # fmt: skip
@@ -248,7 +291,7 @@ class HeldPrefixMixin:
         if not self._within_period(width):
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
-                          token_bytes=self._held_token_bytes(training=False), budget=self._hold_budget,
+                          token_bytes=self._held_token_bytes(training=False), budget=self.budget,
                           by_group=images is not None, training=False,
                           source_cap=batch_size * width if batch_size is not None else None)  # fmt: skip
 
@@ -263,7 +306,7 @@ class HeldPrefixMixin:
         plan = plan_for(False)
         if self._plans_agree(plan, chunks, training, encodes, merged):
             return plan
-        self._warn_once(PLANS_DIFFER)
+        self.switches.warn_once(PLANS_DIFFER)
         return False
 
     def _plans_agree(self, plan: HoldPlan | None, chunks: int, training: bool, encodes=None,
@@ -272,7 +315,7 @@ class HeldPrefixMixin:
         pass's were merged) adds the same forwards and backwards to the same chunks, and (`encodes(plan)`, an image
         batch's) encodes images in the same chunks' own forwards ([`core.tree.holds.chunks_encoding`]); True where the
         processes' forwards are independent."""
-        if not self._forwards_are_collective(self._unwrapped()):
+        if not self.ranks.collective():
             return True
         pattern = np.zeros((3, chunks), dtype=np.int64)  # one length on every process, images or not
         if plan is not None:
@@ -280,49 +323,26 @@ class HeldPrefixMixin:
         if encodes is not None:
             encoded = encodes(plan)
             pattern[2, : len(encoded)] = encoded
-        return self._all_ranks_agree(np.append(pattern.ravel(), merged))
+        return self.ranks.agree(np.append(pattern.ravel(), merged))
 
-    def _chunk_done(self, scope: HeldScope, chunk: int) -> None:
-        """After chunk `chunk`'s forward: its finished sources released; a training scope moves to its next."""
-        scope.release(chunk)
-        train = self._train_scope
-        if train is not None and train.held is scope:
-            train.cursor += 1
-            if train.cursor == len(train.batches):
-                self._close_train_scope()
-
+    # -- what a held prompt costs ------------------------------------------------------------------------------------
     def _kv_source(self) -> list[int]:
-        return kv_sources(self._unwrapped().config.get_text_config(decoder=True))
+        return kv_sources(self.policy().config.get_text_config(decoder=True))
 
     def _held_token_bytes(self, training: bool) -> int:
         """[`tree.holds.held_token_bytes`] of the policy's text config."""
-        config = self._unwrapped().config.get_text_config(decoder=True)
+        config = self.policy().config.get_text_config(decoder=True)
         size = self._held_element_size()
         return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
                                 training, self.args.gradient_checkpointing)  # fmt: skip
 
     def _held_image_bytes(self) -> int:
         """[`tree.holds.held_image_bytes`] of the policy's vision config."""
-        return held_image_bytes(getattr(self._unwrapped().config, "vision_config", None), self._held_element_size(),
+        return held_image_bytes(getattr(self.policy().config, "vision_config", None), self._held_element_size(),
                                 self.args.gradient_checkpointing)  # fmt: skip
 
     def _held_element_size(self) -> int:
         """Bytes per value of what a held prompt keeps: bf16 under mixed precision, else the model's dtype."""
         if self.args.bf16 or self.args.fp16:
             return 2
-        return next(self._unwrapped().parameters()).element_size()
-
-    def _hold_reason(self) -> str | None:
-        """Why prompts cannot be held across micro-batches in training, or None."""
-        if getattr(self, "is_fsdp_enabled", False) and not getattr(self.accelerator, "is_fsdp2", False):
-            return ("under FSDP1 a held prompt's gradient enters each layer at its keys and values, inside the layer, "
-                    "while FSDP gathers a layer's parameters again only for a gradient reaching its output (FSDP2 "
-                    "holds them)")  # fmt: skip
-        if self.args.gradient_checkpointing and (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            return ("gradient checkpointing with use_reentrant=True keeps no graph of a layer's keys (a held prompt's "
-                    "gradient could not reach it)")  # fmt: skip
-        return None
-
-    def _warn_hold(self, reason: str) -> None:
-        warnings.warn(f"rloo_efficient: each training micro-batch forwards its rows' prompts (they are not held "
-                      f"across micro-batches): {reason}.", stacklevel=3)  # fmt: skip
+        return next(self.policy().parameters()).element_size()

@@ -9,13 +9,17 @@ every parameter's `requires_grad` are restored afterwards, also when the computa
 import contextlib
 import copy
 import functools
+import inspect
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from trl.trainer.utils import get_config_model_id
 
 
 def reward_adapter_config(path) -> dict | None:
@@ -254,3 +258,46 @@ def saving_policy_adapters_only(reward_funcs: list):
     finally:
         for policy, _ in policies.values():
             del policy.save_pretrained
+
+
+def hydra_reward_funcs(trl_init, model, reward_funcs, args, positional, kwargs, enabled: bool | None):
+    """`reward_funcs` as TRL's trainer `__init__` (`trl_init`) is given them, with each reward adapter that can share
+    the policy's base replaced by a [`HydraReward`] (`enabled`: the config's `hydra_reward_adapter`)."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    if not any(reward_adapter_config(func) for func in funcs):
+        return reward_funcs
+    bound = inspect.signature(trl_init).bind(None, model, reward_funcs, args, *positional, **kwargs)
+    init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+    peft_config = bound.arguments.get("peft_config")
+    base = dtype = quantization = None
+    if isinstance(model, str) and peft_config is not None:
+        # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
+        base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
+        quantization = init_kwargs.get("quantization_config") or bound.arguments.get("quantization_config")
+    elif is_peft_model(model) or (peft_config is not None and isinstance(model, PreTrainedModel)):
+        # A PeftModel, or a model object that TRL wraps with `peft_config` further down its constructor
+        policy_base = model.get_base_model() if is_peft_model(model) else model
+        base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
+        quantization = getattr(policy_base.config, "quantization_config", None)
+    # The policy's adapters: the ones it comes with (a PeftModel's, or a model's loaded through transformers'
+    # `load_adapter`), and the one TRL creates from `peft_config`
+    configs = list(getattr(model, "peft_config", {}).values())  # a path has none
+    configs += [peft_config] if peft_config is not None else []
+    return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, enabled,
+                               lambda message: warnings.warn(message, stacklevel=5), configs)  # fmt: skip
+
+
+def attach_hydra_rewards(reward_funcs: list, processing_classes: list, policy, trust_remote_code: bool) -> None:
+    """Loads each Hydra reward adapter onto `policy` (unwrapped), and its tokenizer where none was given (as stock
+    would), into `processing_classes` (the trainer's list, edited in place)."""
+    for index, func in enumerate(reward_funcs):
+        if not isinstance(func, HydraReward):
+            continue
+        func.attach(policy)
+        tokenizer = processing_classes[index]
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(func.adapter["base_model_name_or_path"],
+                                                      trust_remote_code=trust_remote_code)  # fmt: skip
+            processing_classes[index] = tokenizer
+        if tokenizer.pad_token_id is None:  # as stock does for a reward model's tokenizer, given or loaded
+            tokenizer.pad_token = tokenizer.eos_token

@@ -1,56 +1,57 @@
 """
 The one mixin that binds the core to a TRL group trainer: [`trl.RLOOTrainer`], [`trl.GRPOTrainer`], or a subclass of
-either (TRL's own `GMPOTrainer`, a user's). It wraps TRL's methods and calls `super()` in each; no TRL method body is
-copied. The batch's rows ([`core.tree.rows.row_groups`]: each row's group, lengths and tokens) are read once per
-generation batch from the token lists TRL's `_generate` returns, are active while TRL's own no-grad passes run, travel
-with the batch TRL returns (TRL's shuffle and split carry them), and are active again while TRL's loss runs for each
+either (TRL's own `GMPOTrainer`, a user's). It overrides TRL's methods, calls `super()` in each, and delegates the work
+to the parts it holds, each an object with its own state:
+
+- [`switches.Switches`]: which of our paths the run takes, and the fallbacks, each said once;
+- [`ranks.Ranks`]: agreement across processes where every forward is collective (ZeRO-3, FSDP);
+- [`generation.SharedGeneration`]: the shared prefill, and a tool loop's held caches;
+- [`packed.PackedPasses`]: the packed log-prob and training passes ([`core.forward.passes`]);
+- [`held_prefix.HeldPrefixes`]: prompts held across a pass's chunks and a step's micro-batches;
+- [`rewards.RewardScoring`]: reward models scored from packed rows.
+
+The batch's rows ([`core.tree.rows.row_groups`]: each row's group, lengths and tokens) are read once per generation
+batch from the token lists TRL's `_generate` returns, are active while TRL's own no-grad passes run, travel with the
+batch TRL returns (TRL's shuffle and split carry them), and are active again while TRL's loss runs for each
 micro-batch, which packs them as its prefix tree ([`core.tree.radix`]).
 """
 
-import inspect
-import warnings
+import dataclasses
 
-import numpy as np
 import torch
-from accelerate.utils import is_peft_model
-from transformers import AutoTokenizer, PreTrainedModel
-from trl.trainer.utils import get_config_model_id, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+from transformers import Trainer
+from trl.extras.profiling import profiling_context
 
-from ..core.generation.generate import (
-    generation_unsupported_reason,
-)
-from ..core.generation.prompt_cache import prefix_cache_unsupported_reason
-from ..core.generation.turn_cache import TurnCaches, continue_reason
-from ..core.layers.families import forward_unsupported_reason, is_multimodal
+from ..core.forward.passes import PassCounts
 from ..core.layers.install import install
-from ..core.layers.moe import aux_loss_reason
-from ..core.layers.vision import (
-    VISION_FAMILIES,
-    image_token_ids,
-    vision_reason,
-)
-from ..core.once import WarnOnce
-from ..core.tree.rows import group_shuffle_order, prompt_images, row_groups
-from .config import ROWS_KEY, STOCK_SETTINGS, default_budget, sharing_settings
-from .generation import SharedGenerationMixin
-from .held_prefix import HeldPrefixMixin
-from .hydra import HydraReward, resolved_dtype, reward_adapter_config, saving_policy_adapters_only, split_hydra_rewards
-from .packed import PackedForwardMixin
-from .rewards import RewardSharingMixin
+from ..core.layers.vision import ModelVision
+from ..core.tree.rows import prompt_images, row_groups
+from .config import ROWS_KEY, default_budget, sharing_settings
+from .generation import SharedGeneration, distinct_prompts
+from .group_shuffle import group_shuffle_reason, ordered_for_group_shuffle
+from .held_prefix import HeldPrefixes
+from .hydra import attach_hydra_rewards, hydra_reward_funcs, saving_policy_adapters_only
+from .packed import PackedPasses, Unwrap
+from .ranks import Ranks
+from .rewards import RewardScoring
+from .switches import STOCK, Setup, Switches
 
 
-# The modules of the losses `_group_shuffle_reason` reads
-TRL_LOSSES = ("trl.trainer.rloo_trainer", "trl.trainer.grpo_trainer")
+@dataclasses.dataclass
+class Counts(PassCounts):
+    """What our paths processed (deterministic; read by tests and benchmarks): the packed passes' ([`PassCounts`]),
+    the shared generation prefill's and the packed reward forward's."""
+
+    shared_prefill_tokens: int = 0  # prompt tokens the shared generation prefill forwarded
+    reward_forward_tokens: int = 0  # tokens the packed reward forward processed
+    reward_shared_prefix_lengths: list | None = None  # the last packed reward batch's shared prefix per row
 
 
-def _supported(reason: str | None, consequence: str) -> bool:
-    """True when there is no `reason` against a feature; otherwise warns `consequence: reason` and returns False."""
-    if reason is not None:
-        warnings.warn(f"rloo_efficient: {consequence}: {reason}.", stacklevel=3)
-    return reason is None
+def _count(name: str) -> property:
+    return property(lambda self: getattr(self._counts, name), doc=f"`{name}` of [`Counts`].")
 
 
-class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMixin, RewardSharingMixin):
+class GroupSharingMixin:
     """
     Each prompt once per group in every phase of a TRL group trainer. Mix it in before the trainer class,
     `class MyTrainer(GroupSharingMixin, trl.GRPOTrainer)`; [`RLOOTrainer`] and [`GRPOTrainer`] are built so. The
@@ -59,132 +60,85 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
 
     TRL methods wrapped (each calls `super()`), and why:
     - `__init__`: a reward adapter on the policy's base attached to the policy instead of loaded as a second model
-      (Hydra); our attention function installed on the policy and the reference.
+      (Hydra); our attention function installed on the policy and the reference; the parts built.
     - `_tokenize_prompts`: each distinct prompt (and environment) tokenized once; its rows get copies.
     - `_generate_single_turn`: while it runs, the model's `generate` prefills each distinct prompt once
-      ([`core.generation.generate`]), its images encoded once ([`core.layers.vision`]); vLLM and continuous batching go to TRL
-      untouched.
+      ([`core.generation.generate`]), its images encoded once ([`core.layers.vision`]); vLLM and continuous batching go
+      to TRL untouched.
     - `_generate`: the group structure, from the token lists it returns, becomes active for the no-grad passes; while
       it runs (GRPO's tool loop), each turn's KV caches are held for the rows' next turn ([`core.generation.turn_cache`],
       `tool_cache_budget_gib`), and released when it returns.
     - `_generate_and_score_completions`: the structure is added to the batch it returns; keeping groups together
-      (`shuffle_groups`, by default where that only reorders a sum: [`_group_shuffle_reason`]), the
-      batch is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
+      (`shuffle_groups`, by default where that only reorders a sum: [`group_shuffle.group_shuffle_reason`]), the batch
+      is ordered so that TRL's own shuffle, drawn next, leaves each group's rows together.
+    - `_prepare_inputs`: a training micro-batch's scope of held prompts planned when the first of its micro-batches is
+      served ([`held_prefix`]).
+    - `training_step`: each optimizer step's window of micro-batches counted (where prompts are held).
     - `_compute_loss`: the micro-batch's structure is active while TRL's loss runs.
-    - `_get_per_token_logps_and_entropies`: the packed forward ([`core.forward.packing`]) when the active structure matches
+    - `_get_per_token_logps_and_entropies`: the packed pass ([`core.forward.passes`]) when the active structure matches
       the batch it is given; TRL's otherwise.
-    - `_calculate_rewards` (see [`rewards.RewardSharingMixin`]): reward models scored from packed rows.
+    - `_calculate_rewards`: reward models scored from packed rows ([`rewards`]).
     - `_save`: a Hydra reward adapter is left out of the saved policy.
     """
 
     _config_class: type | None = None  # our config for this trainer: a stock config of its base class becomes one
-    # What a trainer built without our `__init__` reads ([`_constructed`]): every switch off, so each wrapper passes
-    # through to TRL's method
-    _settings = STOCK_SETTINGS
-    _share_prefix = _share_prefill = _prompt_cache_once = _keep_groups = False
-    _turn_budget: int | None = None  # bytes a tool loop's held caches may take, or None: not held
-    _turns = None  # a tool loop's held caches, while TRL's `_generate` runs
-    _active_rows: torch.Tensor | None = None
+    # What a trainer built without our `__init__` reads ([`_constructed`]): every path off, no part, each wrapper TRL's
+    # method
+    _switches: Switches = STOCK
+    _counts = Counts()
+    _generation: SharedGeneration | None = None
+    _passes: PackedPasses | None = None
+    _held: HeldPrefixes | None = None
+    _rewards: RewardScoring | None = None
+    _active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
+
+    packed_forward_tokens = _count("packed_forward_tokens")
+    tree_tokens = _count("tree_tokens")
+    held_forward_tokens = _count("held_forward_tokens")
+    scoring_forward_calls = _count("scoring_forward_calls")
+    shared_prefill_tokens = _count("shared_prefill_tokens")
+    reward_forward_tokens = _count("reward_forward_tokens")
+    reward_shared_prefix_lengths = _count("reward_shared_prefix_lengths")
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         if self._config_class is not None and type(args) is self._config_class._stock:
             args = self._config_class.from_stock(args)
-        self._settings = sharing_settings(args)
-        self._warnings = WarnOnce()  # this run's fallbacks, each said once
-        self._active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
-        self.packed_forward_tokens = 0  # tokens the packed forward processed (deterministic; read by tests)
-        self.scoring_forward_calls = 0  # model calls of the packed no-grad passes, held prompts' included (tests)
-        self.tree_tokens = 0  # the real tokens of the prefix trees those forwards packed (each shared run once)
-        self.shared_prefill_tokens = 0  # prompt tokens the shared generation prefill forwarded (read by tests)
-        self.reward_forward_tokens = 0  # tokens the packed reward forward processed (read by tests)
-        reward_funcs = self._hydra_reward_funcs(model, reward_funcs, args, positional, kwargs)
+        settings = sharing_settings(args)
+        self._counts = Counts()
+        reward_funcs = hydra_reward_funcs(self._trl_base.__init__, model, reward_funcs, args, positional, kwargs,
+                                          settings.hydra_reward_adapter)  # fmt: skip
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
-        self._attach_hydra_rewards()
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        self._share_prefix = self._settings.share_prompt_prefix
-        if self._share_prefix:
-            reason = forward_unsupported_reason(unwrapped, self._settings.share_under_dropout)
-            if reason is None and self.aux_loss_enabled:
-                reason = aux_loss_reason(unwrapped)
-            if reason is not None:
-                self._fall_back(reason)
-        if self._share_prefix:  # prompts held across a pass's chunks and a step's micro-batches, within the budget
-            self._init_holds(self._settings.held_prefix_budget_gib)
-        # Batches with images: packed for the families whose image placement and positions are known (else stock's)
-        self._vision_reason = vision_reason(unwrapped) if is_multimodal(unwrapped) else "the model has no vision tower"
-        self._vision = VISION_FAMILIES[unwrapped.config.model_type] if self._vision_reason is None else None
-        self._image_tokens = image_token_ids(unwrapped)
-        other_backend = self.use_vllm or self.use_transformers_continuous_batching  # they share prefixes already
-        if other_backend and self._settings.share_generation_prefill:
-            backend = "vLLM" if self.use_vllm else "transformers' continuous batching"
-            warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend} backend (it shares prompts in its "
-                          f"own cache), so our shared prefill is off; the log-prob, training and reward passes are "
-                          f"still ours.", stacklevel=2)  # fmt: skip
-        self._share_prefill = (
-            self._settings.share_generation_prefill
-            and not other_backend
-            and _supported(generation_unsupported_reason(unwrapped, self.generation_config,
-                                                         self._settings.share_under_dropout),
-                           "the shared generation prefill is off, using stock TRL's generate")
-        )  # fmt: skip
-        keep_once = self._settings.share_prompt_kv_cache  # True, False, or None: chosen per call by its cost
-        can_keep_once = (
-            self._share_prefill
-            and keep_once is not False
-            and _supported(prefix_cache_unsupported_reason(unwrapped),
-                           "the prompt's KV cache is fanned out to every completion while decoding (the prefill is "
-                           "still shared)")
-        )  # fmt: skip
-        self._prompt_cache_once = keep_once if can_keep_once else False  # True, or None: chosen per call
-        # A tool loop's rows continue their caches from turn to turn, within the budget
-        budget = self._settings.tool_cache_budget_gib
-        if (
-            self._share_prefill
-            and bool(getattr(self, "tools", None))
-            and budget != 0
-            and _supported(continue_reason(unwrapped),
-                           "each later tool turn prefills its rows' histories (as their prefix tree where it can)")
-        ):  # fmt: skip
-            self._turn_budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
-        # Groups kept together across a generation's micro-batches (one micro-batch: nothing to keep together, and
-        # its rows stay in stock's order)
-        several = self._share_prefix and self.args.steps_per_generation > 1  # packed micro-batches to keep groups in
-        self._keep_groups = bool(self._settings.shuffle_groups) and several
-        if self._settings.shuffle_groups is None and several:
-            reason = self._group_shuffle_reason()  # by default, where keeping groups together only reorders a sum
-            self._keep_groups = reason is None
-            if reason is not None:
-                warnings.warn(f"rloo_efficient: micro-batches follow TRL's row shuffle, which splits groups "
-                              f"(shuffle_groups=True keeps them together anyway): {reason}.", stacklevel=2)  # fmt: skip
-        if self._share_prefix or self._prompt_cache_once is not False:
+        unwrap = Unwrap(self.accelerator)
+        unwrapped = unwrap(self.model)
+        attach_hydra_rewards(self.reward_funcs, self.reward_processing_classes, unwrapped, self.args.trust_remote_code)
+        backend = "vLLM" if self.use_vllm else None
+        if self.use_transformers_continuous_batching:
+            backend = "transformers' continuous batching"
+        setup = Setup(unwrapped, getattr(self, "generation_config", None), self.accelerator.device, bool(self.aux_loss_enabled),
+                      other_backend=backend, tools=bool(getattr(self, "tools", None)),
+                      several_micro_batches=self.args.steps_per_generation > 1)  # fmt: skip
+        switches = Switches.resolve(settings, setup, lambda: group_shuffle_reason(self, GroupSharingMixin))
+        ranks = Ranks(self.accelerator, lambda: unwrap(self.model))
+        vision = ModelVision.of(unwrapped)  # batches with images: packed for the families whose layout is known
+        fsdp = 0
+        if getattr(self, "is_fsdp_enabled", False):
+            fsdp = 2 if getattr(self.accelerator, "is_fsdp2", False) else 1
+        budget = settings.held_prefix_budget_gib
+        if switches.prefix and budget != 0:  # prompts held across a pass's chunks and a step's micro-batches
+            budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
+            self._held = HeldPrefixes(budget, lambda: unwrap(self.model), self.args, ranks, switches, vision, fsdp=fsdp,
+                                      aux_loss=bool(self.aux_loss_enabled))  # fmt: skip
+        self._switches, self._ranks = switches, ranks
+        self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
+                                    self._counts, fsdp=bool(fsdp))  # fmt: skip
+        self._generation = SharedGeneration(switches, ranks, vision, self._counts)
+        self._rewards = RewardScoring(switches, self.accelerator.device, self.accelerator.unwrap_model, self._counts)
+        if switches.any_layout:
             # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for inner in (unwrapped, self.ref_model):
                 if inner is not None:
                     install(self.accelerator.unwrap_model(inner))
-
-    def _group_shuffle_reason(self) -> str | None:
-        """Why keeping each group's rows in one micro-batch would change more than the order of a sum, or None: every
-        micro-batch of a generation must feed one optimizer step, and the loss must be a sum over sequences normalized
-        independently of which rows share a micro-batch."""
-        args = self.args
-        if args.gradient_accumulation_steps % args.steps_per_generation:
-            return (f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) is not a multiple of "
-                    f"steps_per_generation ({args.steps_per_generation}): a generation's micro-batches feed several "
-                    "optimizer steps")  # fmt: skip
-        for method in ("compute_loss", "_compute_loss"):  # TRL's own RLOO or GRPO loss, read below
-            owner = next(cls for cls in type(self).__mro__ if method in cls.__dict__ and cls is not GroupSharingMixin)
-            if owner.__module__ not in TRL_LOSSES:
-                return f"{type(self).__name__} computes its own loss ({owner.__name__}.{method})"
-        if self.aux_loss_enabled:
-            return "the MoE load-balancing loss is computed per micro-batch"
-        if getattr(self, "loss_type", None) == "bnpo":
-            return "the bnpo loss is normalized by each micro-batch's tokens"
-        if getattr(self, "top_entropy_quantile", 1.0) < 1.0:
-            return "top_entropy_quantile takes its threshold over each micro-batch's tokens"
-        if getattr(self, "_entropy_bonus_enabled", False):
-            return "the entropy bonus is a mean over each micro-batch's tokens"
-        return None
 
     @property
     def _constructed(self) -> bool:
@@ -193,53 +147,12 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         hand-set attributes, as TRL's own tests make one) reads the class defaults: every sharing switch off, and each
         of our wrappers is TRL's method.
         """
-        return "_settings" in vars(self)
+        return "_switches" in vars(self)
 
     @property
     def _trl_base(self) -> type:
         """The TRL trainer class this one derives from (the first class of TRL's in the method resolution order)."""
         return next(cls for cls in type(self).__mro__ if cls.__module__.startswith("trl."))
-
-    # -- Hydra -------------------------------------------------------------------------------------------------------
-    def _hydra_reward_funcs(self, model, reward_funcs, args, positional, kwargs) -> list:
-        """`reward_funcs` with each reward adapter that can share the policy's base replaced by a [`HydraReward`]."""
-        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        if not any(reward_adapter_config(func) for func in funcs):
-            return reward_funcs
-        signature = inspect.signature(self._trl_base.__init__)
-        bound = signature.bind(self, model, reward_funcs, args, *positional, **kwargs)
-        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
-        peft_config = bound.arguments.get("peft_config")
-        base = dtype = quantization = None
-        if isinstance(model, str) and peft_config is not None:
-            # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
-            base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
-            quantization = init_kwargs.get("quantization_config") or bound.arguments.get("quantization_config")
-        elif is_peft_model(model) or (peft_config is not None and isinstance(model, PreTrainedModel)):
-            # A PeftModel, or a model object that TRL wraps with `peft_config` further down its constructor
-            policy_base = model.get_base_model() if is_peft_model(model) else model
-            base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
-            quantization = getattr(policy_base.config, "quantization_config", None)
-        # The policy's adapters: the ones it comes with (a PeftModel's, or a model's loaded through transformers'
-        # `load_adapter`), and the one TRL creates from `peft_config`
-        configs = list(getattr(model, "peft_config", {}).values())  # a path has none
-        configs += [peft_config] if peft_config is not None else []
-        return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, self._settings.hydra_reward_adapter,
-                                   lambda message: warnings.warn(message, stacklevel=5), configs)  # fmt: skip
-
-    def _attach_hydra_rewards(self) -> None:
-        """Loads each Hydra reward adapter onto the policy, and its tokenizer where none was given (as stock would)."""
-        for index, func in enumerate(self.reward_funcs):
-            if not isinstance(func, HydraReward):
-                continue
-            func.attach(self.accelerator.unwrap_model(self.model))
-            tokenizer = self.reward_processing_classes[index]
-            if tokenizer is None:
-                tokenizer = AutoTokenizer.from_pretrained(func.adapter["base_model_name_or_path"],
-                                                          trust_remote_code=self.args.trust_remote_code)  # fmt: skip
-                self.reward_processing_classes[index] = tokenizer
-            if tokenizer.pad_token_id is None:  # as stock does for a reward model's tokenizer, given or loaded
-                tokenizer.pad_token = tokenizer.eos_token
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """Stock's save, of the policy alone: a Hydra reward adapter on the policy is not part of what it saves (every
@@ -247,14 +160,40 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         with saving_policy_adapters_only(self.reward_funcs):
             return super()._save(output_dir, state_dict)
 
-    def _fall_back(self, reason: str, permanent: bool = True) -> None:
-        if permanent:
-            self._share_prefix = False
-        self._warnings.warn(f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, "
-                            f"using stock TRL's forward: {reason}.", key=reason, stacklevel=3)  # fmt: skip
+    # -- generation --------------------------------------------------------------------------------------------------
+    def _tokenize_prompts(self, prompts: list):
+        if not self._switches.settings.share_prompt_prefix or self._is_vlm:
+            return super()._tokenize_prompts(prompts)
+        # With environments (GRPO), each prompt is rendered with its environment's tools: part of the key
+        environments = getattr(self, "_batch_environments", None)
+        if getattr(self, "environment_factories", None) is None:
+            environments = None
+        first, index = distinct_prompts(prompts, environments)
+        if len(first) == len(prompts):
+            return super()._tokenize_prompts(prompts)
+        if environments is not None:
+            self._batch_environments = [environments[row] for row in first]
+        try:
+            unique_ids, images, fields = super()._tokenize_prompts([prompts[row] for row in first])
+        finally:
+            if environments is not None:
+                self._batch_environments = environments
+        if fields:  # per-prompt fields would need the same fan-out: tokenize every row, as stock does
+            return super()._tokenize_prompts(prompts)
+        # Each row gets its own copy of its prompt's tokens (a list later code may edit in place)
+        return [list(unique_ids[distinct]) for distinct in index], images, fields
 
-    def _warn_once(self, message: str) -> None:
-        self._warnings.warn(message, stacklevel=3)
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        prefill = None
+        if self._switches.prefill:
+            # The module whose `generate` TRL's generation calls: what `unwrap_model_for_generation` yields, or under
+            # `torch_compile` the module inside the compiled wrapper (whose `generate` is that module's)
+            model = self.accelerator.unwrap_model(self.model_wrapped, keep_torch_compile=False)
+            prefill = self._generation.prefill(model, prompt_ids, images, multimodal_fields)
+        if prefill is None:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        with prefill:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
 
     # -- the group structure: computed, carried, made active ---------------------------------------------------------
     def _scored_lengths(self, completion_ids_list: list[list[int]]) -> list[int]:
@@ -265,28 +204,21 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         return [len(ids) if ids and ids[-1] in ends else 0 for ids in completion_ids_list]
 
     def _generate(self, prompts: list):
-        self._turns = TurnCaches(self._turn_budget) if self._turn_budget is not None else None
-        try:
-            result = super()._generate(prompts)  # TRL's tool loop runs in it: each turn's caches held for the next
-        finally:
-            if self._turns is not None and self._turns.over_budget:
-                self._warn_once("rloo_efficient: a tool turn's KV caches were not held across the tool call: they "
-                                "would take more than tool_cache_budget_gib; the next turn prefilled its rows' "
-                                "histories instead")  # fmt: skip
-            self._turns = None  # every held cache released
         if not self._constructed:
-            return result
+            return super()._generate(prompts)
+        with self._generation.tool_loop():  # TRL's tool loop runs in it: each turn's caches held for the next
+            result = super()._generate(prompts)
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
         images = prompt_images(prompts)
         self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images, completion_ids)
-        if images is not None and any(ids and ids[-1] in self._image_tokens for ids in prompt_ids):
+        if images is not None and any(ids and ids[-1] in self._passes.vision.image_tokens for ids in prompt_ids):
             # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
-            self._fall_back("a prompt ends with an image's token", permanent=False)
+            self._switches.fall_back("a prompt ends with an image's token", permanent=False)
             self._active_rows = None
         tool_images = result[7] if len(result) > 7 else None  # GRPO: images a tool returned, per row
         if self._is_vlm and tool_images and any(tool_images):
             # In the rows' completions, each row's own: the packed forward takes images from the prompts only
-            self._fall_back("a tool returned images", permanent=False)
+            self._switches.fall_back("a tool returned images", permanent=False)
             self._active_rows = None
         return result
 
@@ -300,37 +232,45 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
         if rows is None:
             return output
         output[ROWS_KEY] = rows  # a (B, 3 + W) CPU tensor: TRL's shuffle and split carry it with the batch
-        if self._keep_groups and self.model.training:
-            output = self._ordered_for_group_shuffle(output, rows[:, 0])
+        if self._switches.keep_groups and self.model.training:
+            output = ordered_for_group_shuffle(output, rows[:, 0])
         return output
 
-    @staticmethod
-    def _ordered_for_group_shuffle(batch: dict, group_ids: torch.Tensor) -> dict:
-        """
-        `batch` reordered so that TRL's row shuffle, drawn right after from the global generator (one
-        `torch.randperm(B)` in `_prepare_inputs`), lands each group's rows together ([`group_shuffle_order`]). The
-        generator's state is put back: the draws stay stock's.
-        """
-        # TRL's randperm draws on the default device (set_default_device("cuda"): CUDA's generator): so does ours
-        device = torch.get_default_device()
-        forked = {"devices": []} if device.type == "cpu" else {"devices": [device], "device_type": device.type}
-        with torch.random.fork_rng(**forked):
-            permutation = torch.randperm(len(group_ids)).cpu()
-        wanted = group_shuffle_order(group_ids, permutation)  # the rows TRL's shuffle should put at each place
-        before = np.empty_like(wanted)
-        before[permutation.numpy()] = wanted  # TRL takes before[permutation]: that is wanted
-        index = torch.from_numpy(before)
+    # -- training: micro-batches, their windows, their loss ----------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch):
+        held = self._held
+        if held is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        held.step_begins(model)
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            held.close()
+            raise
+        finally:
+            held.step_ends(self.accelerator.sync_gradients)
 
-        def take(value):
-            if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
-                return value
-            if isinstance(value, torch.Tensor):
-                return value[index.to(value.device)]
-            return [value[i] for i in before]
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._held is not None:
+            # (a batch without rows too: where forwards are collective, every process plans, and agrees, each scope)
+            serves = self._switches.prefix and self.model.training and isinstance(inputs, dict)
+            self._held.prepare(inputs if serves else None, lambda position: self._upcoming(inputs, position))
+        return inputs
 
-        # Images by row first, as TRL's own shuffle takes them (a row may hold several images, or none)
-        return unsplit_pixel_values_by_grid({key: take(value) for key, value in split_pixel_values_by_grid(
-            batch).items()})  # fmt: skip
+    def _upcoming(self, inputs: dict, window_position: int) -> list | None:
+        """The micro-batches TRL will serve from `inputs` on (its buffered generation's, in the order TRL serves them),
+        to the end of the optimizer step (`window_position` of its micro-batches run so far) or of the generation,
+        whichever comes first; None where `inputs` is not TRL's next buffered one."""
+        buffered = getattr(self, "_buffered_inputs", None)
+        per_generation = self.args.steps_per_generation
+        generate_every = per_generation * self.num_iterations
+        step = self._step
+        count = min(self.current_gradient_accumulation_steps - window_position,
+                    generate_every - step % generate_every)  # fmt: skip
+        if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
+            return None
+        return [buffered[(step + t) % per_generation] for t in range(count)]
 
     def _compute_loss(self, model, inputs):
         previous, self._active_rows = self._active_rows, inputs.get(ROWS_KEY)
@@ -338,3 +278,36 @@ class GroupSharingMixin(PackedForwardMixin, SharedGenerationMixin, HeldPrefixMix
             return super()._compute_loss(model, inputs)
         finally:
             self._active_rows = previous
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal_kwargs):  # fmt: skip
+        """TRL's forward, or the packed pass when the active group structure matches the batch."""
+        passes = self._passes
+        images = {key: value for key, value in multimodal_kwargs.items() if value is not None}
+        rows = passes.rows_for(self._active_rows, input_ids, logits_to_keep, images) if passes is not None else None
+        if rows is None:
+            if passes is not None:
+                passes.check_nothing_held()
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal_kwargs,
+            )  # fmt: skip
+        trl_forward = super()._get_per_token_logps_and_entropies.__func__
+        trl_forward = getattr(trl_forward, "__wrapped__", trl_forward)  # TRL's forward without its timer: ours is timed
+
+        def stock(ids, mask, **chunk_images):  # stock's forward of some rows, for a chunk that cannot be packed
+            return trl_forward(self, model, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                               **chunk_images)  # fmt: skip
+
+        with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
+            return passes.run(model, input_ids, attention_mask, logits_to_keep, rows, batch_size, compute_entropy,
+                              compute_aux_loss, images, stock)  # fmt: skip
+
+    # -- rewards -----------------------------------------------------------------------------------------------------
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self._rewards is None:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        prepare = lambda batch: Trainer._prepare_inputs(self, batch)  # noqa: E731 (as TRL's reward-model branch moves it)
+        with self._rewards.standing_in(self.reward_funcs, self.reward_processing_classes, self.chat_template_kwargs,
+                                       prepare):  # fmt: skip
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -1,16 +1,16 @@
 """
-The reward phase inside the group: while TRL's `_calculate_rewards` runs, each reward model that can be scored from
-packed rows (and each Hydra reward adapter) stands in the trainer's `reward_funcs` as a [`PackedRewardModel`], which
-TRL calls as it calls a reward function. It renders and tokenizes the texts as TRL's reward-model branch does, scores
-each group's common token prefix once ([`core.forward.reward`]), and returns the scores; everything else in TRL's
-method (reward functions, async ones, environments, weights, NaN handling, gathering) is TRL's own.
+The reward phase inside the group ([`RewardScoring`]): while TRL's `_calculate_rewards` runs, each reward model that can
+be scored from packed rows (and each Hydra reward adapter) stands in the trainer's `reward_funcs` as a
+[`PackedRewardModel`], which TRL calls as it calls a reward function. It renders and tokenizes the texts as TRL's
+reward-model branch does, scores each group's common token prefix once ([`core.forward.reward`]), and returns the
+scores; everything else in TRL's method (reward functions, async ones, environments, weights, NaN handling, gathering)
+is TRL's own.
 """
 
 import contextlib
 
 import torch
 from torch import nn
-from transformers import Trainer
 from trl.data_utils import apply_chat_template, is_conversational
 
 from ..core.forward.reward import pack_reward_rows, packed_scores, padded_scores, reward_model_reason
@@ -18,82 +18,93 @@ from ..core.layers.install import install
 from ..core.layers.recurrent import has_recurrent_layers
 from ..core.tree.rows import group_ids_for
 from .hydra import HydraReward
+from .switches import Switches
 
 
 class PackedRewardModel:
     """
     A reward model (or Hydra adapter) as TRL calls a reward function: `(prompts, completions, **kwargs)` -> one score
-    per row, the model's first logit, from packed rows where it can, else from TRL's own padded call.
+    per row, the model's first logit, from packed rows where `scoring` can, else from TRL's own padded call
+    (`prepare(inputs)`: the trainer's `_prepare_inputs`, moving them to the device as TRL's branch does).
     """
 
-    def __init__(self, trainer, model, processing_class):
-        self.trainer, self.model, self.processing_class = trainer, model, processing_class
+    def __init__(self, scoring: "RewardScoring", model, processing_class, chat_template_kwargs: dict, prepare):
+        self.scoring, self.model, self.processing_class = scoring, model, processing_class
+        self.chat_template_kwargs, self.prepare = chat_template_kwargs, prepare
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
-        trainer, tokenizer = self.trainer, self.processing_class
+        tokenizer = self.processing_class
         # The texts TRL's reward-model branch scores (trl 1.16 `_calculate_rewards`)
         if is_conversational({"prompt": prompts[0]}):
             messages = [{"messages": p + c} for p, c in zip(prompts, completions, strict=True)]
-            texts = [apply_chat_template(x, tokenizer, **trainer.chat_template_kwargs)["text"] for x in messages]
+            texts = [apply_chat_template(x, tokenizer, **self.chat_template_kwargs)["text"] for x in messages]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        scores = trainer._grouped_reward_scores(self.model, tokenizer, prompts, texts)
+        scores = self.scoring.grouped_scores(self.model, tokenizer, prompts, texts)
         if scores is None:  # TRL's own call, as its reward-model branch makes it
             inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
                                add_special_tokens=False)  # fmt: skip
             with torch.inference_mode():
-                scores = self.model(**Trainer._prepare_inputs(trainer, inputs)).logits[:, 0]
+                scores = self.model(**self.prepare(inputs)).logits[:, 0]
         # TRL stores a reward function's list in float32, as it stores a model's logits: the same rounding
         return scores.tolist()
 
 
-class RewardSharingMixin:
-    """Scores reward models (and Hydra adapters) with each group's shared prefix once; see the module docstring."""
+class RewardScoring:
+    """Scores reward models (and Hydra adapters) with each group's shared prefix once, on `device`; `switches`: the
+    config's `share_reward_prefix` and the fallbacks; `unwrap`: accelerate's; `counts`: `reward_forward_tokens` and
+    `reward_shared_prefix_lengths` counted there."""
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        originals = list(self.reward_funcs)
-        for index, (func, tokenizer) in enumerate(zip(originals, self.reward_processing_classes, strict=False)):
-            if isinstance(func, HydraReward) or (isinstance(func, nn.Module) and self._reward_model_shares(func)):
-                self.reward_funcs[index] = PackedRewardModel(self, func, tokenizer)
+    def __init__(self, switches: Switches, device, unwrap, counts):
+        self.switches, self.device, self.unwrap, self.counts = switches, device, unwrap, counts
+
+    @contextlib.contextmanager
+    def standing_in(self, reward_funcs: list, processing_classes: list, chat_template_kwargs: dict, prepare):
+        """While TRL's `_calculate_rewards` runs: each reward model that can be scored from packed rows (and each
+        Hydra adapter) stands in `reward_funcs` (the trainer's list, edited in place) as a [`PackedRewardModel`]."""
+        originals = list(reward_funcs)
+        for index, (func, tokenizer) in enumerate(zip(originals, processing_classes, strict=False)):
+            if isinstance(func, HydraReward) or (isinstance(func, nn.Module) and self._shares(func)):
+                reward_funcs[index] = PackedRewardModel(self, func, tokenizer, chat_template_kwargs, prepare)
         try:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            yield
         finally:
-            self.reward_funcs[:] = originals
+            reward_funcs[:] = originals
 
-    def _reward_model_shares(self, reward_func) -> bool:
-        if not self._settings.share_reward_prefix:
+    def _shares(self, reward_func) -> bool:
+        if not self.switches.settings.share_reward_prefix:
             return False
-        model = self._unwrapped(reward_func)
+        model = self.unwrap(reward_func)
         reason = reward_model_reason(model)
         if reason is not None:
-            self._fall_back_reward(f"{type(model).__name__}: {reason}")
+            self._fall_back_to_padded(f"{type(model).__name__}: {reason}")
         return reason is None
 
-    def _grouped_reward_scores(self, reward_func, processing_class, prompts, texts) -> torch.Tensor | None:
+    def grouped_scores(self, reward_func, processing_class, prompts, texts) -> torch.Tensor | None:
         """`(B,)` rewards from packed rows, or None where TRL's call must run (then it has warned why, once)."""
         hydra = isinstance(reward_func, HydraReward)
         rows = processing_class(text=texts, add_special_tokens=False)["input_ids"]
         pad_token_id = processing_class.pad_token_id
         context = reward_func.active() if hydra else contextlib.nullcontext(reward_func)
         with torch.inference_mode(), context as root:
-            inner = root.get_base_model() if hydra else self.accelerator.unwrap_model(root)
+            inner = root.get_base_model() if hydra else self.unwrap(root)
             score = reward_func.score if hydra else None
             recurrent = has_recurrent_layers(inner)
-            batch = (pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.accelerator.device,
-                                      recurrent=recurrent) if self._settings.share_reward_prefix
+            batch = (pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.device,
+                                      recurrent=recurrent) if self.switches.settings.share_reward_prefix
                      else "share_reward_prefix=False")  # fmt: skip
             if isinstance(batch, str):
                 if not hydra:
-                    self._fall_back_reward(batch)
+                    self._fall_back_to_padded(batch)
                     return None
                 padded = processing_class(text=texts, return_tensors="pt", padding=True, padding_side="right",
-                                          add_special_tokens=False).to(self.accelerator.device)  # fmt: skip
+                                          add_special_tokens=False).to(self.device)  # fmt: skip
                 return padded_scores(root, inner, score, padded["input_ids"], padded["attention_mask"], pad_token_id)
             install(inner)
-            self.reward_forward_tokens += batch.num_tokens
-            self.reward_shared_prefix_lengths = batch.shared_prefix_lengths
+            self.counts.reward_forward_tokens += batch.num_tokens
+            self.counts.reward_shared_prefix_lengths = batch.shared_prefix_lengths
             return packed_scores(root, inner, score, batch)
 
-    def _fall_back_reward(self, reason: str) -> None:
-        self._warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: {reason}.",
-                            key=reason, stacklevel=3)  # fmt: skip
+    def _fall_back_to_padded(self, reason: str) -> None:
+        self.switches.warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: "
+                                    f"{reason}.", key=reason, stacklevel=3)  # fmt: skip

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..attention.held import Capture, HeldReads, HeldSource, holding
+from ..layers.vision import ImageBatch
 from ..tree.holds import HoldPlan
 from ..tree.rows import row_tokens
 from .packing import PackedBatch, pack_rows, pack_source
@@ -39,18 +40,18 @@ class HeldScope:
         return HeldReads(slots, self.kv_source)
 
     def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool, routers=None,
-                       images=None, sharded=None) -> int:  # fmt: skip
+                       images: ImageBatch | None = None, chunk: tuple[int, int] = (0, 0), sharded=None) -> int:  # fmt: skip
         """Runs `source`'s packed forward through `call`, holding what its layers hand over (and the router logits
         `routers(on_record)` records, a context manager yielding a list, where given). With `images` (an image batch,
-        planned by group): `(placeholder ids, (rows, width) of the source's chunk, prepare)`, where `prepare(batch)`
-        returns the batch as the family needs it and the image kwargs of its nodes. `sharded`: the model, where FSDP2
-        may shard it ([`sharded`]). Returns its tokens."""
+        planned by group), `chunk`: the `(start, end)` rows of the batch's chunk that forwards the source (its images
+        are encoded here once). `sharded`: the model, where FSDP2 may shard it ([`sharded`]). Returns its tokens."""
         extra = {}
         if images is None:
             batch = pack_source(self.plan, source, prompt_width, device, recurrent)
         else:
-            image_tokens, shape, prepare = images
-            batch, extra = prepare(pack_source(self.plan, source, prompt_width, device, recurrent, image_tokens, shape))
+            shape = (chunk[1] - chunk[0], images.input_ids.size(1))
+            batch = pack_source(self.plan, source, prompt_width, device, recurrent, images.vision.image_tokens, shape)
+            batch, extra = images.packed(batch, chunk[0])
         reads = self.reads(batch.held_sources, int(self.plan.backprop_chunk[source]))
         inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={}), **extra}
         with running_owner(sharded if self.training else None) as owner:

@@ -32,7 +32,14 @@ from transformers.cache_utils import (
 from ..attention.backend import decoding_with
 from ..layers.families import dropout_reason, family_reason, jitter_reason, recurrent_reason, rope_reason
 from ..layers.install import install
-from ..layers.vision import IMAGE_KWARGS, VISION_FAMILIES, image_token_ids, select_images, tiles_per_row
+from ..layers.vision import (
+    IMAGE_KWARGS,
+    TOKEN_TYPE_FIELDS,
+    VISION_FAMILIES,
+    image_token_ids,
+    select_images,
+    tiles_per_row,
+)
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from . import static_decode
@@ -101,10 +108,6 @@ def unique_rows(prompt_ids: list[list[int]], images: list | None = None) -> tupl
             first.append(row)
         inverse.append(index[key])
     return first, inverse
-
-
-# Per-token multimodal fields a processor returns for text too (all zeros there: no token is an image's)
-TOKEN_TYPE_FIELDS = ("token_type_ids", "mm_token_type_ids")
 
 
 def text_only(images, multimodal_fields: dict) -> bool:

@@ -24,6 +24,7 @@ training, that one encode receives every completion's gradient). What each famil
   `spatial_shapes`): selected with the images.
 """
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from ..tree.radix import ranges
+from .families import is_multimodal
 
 
 # Per multimodal family (the checkpoint's `model_type`), how its images and their tokens differ from text:
@@ -68,6 +70,8 @@ VISION_FAMILIES = {
 # The model kwargs that carry images (what TRL passes a multimodal forward beside the tokens)
 IMAGE_KWARGS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                 "image_position_ids")  # fmt: skip
+# Per-token multimodal fields a processor returns for text too (all zeros there: no token is an image's)
+TOKEN_TYPE_FIELDS = ("token_type_ids", "mm_token_type_ids")
 
 
 def vision_reason(model: nn.Module) -> str | None:
@@ -193,3 +197,93 @@ def token_blocks(token_types: torch.Tensor, image_types: tuple[int, ...], source
     starts = image & ~torch.nn.functional.pad(image, (1, 0))[:, :-1]
     blocks = torch.where(image, torch.cumsum(starts.long(), dim=1) - 1, -1)
     return blocks.view(-1).index_select(0, source_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelVision:
+    """What a model's image batches need of the packed passes: why they cannot be packed (`reason`; None: they can),
+    its family's layout ([`VISION_FAMILIES`], where they can) and its placeholder token ids ([`image_token_ids`])."""
+
+    reason: str | None
+    family: dict | None
+    image_tokens: frozenset
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelVision":
+        reason = vision_reason(model) if is_multimodal(model) else "the model has no vision tower"
+        family = VISION_FAMILIES[model.config.model_type] if reason is None else None
+        return cls(reason, family, frozenset(image_token_ids(model)))
+
+    def batch_reason(self, kwargs: dict) -> str | None:
+        """Why a batch's image kwargs (TRL's, `pixel_values` among them) cannot be packed, or None."""
+        return self.reason or layout_reason(kwargs, kwargs.get("num_images") or [], self.family["pixels"])
+
+
+@dataclasses.dataclass
+class ImageBatch:
+    """
+    One packed pass's image batch: TRL's image kwargs (`kwargs`, `num_images` per row among them) for its padded
+    `input_ids` and `attention_mask`, `logits_to_keep` columns of them completions, and the (unwrapped) model's vision
+    ([`ModelVision`]).
+    """
+
+    model: nn.Module
+    vision: ModelVision
+    kwargs: dict
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+
+    @property
+    def rows_with_images(self) -> np.ndarray:
+        counts = self.kwargs["num_images"]
+        return np.asarray(counts.cpu() if isinstance(counts, torch.Tensor) else counts) > 0
+
+    @property
+    def with_positions(self) -> bool:
+        """Whether the packed rows take their positions from each group's row (Qwen's 3-D positions)."""
+        return self.vision.family["positions"] == "rope_index"
+
+    def packed(self, packed, start: int) -> tuple:
+        """
+        The packed chunk starting at row `start` ([`forward.packing.PackedBatch`], or a held source's): the images of
+        each group's first row, once, in the order of the groups' nodes, and what the family needs beside them: Qwen's
+        3-D positions (the model's own `get_rope_index` on each group's first row, its completion columns unmasked:
+        the rows of a group share their prompt's positions, and completions are text, one position per column), or the
+        tokens' image blocks (Gemma). Returns `(packed, image kwargs)`.
+        """
+        model, images, input_ids, pixels = self.model, self.kwargs, self.input_ids, self.vision.family["pixels"]
+        num_images, first = images["num_images"], start + packed.first_rows
+        # The images of the groups whose prompt the forward holds (not those a held node holds: encoded before)
+        group_images = select_images(images, num_images, start + packed.image_rows, pixels)
+        if self.with_positions:  # every group's positions, its images' grids with them
+            index = torch.from_numpy(first).to(input_ids.device)
+            mask = self.attention_mask.index_select(0, index)
+            mask[:, -self.logits_to_keep :] = 1
+            grid = group_images.get("image_grid_thw")
+            if len(packed.image_rows) < len(first) and images.get("image_grid_thw") is not None:
+                grid = images["image_grid_thw"].index_select(
+                    0, torch.from_numpy(image_indices(num_images, first)).to(input_ids.device))  # fmt: skip
+            token_types = images["mm_token_type_ids"].index_select(0, index)
+            positions = rope_index_positions(model, input_ids.index_select(0, index), mask,
+                                             {"image_grid_thw": grid, "mm_token_type_ids": token_types})  # fmt: skip
+            packed = dataclasses.replace(packed, position_ids=packed_positions(positions, packed.group_source_index))
+        blocks = image_blocks(model)
+        if blocks is not None and group_images:  # an image's tokens attend to each other both ways
+            key, image_types, layers = blocks
+            ids = token_blocks(images[key][start : start + packed.num_rows], image_types, packed.source_index)
+            packed = dataclasses.replace(packed, layout=dataclasses.replace(packed.layout, token_blocks=ids,
+                                                                            blocks_on=layers))  # fmt: skip
+        return packed, group_images
+
+    def of_rows(self, start: int, end: int) -> dict:
+        """TRL's image kwargs for the rows `[start, end)` alone, as TRL's forward takes them for a batch of those."""
+        images = self.kwargs
+        out = select_images(images, images["num_images"], np.arange(start, end), self.vision.family["pixels"])
+        out["num_images"] = images["num_images"][start:end]
+        if images.get("num_tiles") is not None:  # InternVL's: TRL slices the tiles by them
+            out["num_tiles"] = images["num_tiles"][start:end]
+        for key in TOKEN_TYPE_FIELDS:
+            if images.get(key) is not None:
+                out[key] = images[key][start:end]
+        return out
