@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.generation.turn_cache import TurnCaches
 from rloo_efficient.core.tree.radix import build_tree
-from rloo_efficient.workload import WorkloadConfig, build_model_dir
+from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 
 
 MIB = 1024**2
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tool_turns", type=int, default=3)
     parser.add_argument("--answer", type=int, nargs=2, default=[100, 300])
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    parser.add_argument("--arch", default="llama", help="a tiny family of rloo_efficient.tiny_models")
-    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.workload.PRESETS (its dtype)")
+    parser.add_argument("--arch", default="llama", help="a tiny family of rloo_efficient.demo.tiny_models")
+    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.demo.workload.PRESETS (its dtype)")
     parser.add_argument("--sliding_window", type=int, default=None, help="the family's window, where it has one")
     parser.add_argument("--no_continue", action="store_true", help="later turns prefilled as their tree")
     parser.add_argument("--output", default=None)

@@ -15,8 +15,8 @@ import warnings
 import trl
 
 from rloo_efficient import RLOOConfig, RLOOTrainer
+from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.op_count import OpCounter
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 
 def count_run(method: str, k: int, prompt_length: int, completion_length: int, layers: int, steps: int) -> OpCounter:

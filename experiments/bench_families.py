@@ -1,7 +1,7 @@
 """
 Stock TRL vs rloo_efficient for each model family, on the default workload's shape (hidden 128, 2 layers, float32;
 P = 2048, C = 64, k = 8, 3 steps): the whole run's working memory and the median step time. Each family is built from
-its own config (rloo_efficient.tiny_models): Gemma 3, Gemma 4 and GPT-OSS with their real sliding windows (512, 512
+its own config (rloo_efficient.demo.tiny_models): Gemma 3, Gemma 4 and GPT-OSS with their real sliding windows (512, 512
 and 128, every other layer), so the windowed paths run; Gemma 4 with 4 layers (2 of them reusing the others' keys and
 values); the MoE families under TRL's default config, the load-balancing loss on (GLM-4-MoE and Nemotron-H have
 none); the hybrids (Qwen3.5, Qwen3.5-MoE: Gated DeltaNet and attention; Nemotron-H: Mamba2, attention and experts, 3

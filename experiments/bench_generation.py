@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from rloo_efficient.core.generation import static_decode
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.generation.prompt_cache import kv_token_bytes
+from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 from rloo_efficient.profiling.memory import is_accelerator, release_cached_memory
-from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
 MIB = 1024**2
@@ -119,7 +119,7 @@ def step_bytes(model, rows: int, prompt_length: int, completion_length: int) -> 
 def main(argv=None):
     parser = parser_for(__doc__, prompt_lengths=[512, 2048], completion_length=64, ks=[2, 4, 8], repeats=3)
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="stock is always run")
-    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.workload.PRESETS")
+    parser.add_argument("--preset", default=None, help="a model shape of rloo_efficient.demo.workload.PRESETS")
     parser.add_argument("--release", action="store_true", help="also time each method after emptying the cache")
     parser.add_argument("--per_token", action="store_true", help="also each method's decoding time per token, "
                         "beside what the bytes a step reads take at the device's bandwidth")  # fmt: skip

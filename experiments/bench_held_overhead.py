@@ -27,8 +27,8 @@ from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree.holds import plan_holds
 from rloo_efficient.core.tree.rows import row_groups
+from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 from rloo_efficient.profiling.op_count import ModuleOpCounter, OpCounter
-from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
 def timed(function, device) -> float:

@@ -19,8 +19,8 @@ from trl.trainer.utils import add_fused_lm_head
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree.rows import row_groups
+from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat
-from rloo_efficient.workload import WorkloadConfig, build_model_dir
 
 
 def stock_inputs(prompt_length, completion_length, k, vocab, device):

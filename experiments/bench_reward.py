@@ -25,8 +25,7 @@ from transformers import AutoModelForSequenceClassification
 
 from rloo_efficient.core.forward.reward import pack_reward_rows, packed_scores
 from rloo_efficient.core.layers.install import install
-from rloo_efficient.profiling.memory import current_rss_gib, is_accelerator
-from rloo_efficient.workload import (
+from rloo_efficient.demo.workload import (
     WorkloadConfig,
     build_dataset,
     build_model_dir,
@@ -34,6 +33,7 @@ from rloo_efficient.workload import (
     build_reward_model_dir,
     build_tokenizer,
 )
+from rloo_efficient.profiling.memory import current_rss_gib, is_accelerator
 
 
 MIB = 1024**2

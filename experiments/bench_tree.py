@@ -89,7 +89,7 @@ def threshold(argv) -> int:
     from rloo_efficient.core.forward.packing import pack_rows
     from rloo_efficient.core.layers.install import install
     from rloo_efficient.core.tree.rows import row_groups
-    from rloo_efficient.workload import WorkloadConfig, build_model_dir
+    from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(prompt_length=512)))
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -136,7 +136,7 @@ def buckets(argv) -> int:
     from rloo_efficient.core.layers.install import install
     from rloo_efficient.core.tree.layout import LAYOUT_KWARG, tree_layout
     from rloo_efficient.core.tree.rows import row_groups
-    from rloo_efficient.workload import WorkloadConfig, build_model_dir
+    from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(build_model_dir(WorkloadConfig(prompt_length=512)))
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -183,7 +183,7 @@ def kernels(argv, preset: str | None) -> int:
     from rloo_efficient.core.tree import layout as layouts
     from rloo_efficient.core.tree.layout import LAYOUT_KWARG
     from rloo_efficient.core.tree.rows import row_groups
-    from rloo_efficient.workload import WorkloadConfig, build_model_dir
+    from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = dict(preset=preset) if preset else dict(prompt_length=512)
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     parser.add_argument("--buckets", action="store_true", help="Measure the length buckets' factor instead.")
     parser.add_argument("--kernels", action="store_true",
                         help="Time the tree's attention as variable-length calls against length buckets instead.")
-    parser.add_argument("--preset", default=None, help="--kernels: a model shape of rloo_efficient.workload.PRESETS")
+    parser.add_argument("--preset", default=None, help="--kernels: a model shape of rloo_efficient.demo.workload.PRESETS")
     args = parser.parse_args(argv)
     if args.kernels:
         return kernels(argv, args.preset)

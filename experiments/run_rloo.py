@@ -25,8 +25,7 @@ import trl
 from trl import TrlParser
 
 from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
-from rloo_efficient.workload import (
+from rloo_efficient.demo.workload import (
     WorkloadConfig,
     build_dataset,
     build_model_dir,
@@ -35,6 +34,7 @@ from rloo_efficient.workload import (
     build_reward_model_dir,
     vowel_reward,
 )
+from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 
 
 # The settings that make two runs the same workload, beside the WorkloadConfig

@@ -114,7 +114,7 @@ def train(method: str, device: torch.device, bf16: bool, directory: str, quick: 
     from transformers import PrinterCallback
 
     from . import RLOOConfig, RLOOTrainer
-    from .workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+    from .demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
     # Prompts of different lengths (the padded prefix path); 4 query heads on 2 key/value heads of head_dim 64
     workload = WorkloadConfig(arch="qwen3", hidden_size=128 if quick else 512, num_hidden_layers=2,

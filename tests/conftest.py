@@ -7,7 +7,7 @@ import pytest
 import trl
 
 import rloo_efficient
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -23,7 +23,7 @@ import trl  # noqa: E402
 from rloo_efficient import RLOOTrainer  # noqa: E402
 from rloo_efficient.core.generation.generate import unique_rows  # noqa: E402
 from rloo_efficient.core.generation.tree_prefill import plan_tree_prefill  # noqa: E402
-from rloo_efficient.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward  # noqa: E402
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward  # noqa: E402
 from tests.conftest import METRICS, tiny_workload, training_args  # noqa: E402
 
 

@@ -77,9 +77,9 @@ def image_prompts(directory: Path) -> dict:
     from PIL import Image
     from trl.data_utils import prepare_multimodal_messages
 
-    from rloo_efficient.tiny_models import model_config, model_from_config
+    from rloo_efficient.demo.tiny_models import model_config, model_from_config
+    from rloo_efficient.demo.workload import WorkloadConfig, build_processing_class, build_tokenizer
     from rloo_efficient.trainers.ranks import Ranks
-    from rloo_efficient.workload import WorkloadConfig, build_processing_class, build_tokenizer
 
     cfg = WorkloadConfig(arch="qwen2_vl", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=64, max_position_embeddings=512, model_dtype="float64",
@@ -155,8 +155,8 @@ def held_training(kind: str) -> dict:
 
     from rloo_efficient.core.layers.moe import recording_router_logits, weighted_aux_loss
     from rloo_efficient.core.layers.recurrent import has_recurrent_layers
-    from rloo_efficient.tiny_models import model_config, model_from_config
-    from rloo_efficient.workload import WorkloadConfig, build_tokenizer
+    from rloo_efficient.demo.tiny_models import model_config, model_from_config
+    from rloo_efficient.demo.workload import WorkloadConfig, build_tokenizer
 
     moe = kind == "mixtral"
     torch.manual_seed(0)

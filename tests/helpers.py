@@ -32,8 +32,8 @@ from rloo_efficient.core.attention.backend import prefix_attention
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.generation.turn_cache import TurnCaches
 from rloo_efficient.core.tree.layout import tree_layout
-from rloo_efficient.tiny_models import model_config
-from rloo_efficient.workload import build_tokenizer
+from rloo_efficient.demo.tiny_models import model_config
+from rloo_efficient.demo.workload import build_tokenizer
 
 from . import trees
 from .conftest import per_micro_batch, training_args
@@ -136,7 +136,7 @@ FAMILIES = {  # each family's own configuration, shrunk (6 query heads of 8 dims
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=8, num_experts=4, num_experts_per_tok=2,
                                                                moe_intermediate_size=32)),
 }  # fmt: skip
-# Families built as the workload builds them (rloo_efficient.tiny_models), each from its own config class, with a
+# Families built as the workload builds them (rloo_efficient.demo.tiny_models), each from its own config class, with a
 # window of 8 where the family has one; the multimodal ones as their checkpoints load (`*ForConditionalGeneration`)
 WORKLOAD_FAMILIES = {"cohere2": dict(sliding_window=8), "olmo3": dict(sliding_window=8), "seed_oss": {}, "glm4_moe": {},
                      "ernie4_5_moe": {}, "minimax_m2": {}, "deepseek_v3": {}, "gemma3_vlm": dict(sliding_window=8),
@@ -163,8 +163,8 @@ TOKEN_TYPES = {"gemma3_vlm": "token_type_ids", "qwen2_vl": "mm_token_type_ids", 
 def build(arch: str, dtype=torch.float64, attention="sdpa"):
     torch.manual_seed(0)
     if arch in WORKLOAD_FAMILIES:
-        from rloo_efficient.tiny_models import model_config, model_from_config
-        from rloo_efficient.workload import WorkloadConfig, build_tokenizer
+        from rloo_efficient.demo.tiny_models import model_config, model_from_config
+        from rloo_efficient.demo.workload import WorkloadConfig, build_tokenizer
 
         sizes = {key: value for key, value in SMALL.items() if key != "vocab_size"}  # the workload's byte vocabulary
         cfg = WorkloadConfig(arch=arch, **{**sizes, **WORKLOAD_FAMILIES[arch]}, model_cache_dir="unused")

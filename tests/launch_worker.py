@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
-from rloo_efficient.workload import (  # noqa: E402  # noqa: E402
+from rloo_efficient.demo.workload import (  # noqa: E402  # noqa: E402
     build_dataset,
     build_model_dir,
     build_processing_class,

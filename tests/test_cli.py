@@ -18,7 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from rloo_efficient.workload import build_dataset, build_model_dir
+from rloo_efficient.demo.workload import build_dataset, build_model_dir
 
 from .conftest import tiny_workload
 from .helpers import cpu_config, free_port
@@ -69,7 +69,7 @@ def launch(console_script: str, command: str, recipe: dict, directory: Path, pro
 def test_recipe_runs_as_trl_runs_it(recipe_inputs, tmp_path, command, processes):
     model, data = recipe_inputs
     recipe = dict(
-        model_name_or_path=model, dataset_name=str(data), reward_funcs=["rloo_efficient.workload.vowel_reward"],
+        model_name_or_path=model, dataset_name=str(data), reward_funcs=["rloo_efficient.demo.workload.vowel_reward"],
         bf16=False,  # CPU
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, learning_rate=1e-2,
         beta=0.1, logging_steps=1, seed=1, report_to="none", save_strategy="no", disable_tqdm=True,

@@ -2,7 +2,6 @@
 its prompts once, whether a group's rows are split across the processes or each process holds whole groups."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import assert_metrics_close
+from .helpers import free_port
 
 
 WORKER = Path(__file__).with_name("dp_worker.py")
@@ -19,12 +19,6 @@ LAYOUTS = {
     # k = 2, 4 rows per process: each process holds whole groups
     "whole_groups_per_process": ["--num_generations", "2", "--per_device_train_batch_size", "4"],
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(method: str, out: Path, model_cache: Path, extra: list[str]) -> list[dict]:

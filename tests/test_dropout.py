@@ -18,7 +18,7 @@ from trl.trainer.utils import add_fused_lm_head
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.install import install
-from rloo_efficient.workload import build_dataset, build_model_dir
+from rloo_efficient.demo.workload import build_dataset, build_model_dir
 
 from . import trees
 from .conftest import assert_metrics_close, run, step_metrics, tiny_workload, training_args

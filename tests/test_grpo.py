@@ -8,7 +8,7 @@ import torch
 import trl
 
 from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer
-from rloo_efficient.workload import (
+from rloo_efficient.demo.workload import (
     build_dataset,
     build_model_dir,
     build_processing_class,

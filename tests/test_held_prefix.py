@@ -21,7 +21,7 @@ from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree import layout as layouts
 from rloo_efficient.core.tree.holds import chunks_encoding, hoisted_sources, plan_holds
-from rloo_efficient.workload import build_model_dir
+from rloo_efficient.demo.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
 from .trees import stock_batch
@@ -248,7 +248,7 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
     import warnings
 
     from rloo_efficient import RLOOTrainer
-    from rloo_efficient.workload import build_tokenizer, vowel_reward
+    from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
 
     from .conftest import training_args
 

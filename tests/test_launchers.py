@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rloo_efficient.workload import build_model_dir, build_reward_adapter_dir, build_reward_model_dir
+from rloo_efficient.demo.workload import build_model_dir, build_reward_adapter_dir, build_reward_model_dir
 
 from .conftest import assert_metrics_close
 from .helpers import ROOT, cpu_config, free_port

@@ -13,7 +13,7 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.families import forward_unsupported_reason
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
-from rloo_efficient.workload import build_dataset, build_model_dir
+from rloo_efficient.demo.workload import build_dataset, build_model_dir
 
 from .conftest import METRICS, run, step_metrics, tiny_workload, training_args
 from .trees import random_rows, split_rows, stock_batch

@@ -8,8 +8,8 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
+from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.op_count import OpCounter
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 from .conftest import training_args
 

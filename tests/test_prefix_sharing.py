@@ -18,9 +18,9 @@ from rloo_efficient.core.layers.families import position_period
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.rope import rope_length
 from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 from rloo_efficient.trainers.config import ROWS_KEY
 from rloo_efficient.trainers.group_shuffle import ordered_for_group_shuffle
-from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 
 from .conftest import (
     assert_metrics_close,

@@ -14,8 +14,8 @@ import rloo_efficient
 import rloo_efficient.profiling.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.once import WarnOnce
+from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
 from rloo_efficient.trainers.memory_profiling import PHASES, PhaseProfiler, git_commit
-from rloo_efficient.workload import build_tokenizer, vowel_reward
 
 from .conftest import run, training_args
 

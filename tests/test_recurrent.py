@@ -12,8 +12,8 @@ import torch
 from rloo_efficient.core.layers import recurrent
 from rloo_efficient.core.tree.layout import tree_layout
 from rloo_efficient.core.tree.radix import build_tree
-from rloo_efficient.tiny_models import model_config, model_from_config
-from rloo_efficient.workload import build_tokenizer
+from rloo_efficient.demo.tiny_models import model_config, model_from_config
+from rloo_efficient.demo.workload import build_tokenizer
 
 from .conftest import tiny_workload
 from .trees import random_rows
@@ -236,7 +236,7 @@ def test_a_layer_dispatched_by_accelerate_is_forked_with_its_weights(model_cache
     from transformers import AutoModelForCausalLM
 
     from rloo_efficient.core.tree.layout import LAYOUT_KWARG
-    from rloo_efficient.workload import build_model_dir
+    from rloo_efficient.demo.workload import build_model_dir
 
     cfg = tiny_workload(model_cache, arch=arch, model_dtype="float64" if arch == "lfm2" else "float32",
                         num_hidden_layers=3 if arch == "nemotron_h" else 2)  # fmt: skip

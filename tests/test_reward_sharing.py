@@ -19,8 +19,7 @@ from transformers import (
 
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.forward.reward import pack_reward_rows
-from rloo_efficient.trainers.hydra import HydraReward
-from rloo_efficient.workload import (
+from rloo_efficient.demo.workload import (
     SPECIAL_TOKENS,
     build_dataset,
     build_model_dir,
@@ -28,6 +27,7 @@ from rloo_efficient.workload import (
     chat_template,
     vowel_reward,
 )
+from rloo_efficient.trainers.hydra import HydraReward
 
 from .conftest import METRICS, assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 from .helpers import POLICY_LORA, build_reward_adapter, build_reward_model

@@ -8,7 +8,7 @@ import trl
 
 import rloo_efficient
 from rloo_efficient import RLOOConfig, RLOOTrainer
-from rloo_efficient.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
+from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 from .helpers import TransformersSampling, build_reward_model

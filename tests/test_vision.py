@@ -13,7 +13,7 @@ import trl
 from datasets import Dataset
 
 from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from rloo_efficient.workload import build_dataset, build_model_dir, build_processing_class
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_processing_class
 
 from .conftest import tiny_workload
 from .helpers import assert_same_run, grpo_args
@@ -480,8 +480,8 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
 
     from rloo_efficient.core.generation import static_decode
     from rloo_efficient.core.generation.generate import generate_with_shared_prefill
-    from rloo_efficient.tiny_models import model_config, model_from_config
-    from rloo_efficient.workload import build_tokenizer
+    from rloo_efficient.demo.tiny_models import model_config, model_from_config
+    from rloo_efficient.demo.workload import build_tokenizer
 
     cfg = tiny_workload(model_cache, arch=arch, **{**VISION[arch], "sliding_window": VISION[arch].get("sliding_window")
                                                    and 8})  # fmt: skip

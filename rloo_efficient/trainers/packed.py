@@ -5,14 +5,15 @@ images can be packed), and the pass itself, run by core ([`core.forward.passes`]
 ([`held_prefix.HeldPrefixes`]); TRL's forward otherwise.
 """
 
+import functools
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..core.forward.passes import ChunkPlan, PackedPass, PassCounts
-from ..core.layers.vision import ImageBatch, ModelVision
+from ..core.forward.passes import PackedPass, PassCounts
+from ..core.layers.vision import ModelVision
 from .held_prefix import HeldPrefixes
 from .ranks import Ranks
 from .switches import Switches
@@ -83,28 +84,10 @@ class PackedPasses:
 
     def run(self, model, input_ids, attention_mask, logits_to_keep: int, rows: torch.Tensor, batch_size: int | None,
             compute_entropy: bool, compute_aux_loss: bool, images: dict, stock: Callable) -> tuple:  # fmt: skip
-        """TRL's micro-batch chunking (`batch_size` rows), each chunk packed ([`core.forward.passes.PackedPass`]);
-        `stock(input_ids, attention_mask, **images)`: TRL's forward of some rows, for a chunk that cannot be packed."""
-        batch_size = batch_size or input_ids.size(0)
-        unwrapped = self.unwrap(model)
-        image_batch = None
-        if images:
-            image_batch = ImageBatch(unwrapped, self.vision, images, input_ids, attention_mask, logits_to_keep)
-        chunks = [(start, min(start + batch_size, input_ids.size(0))) for start in range(0, input_ids.size(0), batch_size)]
-        plan = ChunkPlan(chunks)
-        if self.held is not None:
-            with_images = image_batch.rows_with_images if image_batch is not None else None
-            plan = self.held.pass_plan(rows, chunks, compute_aux_loss, with_images, input_ids.size(1))
-
-        def stock_chunk(start: int, end: int, reason: str):
-            self.check_nothing_held()
-            self.switches.fall_back(reason, permanent=False)
-            return stock(input_ids[start:end], attention_mask[start:end],
-                         **(image_batch.of_rows(start, end) if image_batch is not None else {}))  # fmt: skip
-
-        packed = PackedPass(model, unwrapped, input_ids, attention_mask, logits_to_keep, rows, compute_entropy,
-                            compute_aux_loss, image_batch, self.autocast, self.counts, self.fsdp)  # fmt: skip
-        result = packed.run(plan, stock_chunk)
-        if self.held is not None:
-            self.held.pass_done(plan)
-        return result
+        """The packed pass ([`core.forward.passes.PackedPass`]) over TRL's chunks of `batch_size` rows, in the chunks
+        the held prefixes plan; `stock(input_ids, attention_mask, **images)`: TRL's forward of some rows, for a chunk
+        that cannot be packed."""
+        fall_back = functools.partial(self.switches.fall_back, permanent=False)
+        packed = PackedPass(model, self.unwrap(model), compute_entropy, compute_aux_loss, self.vision, self.autocast,
+                            self.held, fall_back, self.counts, self.fsdp)  # fmt: skip
+        return packed.run(input_ids, attention_mask, logits_to_keep, rows, batch_size, images, stock)
