@@ -17,6 +17,7 @@ micro-batch, which packs them as its prefix tree ([`core.tree.radix`]).
 """
 
 import dataclasses
+import functools
 
 import torch
 from transformers import Trainer
@@ -307,7 +308,7 @@ class GroupSharingMixin:
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         if self._rewards is None:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        prepare = lambda batch: Trainer._prepare_inputs(self, batch)  # noqa: E731 (as TRL's reward-model branch moves it)
+        prepare = functools.partial(Trainer._prepare_inputs, self)  # to the device, as TRL's reward-model branch does
         with self._rewards.standing_in(self.reward_funcs, self.reward_processing_classes, self.chat_template_kwargs,
                                        prepare):  # fmt: skip
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -117,10 +117,10 @@ class Switches:
         if permanent:
             self.prefix = False
         self.warnings.warn(f"rloo_efficient: prompt-prefix sharing is off{'' if permanent else ' for such batches'}, "
-                           f"using stock TRL's forward: {reason}.", key=reason, stacklevel=4)  # fmt: skip
+                           f"using stock TRL's forward: {reason}.", key=reason, stacklevel=3)  # fmt: skip
 
     def warn_once(self, message: str) -> None:
-        self.warnings.warn(message, stacklevel=4)
+        self.warnings.warn(message, stacklevel=3)
 
 
 STOCK = Switches()
