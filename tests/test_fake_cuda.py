@@ -366,6 +366,51 @@ def test_one_row_is_one_flash_call_per_layer_on_cuda(monkeypatch, arch, dtype):
         assert chosen == [("cuda_flash", 2)]  # the one layer's forward called directly, then its backward
 
 
+def test_one_row_scoring_chunks_replay_a_captured_forward_on_cuda(monkeypatch):
+    """The graphed no-grad pass ([`core.forward.graphed`]) on CUDA, as it is by default: a prompt's rows packed in full
+    have one layout on the device; the first runs eagerly, the second is the warm-up and the capture (emulated: the
+    forward kept to replay, on fake tensors), the third copies its tokens, positions and labels into the captured
+    inputs and replays: one flash call per layer each time, the outputs in the chunk's shapes on CUDA."""
+    from rloo_efficient.core.forward import graphed
+
+    ids, rows = stock_batch([20], [0, 0, 0], [5, 3, 1], 5, seed=0)
+    full = [graphed.scored_in_full(rows[row : row + 1], 5) for row in range(3)]  # (host tables: before the fake mode)
+    replays = []
+
+    class Graph:
+        def __init__(self, step, outputs):
+            self.step, self.outputs = step, outputs
+
+        def replay(self):
+            replays.append(1)
+            for buffer, value in zip(self.outputs, self.step(), strict=True):
+                if buffer is not None:
+                    buffer.copy_(value)
+
+    def capture(step, device):
+        assert device == CUDA
+        outputs = step()
+        return Graph(step, outputs), outputs
+
+    monkeypatch.setattr(graphed, "warm_up", lambda step, device, buffers=(): step())
+    monkeypatch.setattr(graphed, "capture", capture)
+    with fake_cuda(monkeypatch) as chosen:
+        model = fake_model("llama", torch.bfloat16)
+        model._rloo_scoring_graph_checked = True  # (the check compares values, which fake tensors do not have)
+        assert graphed.GraphedForwards.applies(model, CUDA)
+        forwards = graphed.GraphedForwards(model, CUDA, lambda **inputs: SimpleNamespace(
+            log_probs=model(**inputs).logits[..., 0], entropy=None), entropy=False)  # fmt: skip
+        keys = set()
+        for row in range(3):
+            packed = pack_rows(ids[row : row + 1].to(CUDA), 5, full[row])
+            keys.add(graphed.signature(packed))
+            log_probs, _ = forwards.forward(packed)
+            assert (log_probs.shape, log_probs.device) == ((1, packed.num_tokens), CUDA)
+        assert len(keys) == 1 and len(forwards.graphs) == 1 and replays == [1]
+        # per forward one flash call per layer: eager, warm-up, capture, the replay
+        assert chosen == [("cuda_flash", 2)] * 2 * 4
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_the_tree_prefill_runs_the_fused_kernels_on_cuda(monkeypatch, arch):
     """Generation's prefill over the prompts' prefix tree (a 70-token system prompt, three tasks): the decoder's packed

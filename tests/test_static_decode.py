@@ -305,7 +305,7 @@ def emulated_graphs(monkeypatch):
         return graphs[-1], graphs[-1].output
 
     monkeypatch.setattr(static_decode, "CAPTURE_DEVICES", ("cpu",))
-    monkeypatch.setattr(static_decode, "warm_up", lambda step, device: step())
+    monkeypatch.setattr(static_decode, "warm_up", lambda step, device, buffers=(): step())
     monkeypatch.setattr(static_decode, "capture", capture)
     return graphs
 

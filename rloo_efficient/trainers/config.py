@@ -111,6 +111,14 @@ SHARING_DOC = r"""
             why. `None`: on where the step is captured as a graph (CUDA: on an H200 generation took 0.30x
             `generate`'s time at Qwen3-0.6B's shape), off elsewhere (on CPU the eager step is about `generate`'s
             speed).
+        graph_scoring_passes (`bool`, *optional*, defaults to `True`):
+            With `share_prompt_prefix`, on CUDA, the no-grad log-prob passes (the old policy's, the reference's) at one
+            row per chunk replay their chunks from CUDA graphs: each row packed in full (its completion's padding too,
+            as stock's forward computes it), so that the rows reading one held prompt pack alike; the second such
+            chunk captures the forward, the later ones copy their tokens in and replay it (one launch instead of a
+            whole forward's). Checked against the eager forward on a model's first captured pass; eager, with one
+            warning, where a replay differs or the forward cannot be captured. No effect elsewhere (CPU, training
+            forwards, several rows per chunk, images, recurrent layers, the MoE load-balancing loss).
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -197,6 +205,11 @@ class SharingArguments:
                           "token), each call's step captured as a CUDA graph on CUDA (with share_generation_prefill). "
                           "None (default): on CUDA, off elsewhere."},
     )
+    graph_scoring_passes: bool = field(
+        default=True,
+        metadata={"help": "On CUDA, replay the one-row no-grad log-prob passes' chunks from CUDA graphs (with "
+                          "share_prompt_prefix)."},
+    )
     share_reward_prefix: bool = field(
         default=True,
         metadata={"help": "Score reward models over the prefix tree of their rows (each shared run once, no padding)."},
@@ -232,7 +245,7 @@ STOCK_SETTINGS = SharingArguments(share_prompt_prefix=False, share_generation_pr
                                   share_prefill_tree=False, share_prompt_kv_cache=False, tool_cache_budget_gib=0,
                                   held_prefix_budget_gib=0, share_reward_prefix=False, hydra_reward_adapter=False,
                                   shuffle_groups=False, share_under_dropout=False, empty_cache_policy="none",
-                                  profile_memory=False)  # fmt: skip
+                                  profile_memory=False, graph_scoring_passes=False)  # fmt: skip
 
 
 def sharing_settings(args) -> SharingArguments:

@@ -97,6 +97,7 @@ class GroupSharingMixin:
     tree_tokens = _count("tree_tokens")
     held_forward_tokens = _count("held_forward_tokens")
     scoring_forward_calls = _count("scoring_forward_calls")
+    graph_replays = _count("graph_replays")
     shared_prefill_tokens = _count("shared_prefill_tokens")
     reward_forward_tokens = _count("reward_forward_tokens")
     reward_shared_prefix_lengths = _count("reward_shared_prefix_lengths")

@@ -89,5 +89,6 @@ class PackedPasses:
         that cannot be packed."""
         fall_back = functools.partial(self.switches.fall_back, permanent=False)
         packed = PackedPass(model, self.unwrap(model), compute_entropy, compute_aux_loss, self.vision, self.autocast,
-                            self.held, fall_back, self.counts, self.fsdp)  # fmt: skip
+                            self.held, fall_back, self.counts, self.fsdp,
+                            graphs=self.switches.settings.graph_scoring_passes)  # fmt: skip
         return packed.run(input_ids, attention_mask, logits_to_keep, rows, batch_size, images, stock)

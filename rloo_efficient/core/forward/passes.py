@@ -24,6 +24,7 @@ from ..layers.moe import recording_router_logits, weighted_aux_loss
 from ..layers.recurrent import has_recurrent_layers
 from ..layers.rope import rope_length
 from ..layers.vision import ImageBatch, ModelVision
+from .graphed import GraphedForwards, scored_in_full
 from .packing import pack_rows
 from .scope import HeldScope
 
@@ -36,6 +37,7 @@ class PassCounts:
     tree_tokens: int = 0  # the real tokens of the prefix trees those forwards packed (each shared run once)
     held_forward_tokens: int = 0  # tokens the held prompts' source forwards processed (part of the above)
     scoring_forward_calls: int = 0  # model calls of the no-grad passes, held prompts' included
+    graph_replays: int = 0  # chunks of the no-grad passes replayed from a captured graph ([`graphed`])
 
 
 @dataclasses.dataclass
@@ -93,6 +95,7 @@ class PackedPass:
     fall_back: Callable = lambda reason: None
     counts: PassCounts = dataclasses.field(default_factory=PassCounts)
     sharded: bool = False  # FSDP may shard the model ([`sharded`]): a held prompt's training forward is guarded
+    graphs: bool = False  # a no-grad pass's one-row chunks replayed from CUDA graphs where captured ([`graphed`])
 
     def run(self, input_ids, attention_mask, logits_to_keep: int, rows: torch.Tensor, batch_size: int | None,
             images: dict, stock: Callable) -> tuple:  # fmt: skip
@@ -112,15 +115,22 @@ class PackedPass:
         if self.holds is not None:
             with_images = image_batch.rows_with_images if image_batch is not None else None
             plan = self.holds.pass_plan(rows, plan.chunks, self.compute_aux_loss, with_images, input_ids.size(1))
+        graphed = None
+        if self.graphs and not torch.is_grad_enabled() and not self.compute_aux_loss and image_batch is None and (
+                not self._recurrent and GraphedForwards.applies(self.unwrapped, input_ids.device)):  # fmt: skip
+            graphed = GraphedForwards(self.unwrapped, input_ids.device, functools.partial(self._call, input_ids.size(1)),
+                                      self.compute_entropy, self.counts)  # fmt: skip
         all_logps, all_entropies, all_aux = [], [], []
         try:
             for index, (start, end) in zip(plan.indices, plan.chunks, strict=True):
                 if plan.scope is not None and plan.scope.plan.chunks[index].source is not None:
                     # The prompts first held here, forwarded once for every later chunk
                     self._forward_source(batch, image_batch, plan.scope, index, start, end)
-                logps, entropies, aux = self._chunk(batch, image_batch, plan.scope, index, start, end, stock)
+                logps, entropies, aux = self._chunk(batch, image_batch, plan.scope, index, start, end, stock, graphed)
                 if plan.scope is not None:
                     plan.scope.release(index)
+                    if graphed is not None:
+                        graphed.release(set(plan.scope.sources))
                 all_logps.append(logps)
                 all_entropies.append(entropies)
                 all_aux.append(aux)
@@ -163,13 +173,17 @@ class PackedPass:
         self.counts.held_forward_tokens += tokens
 
     def _chunk(self, batch: _Batch, images: ImageBatch | None, scope: HeldScope | None, index: int, start: int,
-               end: int, stock: Callable) -> tuple:  # fmt: skip
-        """The rows `[start, end)` packed (after the prompts `scope` holds for them) and forwarded; where they cannot be
-        packed ([`packing.pack_rows`] says why), stock's forward."""
+               end: int, stock: Callable, graphed: GraphedForwards | None = None) -> tuple:  # fmt: skip
+        """The rows `[start, end)` packed (after the prompts `scope` holds for them) and forwarded (a row alone through
+        `graphed`, where given: packed in full, replayed where its layout repeats); where they cannot be packed
+        ([`packing.pack_rows`] says why), stock's forward."""
         pack = dict(token_weights=self.compute_aux_loss, group_sources=images is not None and images.with_positions,
                     image_tokens=images.vision.image_tokens if images else None, recurrent=self._recurrent,
                     position_period=position_period(self.unwrapped))  # fmt: skip
         ids, rows = batch.input_ids[start:end], batch.rows[start:end]
+        graphed = graphed if end - start == 1 else None
+        if graphed is not None:
+            rows = scored_in_full(rows, batch.logits_to_keep)
         if scope is not None:
             packed = scope.pack(index, ids, batch.logits_to_keep, rows, **pack)
         else:
@@ -184,6 +198,9 @@ class PackedPass:
             packed, chunk_images = images.packed(packed, start)
         self.counts.packed_forward_tokens += packed.num_tokens
         self.counts.tree_tokens += packed.tree.real_tokens
+        if graphed is not None:
+            log_probs, entropy = graphed.forward(packed)
+            return packed.unpack(log_probs), packed.unpack(entropy) if self.compute_entropy else None, None
         routers = recording_router_logits(self.unwrapped) if self.compute_aux_loss else contextlib.nullcontext()
         with routers as router_logits:
             outputs = self._call(batch.input_ids.size(1), **packed.model_inputs(), **chunk_images)

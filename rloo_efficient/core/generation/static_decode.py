@@ -56,6 +56,7 @@ try:  # the image inputs `generate`'s own input preparation passes to the prefil
 except ImportError:  # pragma: no cover - older transformers: every such input is a per-step one
     MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL = ()
 
+from ..graphs import capture, warm_up
 from ..once import WarnOnce
 from ..transformers_compat import CACHE_KWARG
 from .prompt_cache import PrefixCache, PrefixLayer
@@ -546,43 +547,6 @@ CHECKED_STEPS = 3
 _RTOL, _ATOL = 1e-3, 1e-3  # the same kernels on the same inputs: equal but for a kernel's nondeterministic order
 
 
-def warm_up(step, device: torch.device) -> torch.Tensor:
-    """Runs `step` once on a side stream (what capture needs first: lazily initialized kernels and workspaces), and
-    returns its output. Buffers the step allocated there (a kept-once cache's own keys) are marked as used by the
-    current stream, which decodes from them."""
-    current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        output = step()
-    current.wait_stream(stream)
-    for buffer in step.buffers():
-        buffer.record_stream(current)
-    return output
-
-
-def capture(step, device: torch.device) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
-    """
-    `step` captured as a CUDA graph on a side stream, not run: `(graph, its output buffer)`; each `graph.replay()`
-    runs the step again over the same buffers and writes its output there. `CUDAGraph.capture_begin` and
-    `capture_end` directly: `torch.cuda.graph` would also synchronize and empty the allocator's cache at every
-    capture, one per `generate` call (on an H200 a `generate` right after `empty_cache()` took 1.13-1.16x the time).
-    Errors only for this thread's unsafe calls (`thread_local`): another thread's work does not fail the capture.
-    """
-    current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(current)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            output = step()
-        finally:
-            graph.capture_end()
-    current.wait_stream(stream)
-    return graph, output
-
-
 class GraphedStep:
     """
     A [`StaticStep`] captured once as a CUDA graph and replayed: one launch for the whole forward. The first call is
@@ -629,7 +593,7 @@ class GraphedStep:
         return logits
 
     def _capture(self) -> torch.Tensor:
-        first = warm_up(self.step, self.device)
+        first = warm_up(self.step, self.device, self.step.buffers())
         try:
             self.graph, self.output = capture(self.step, self.device)
         except Exception as error:  # noqa: BLE001 - any failure to capture: the eager step decodes, exactly

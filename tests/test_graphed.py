@@ -1,0 +1,119 @@
+"""The one-row no-grad log-prob passes replayed from CUDA graphs ([`core.forward.graphed`]), capture emulated on CPU:
+stock TRL's numbers in float64, the replays engaged, and a replay that differs caught at first use."""
+
+import warnings
+
+import pytest
+import torch
+import trl
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.core.forward import graphed
+from rloo_efficient.core.forward.packing import pack_rows
+from rloo_efficient.core.once import WarnOnce
+from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
+
+from .conftest import training_args
+from .trees import stock_batch
+
+
+class EmulatedGraph:
+    """A captured forward as a replay sees it: its outputs are buffers that each replay overwrites, computed from the
+    captured inputs' tensors as they are then (the test's CPU forward stands in for the kernels)."""
+
+    def __init__(self, step, outputs, wrong: bool):
+        self.step, self.outputs, self.wrong = step, outputs, wrong
+
+    def replay(self):
+        for buffer, value in zip(self.outputs, self.step(), strict=True):
+            if buffer is not None:
+                buffer.copy_(value + (1.0 if self.wrong else 0.0))
+
+
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """The graph path on CPU: the warm-up runs the forward, the capture keeps it to replay; the rest as on CUDA."""
+    graphs, faults = [], {}
+
+    def capture(step, device):
+        if faults.get("fails"):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        outputs = tuple(None if value is None else value.clone() for value in step())
+        graphs.append(EmulatedGraph(step, outputs, faults.get("wrong", False)))
+        return graphs[-1], outputs
+
+    monkeypatch.setattr(graphed, "CAPTURE_DEVICES", ("cpu",))
+    monkeypatch.setattr(graphed, "warm_up", lambda step, device, buffers=(): step())
+    monkeypatch.setattr(graphed, "capture", capture)
+    monkeypatch.setattr(graphed, "_warnings", WarnOnce())  # (the process's: each test warns afresh)
+    return graphs, faults
+
+
+def test_a_row_packed_in_full_scores_its_tokens_as_packed_alone():
+    """[`graphed.scored_in_full`]: a row packed with its completion's padding has the same log-probs at its scored
+    columns (the padding comes after them), and every row of a prompt packs to the same tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from rloo_efficient.core.layers.install import install
+
+    torch.manual_seed(0)
+    # tiny: two layers, float64 so that the two packings compare exactly
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1)).double().eval()  # fmt: skip
+    add_fused_lm_head(model)
+    install(model)
+    prompts = [list(range(3, 14))] * 3
+    completions = [[20, 21, 22], [23, 24, 25, 26, 27, 28], [29]]
+    input_ids, _, logits_to_keep, rows = stock_batch(prompts, completions)
+    sizes = set()
+    for row in range(3):
+        alone = pack_rows(input_ids[row : row + 1], logits_to_keep, rows[row : row + 1])
+        full = pack_rows(input_ids[row : row + 1], logits_to_keep, graphed.scored_in_full(rows[row : row + 1],
+                                                                                          logits_to_keep))  # fmt: skip
+        sizes.add(full.num_tokens)
+        with torch.no_grad():
+            a = alone.unpack(model(**alone.model_inputs(), fused_lm_head=True).log_probs)
+            b = full.unpack(model(**full.model_inputs(), fused_lm_head=True).log_probs)
+        scored = len(completions[row])
+        torch.testing.assert_close(b[:, :scored], a[:, :scored], rtol=1e-12, atol=1e-12)
+        assert (a[:, scored:] == 0).all() and (b[:, scored:] != 0).all()  # the padding's own log-probs, as stock's
+    assert len(sizes) == 1  # every row of the prompt packs alike
+
+
+ONE_ROW = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8,
+               max_completion_length=80, generation_kwargs={"min_new_tokens": 80})  # fmt: skip
+
+
+def run(trainer_class, path, args, dataset):
+    trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+                            processing_class=build_tokenizer())  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("fault", [None, "wrong", "fails"])
+def test_one_row_scoring_passes_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, fault):
+    """One row per micro-batch, completions longer than the prompts (so no two rows' chunks merge): the reference pass's
+    chunks of each held prompt replay one captured forward, and the run is stock's. A replay that differs from the
+    eager forward, or a forward that cannot be captured, is caught at first use: eager from there on, one warning."""
+    cfg, path, dataset = workload
+    graphs, faults = emulated_graphs
+    if fault is not None:
+        faults[fault] = True
+    settings = {"max_steps": 1, "optim": "sgd", "learning_rate": 1e-1, **ONE_ROW}
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **settings), dataset)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(RLOOTrainer, path, training_args(tmp_path / "o", shuffle_groups=False, **settings), dataset)
+    messages = [str(w.message) for w in caught if "not from CUDA graphs" in str(w.message)]
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    assert ours.held_forward_tokens > 0
+    a, b = stock.state.log_history[0], ours.state.log_history[0]
+    for key in ("loss", "kl", "grad_norm", "entropy"):
+        assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), (key, a[key], b[key])
+    if fault is None:
+        assert not messages and graphs and ours.graph_replays > 0
+    else:
+        reason = "differs from the eager forward" if fault == "wrong" else "cannot be captured (RuntimeError"
+        assert len(messages) == 1 and reason in messages[0]
