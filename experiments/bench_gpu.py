@@ -44,6 +44,9 @@ WORKLOADS["0.6b-k8"], WORKLOADS["1.7b-k8"] = WORKLOADS["gpu"][:1], WORKLOADS["gp
 # One row per micro-batch, 8 accumulated (a memory-bound user's setting): each prompt held across the micro-batches
 WORKLOADS["0.6b-rows1"] = [("0.6B P=3072 C=256 k=8, 1 row per micro-batch", "qwen3-0.6b", 3072, 256, 8, 1)]
 WORKLOADS["0.6b-rows2"] = [("0.6B P=3072 C=256 k=8, 2 rows per micro-batch", "qwen3-0.6b", 3072, 256, 8, 2)]
+# Completions longer than the prompts (a reasoning run): a no-grad pass's one-row chunks cannot merge, each replayed
+# from a CUDA graph (graph_scoring_passes, against its ablation)
+WORKLOADS["0.6b-long-rows1"] = [("0.6B P=512 C=1024 k=8, 1 row per micro-batch", "qwen3-0.6b", 512, 1024, 8, 1)]
 ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"],
              "share_generation_prefill=False": ["--share_generation_prefill", "false"],
              "empty_cache_policy=after_generation": ["--empty_cache_policy", "after_generation"],
@@ -52,7 +55,9 @@ ABLATIONS = {"share_prompt_kv_cache=False": ["--share_prompt_kv_cache", "false"]
              "static_decoding=False": ["--static_decoding", "false"],
              # each micro-batch forwarding its rows' prompts (on a CPU stand-in of a host-bound GPU, training at two
              # rows per micro-batch dispatched fewer operators so: results/host_bound.md)
-             "held_prefix_budget_gib=0": ["--held_prefix_budget_gib", "0"]}  # fmt: skip
+             "held_prefix_budget_gib=0": ["--held_prefix_budget_gib", "0"],
+             # the one-row no-grad passes' chunks forwarded eagerly, not replayed from CUDA graphs
+             "graph_scoring_passes=False": ["--graph_scoring_passes", "false"]}  # fmt: skip
 GIB = "gib"
 
 

@@ -30,12 +30,14 @@
 # 6. the trainer on the 1.7B workloads (never measured yet);
 # 7. decoding from static buffers (static_decoding, on by default on CUDA since 2026-11-27) against generate's loop:
 #    generation alone (and, at 1.7B and P=16384, with the prompt kept once: its decoding cost under a graph, where no
-#    launches are left for the kept-once attention's extra operators to cost), then the trainer.
+#    launches are left for the kept-once attention's extra operators to cost), then the trainer;
+# 8. the trainer at one row per micro-batch with completions longer than the prompts (P=512, C=1024): the no-grad
+#    passes' one-row chunks replayed from CUDA graphs (graph_scoring_passes, since 2026-11-29) against eager.
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 FIRST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b held_overhead"
-REST="doctor static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
+REST="doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -62,6 +64,8 @@ run 180 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-
 run 200 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
 run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
+run 240 bench_gpu_long_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-long-rows1 \
+    --ablations graph_scoring_passes=False --output "$OUT/bench_gpu_long_rows1.md"
 run 300 bench_gpu_rows2 python3 experiments/bench_gpu.py --workloads 0.6b-rows2 --ablations held_prefix_budget_gib=0 \
     --output "$OUT/bench_gpu_rows2.md"
 run 150 static_generation python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
