@@ -41,6 +41,7 @@ def test_config_is_a_stock_config_subclass():
         "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_prompt_kv_cache",
         "tool_cache_budget_gib", "held_prefix_budget_gib", "share_reward_prefix", "hydra_reward_adapter",
         "shuffle_groups", "empty_cache_policy", "profile_memory", "static_decoding", "share_under_dropout",
+        "graph_scoring_passes",
     }  # fmt: skip
     assert rloo_efficient.RLOOConfig is RLOOConfig
 
@@ -54,7 +55,7 @@ def test_config_is_a_stock_config_subclass():
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
             "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_reward_prefix",
-            "hydra_reward_adapter", "profile_memory")),
+            "hydra_reward_adapter", "profile_memory", "graph_scoring_passes")),
         *(({name: "false"}, f"{name} must be True, False or None, got 'false'") for name in (
             "share_prompt_kv_cache", "shuffle_groups", "static_decoding")),
         ({"share_prompt_prefix": 1}, "share_prompt_prefix must be True or False, got 1 "),
