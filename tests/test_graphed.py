@@ -117,3 +117,17 @@ def test_one_row_scoring_passes_replay_and_match_stock(workload, tmp_path, exact
     else:
         reason = "differs from the eager forward" if fault == "wrong" else "cannot be captured (RuntimeError"
         assert len(messages) == 1 and reason in messages[0]
+
+
+def test_no_graphs_where_every_forward_gathers_from_all_processes():
+    """Under ZeRO-3 or FSDP each process must run the same forwards: a capture, or a check's extra forward, decided by
+    one process's rows alone would leave the others waiting. Graphs only where each process decides alone."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.packed import PackedPasses
+
+    for setting, collective, expected in ((True, False, True), (True, True, False), (False, False, False)):
+        switches = SimpleNamespace(settings=SimpleNamespace(graph_scoring_passes=setting))
+        ranks = SimpleNamespace(collective=lambda collective=collective: collective)
+        passes = PackedPasses(None, None, switches, ranks, None, None, None)
+        assert passes._graphs is expected

@@ -5,21 +5,27 @@ for the whole step. Used by static decoding ([`generation.static_decode`]) and t
 captured step's buffers, its outputs read from the buffers it wrote.
 """
 
+from collections.abc import Callable, Iterable
+
 import torch
+from torch.utils import _pytree as pytree
 
 
-def warm_up(step, device: torch.device, buffers=()) -> object:
+def warm_up(step, device: torch.device, buffers: Callable[[], Iterable] | None = None) -> object:
     """Runs `step()` once on a side stream (what capture needs first: lazily initialized kernels and workspaces), and
-    returns its output. `buffers` the step allocated there (a kept-once cache's own keys) are marked as used by the
-    current stream, which reads them next."""
+    returns its output. The tensors the step allocated there that the current stream reads next (its output's, and
+    `buffers()`, read after the step: a kept-once cache's own keys, a layout's memoized bias) are marked as used by
+    the current stream, so that their memory is not handed to other work before it is done with them."""
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         output = step()
     current.wait_stream(stream)
-    for buffer in buffers:
-        buffer.record_stream(current)
+    kept = [*pytree.tree_leaves(output), *(pytree.tree_leaves(list(buffers())) if buffers is not None else ())]
+    for tensor in kept:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            tensor.record_stream(current)
     return output
 
 

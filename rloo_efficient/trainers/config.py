@@ -118,7 +118,8 @@ SHARING_DOC = r"""
             chunk captures the forward, the later ones copy their tokens in and replay it (one launch instead of a
             whole forward's). Checked against the eager forward on a model's first captured pass; eager, with one
             warning, where a replay differs or the forward cannot be captured. No effect elsewhere (CPU, training
-            forwards, several rows per chunk, images, recurrent layers, the MoE load-balancing loss).
+            forwards, several rows per chunk, images, recurrent layers, the MoE load-balancing loss, ZeRO-3 and FSDP,
+            where every process must run the same forwards).
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where

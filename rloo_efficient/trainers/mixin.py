@@ -49,7 +49,9 @@ class Counts(PassCounts):
 
 
 def _count(name: str) -> property:
-    return property(lambda self: getattr(self._counts, name), doc=f"`{name}` of [`Counts`].")
+    """The trainer's `name` counter, kept in its [`Counts`] (a user may reset it, as before)."""
+    return property(lambda self: getattr(self._counts, name), lambda self, value: setattr(self._counts, name, value),
+                    doc=f"`{name}` of [`Counts`].")  # fmt: skip
 
 
 class GroupSharingMixin:
@@ -113,9 +115,9 @@ class GroupSharingMixin:
         unwrap = Unwrap(self.accelerator)
         unwrapped = unwrap(self.model)
         attach_hydra_rewards(self.reward_funcs, self.reward_processing_classes, unwrapped, self.args.trust_remote_code)
-        backend = "vLLM" if self.use_vllm else None
-        if self.use_transformers_continuous_batching:
-            backend = "transformers' continuous batching"
+        backend = None
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            backend = "vLLM" if self.use_vllm else "transformers' continuous batching"
         setup = Setup(unwrapped, getattr(self, "generation_config", None), self.accelerator.device, bool(self.aux_loss_enabled),
                       other_backend=backend, tools=bool(getattr(self, "tools", None)),
                       several_micro_batches=self.args.steps_per_generation > 1)  # fmt: skip

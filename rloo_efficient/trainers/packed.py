@@ -82,6 +82,13 @@ class PackedPasses:
         if self.held is not None:
             self.held.check_nothing_held()
 
+    @property
+    def _graphs(self) -> bool:
+        """Whether a no-grad pass may replay its one-row chunks from graphs: where each process decides its own
+        forwards (under ZeRO-3 or FSDP every forward gathers parameters from all of them: a capture, or a check's
+        extra forward, on one process alone would stall the others)."""
+        return self.switches.settings.graph_scoring_passes and not self.ranks.collective()
+
     def run(self, model, input_ids, attention_mask, logits_to_keep: int, rows: torch.Tensor, batch_size: int | None,
             compute_entropy: bool, compute_aux_loss: bool, images: dict, stock: Callable) -> tuple:  # fmt: skip
         """The packed pass ([`core.forward.passes.PackedPass`]) over TRL's chunks of `batch_size` rows, in the chunks
@@ -90,5 +97,5 @@ class PackedPasses:
         fall_back = functools.partial(self.switches.fall_back, permanent=False)
         packed = PackedPass(model, self.unwrap(model), compute_entropy, compute_aux_loss, self.vision, self.autocast,
                             self.held, fall_back, self.counts, self.fsdp,
-                            graphs=self.switches.settings.graph_scoring_passes)  # fmt: skip
+                            graphs=self._graphs)  # fmt: skip
         return packed.run(input_ids, attention_mask, logits_to_keep, rows, batch_size, images, stock)

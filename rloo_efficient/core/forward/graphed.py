@@ -24,8 +24,11 @@ from ..once import WarnOnce
 from .packing import PackedBatch
 
 
-# Devices on which the one-row no-grad passes are captured as graphs (where `graph_scoring_passes=None`, the default)
+# Devices on which the one-row no-grad passes are captured as graphs (with `graph_scoring_passes`, the default)
 CAPTURE_DEVICES = ("cuda",)
+# Graphs a pass keeps at once (each holds its own memory pool): the oldest is dropped for a new one (with prompts held,
+# a graph is dropped as soon as its prompt is released)
+MAX_LIVE_GRAPHS = 4
 # On a model's first captured pass, this many replays are checked against the eager forward
 CHECKED_REPLAYS = 2
 _RTOL, _ATOL = 1e-3, 1e-3  # the same kernels on the same inputs: equal but for a kernel's nondeterministic order
@@ -119,12 +122,14 @@ class GraphedForwards:
     def _capture(self, key: tuple, packed: PackedBatch) -> tuple:
         """The warm-up (eager: this chunk's result), then the capture (nothing runs): later chunks replay it."""
         step = lambda: self._eager(packed)  # noqa: E731 (the captured step reads this chunk's tensors, kept alive)
-        first = warm_up(step, self.device)
+        first = warm_up(step, self.device, packed.layout.memo.values)  # (the memo: built in the warm-up, read after)
         try:
             graph, outputs = capture(step, self.device)
         except Exception as error:  # noqa: BLE001 - any failure to capture: the eager forward, exactly
             self._give_up("its forward cannot be captured", f" ({type(error).__name__}: {error})")
             return first
+        if len(self.graphs) >= MAX_LIVE_GRAPHS:
+            del self.graphs[next(iter(self.graphs))]
         self.graphs[key] = _Captured(graph, packed, outputs)
         return first
 
@@ -133,10 +138,11 @@ class GraphedForwards:
         self.checking -= 1
         replayed = tuple(None if value is None else value.clone() for value in captured.outputs)
         eager = self._eager(packed)
-        if not torch.allclose(replayed[0], eager[0], rtol=_RTOL, atol=_ATOL):
-            difference = (replayed[0] - eager[0]).abs().max().item()
-            self._give_up("a replay differs from the eager forward", f" by {difference:.3g} (log-probs)")
-            return eager
+        for name, a, b in zip(("log-probs", "entropies"), replayed, eager, strict=True):
+            if a is not None and not torch.allclose(a, b, rtol=_RTOL, atol=_ATOL):
+                difference = (a - b).abs().max().item()
+                self._give_up("a replay differs from the eager forward", f" by {difference:.3g} ({name})")
+                return eager
         if not self.checking:
             self.model._rloo_scoring_graph_checked = True
         return replayed

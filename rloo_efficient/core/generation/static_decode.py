@@ -593,7 +593,7 @@ class GraphedStep:
         return logits
 
     def _capture(self) -> torch.Tensor:
-        first = warm_up(self.step, self.device, self.step.buffers())
+        first = warm_up(self.step, self.device, self.step.buffers)  # (read after the step: it allocates some)
         try:
             self.graph, self.output = capture(self.step, self.device)
         except Exception as error:  # noqa: BLE001 - any failure to capture: the eager step decodes, exactly
