@@ -32,6 +32,12 @@ SLOW_TESTS = {
     "test_gemma4_without_vision_attention_keeps_image_tokens_causal",
     "test_image_prompts_held_beside_prompts_forwarded_in_place",
     "test_a_family_without_known_image_placement_runs_stock_with_one_warning",
+    "test_image_prompts_held_under_trls_row_shuffle",
+    "test_grpo_with_the_load_balancing_loss",  # (the packed loss's own tests in test_moe.py stay quick)
+    "test_completions_of_different_lengths",
+    "test_prompts_with_two_images",
+    "test_masked_truncated_completions",
+    "test_an_unsupported_reward_model_is_called_as_stock_calls_it",
 }
 
 

@@ -92,7 +92,8 @@ def run(trainer_class, path, args, dataset):
     return trainer
 
 
-@pytest.mark.parametrize("fault", [None, "wrong", "fails"])
+@pytest.mark.parametrize("fault", [None, pytest.param("wrong", marks=pytest.mark.slow),
+                                   pytest.param("fails", marks=pytest.mark.slow)])  # fmt: skip
 def test_one_row_scoring_passes_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, fault):
     """One row per micro-batch, completions longer than the prompts (so no two rows' chunks merge): the reference pass's
     chunks of each held prompt replay one captured forward, and the run is stock's. A replay that differs from the
