@@ -119,7 +119,7 @@ class HeldPrefixes:
 
     def __init__(self, budget: int, policy: Callable, args, ranks: Ranks, switches: Switches, vision: ModelVision,
                  fsdp: int = 0, aux_loss: bool = False):  # fmt: skip
-        self.budget, self.policy, self.args, self.ranks, self.switches = budget, policy, args, ranks, switches
+        self.budget, self.policy, self.training_args, self.ranks, self.switches = budget, policy, args, ranks, switches
         self.vision, self.fsdp, self.aux_loss = vision, fsdp, aux_loss
         self.train_scope: TrainScope | None = None
         self.active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
@@ -334,15 +334,15 @@ class HeldPrefixes:
         config = self.policy().config.get_text_config(decoder=True)
         size = self._held_element_size()
         return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
-                                training, self.args.gradient_checkpointing)  # fmt: skip
+                                training, self.training_args.gradient_checkpointing)  # fmt: skip
 
     def _held_image_bytes(self) -> int:
         """[`tree.holds.held_image_bytes`] of the policy's vision config."""
         return held_image_bytes(getattr(self.policy().config, "vision_config", None), self._held_element_size(),
-                                self.args.gradient_checkpointing)  # fmt: skip
+                                self.training_args.gradient_checkpointing)  # fmt: skip
 
     def _held_element_size(self) -> int:
         """Bytes per value of what a held prompt keeps: bf16 under mixed precision, else the model's dtype."""
-        if self.args.bf16 or self.args.fp16:
+        if self.training_args.bf16 or self.training_args.fp16:
             return 2
         return next(self.policy().parameters()).element_size()

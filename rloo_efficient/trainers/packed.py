@@ -24,14 +24,14 @@ class Unwrap:
     every call (about 1.7 ms here), and a packed pass asks it once per chunk."""
 
     def __init__(self, accelerator):
-        self.accelerator = accelerator
+        self._unwrap_model = accelerator.unwrap_model
         self._known = weakref.WeakKeyDictionary()
 
     def __call__(self, model):
         known = self._known.get(model)
         inner = known() if known is not None else None
         if inner is None:
-            inner = self.accelerator.unwrap_model(model)
+            inner = self._unwrap_model(model)
             self._known[model] = weakref.ref(inner)  # (weak: the inner module is often the model itself)
         return inner
 

@@ -15,12 +15,12 @@ class Ranks:
     """The processes of `accelerator`, whose forwards run `policy()` (the policy, unwrapped)."""
 
     def __init__(self, accelerator, policy):
-        self.accelerator, self.policy = accelerator, policy
+        self._accelerator, self.policy = accelerator, policy
 
     def collective(self, model=None) -> bool:
         """Whether every forward of `model` (default: the policy) gathers parameters from all ranks (so that ranks
         must run the same forwards)."""
-        if self.accelerator.num_processes == 1:
+        if self._accelerator.num_processes == 1:
             return False
         from torch.distributed.fsdp import FSDPModule
         from transformers.distributed.fsdp import is_fsdp_managed_module
@@ -34,7 +34,7 @@ class Ranks:
         """`can`, agreed by every process (one all-reduce) where forwards are collective."""
         if not self.collective():
             return can
-        return on_every_rank(can, self.accelerator.device)
+        return on_every_rank(can, self._accelerator.device)
 
     def agree(self, values) -> bool:
         """Whether every process has the same integer `values` (a 1-D array of one length on all of them), by one
@@ -44,7 +44,7 @@ class Ranks:
         import torch.distributed as dist
 
         values = np.asarray(values, dtype=np.int64)
-        both = torch.as_tensor(np.concatenate([values, -values]), device=self.accelerator.device)
+        both = torch.as_tensor(np.concatenate([values, -values]), device=self._accelerator.device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         highest, lowest = both.chunk(2)
         return bool(torch.equal(highest, -lowest))

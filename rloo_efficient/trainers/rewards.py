@@ -29,23 +29,23 @@ class PackedRewardModel:
     """
 
     def __init__(self, scoring: "RewardScoring", model, processing_class, chat_template_kwargs: dict, prepare):
-        self.scoring, self.model, self.processing_class = scoring, model, processing_class
-        self.chat_template_kwargs, self.prepare = chat_template_kwargs, prepare
+        self.scoring, self.reward_model, self.processing_class = scoring, model, processing_class
+        self.template_kwargs, self.prepare = chat_template_kwargs, prepare
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         tokenizer = self.processing_class
         # The texts TRL's reward-model branch scores (trl 1.16 `_calculate_rewards`)
         if is_conversational({"prompt": prompts[0]}):
             messages = [{"messages": p + c} for p, c in zip(prompts, completions, strict=True)]
-            texts = [apply_chat_template(x, tokenizer, **self.chat_template_kwargs)["text"] for x in messages]
+            texts = [apply_chat_template(x, tokenizer, **self.template_kwargs)["text"] for x in messages]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        scores = self.scoring.grouped_scores(self.model, tokenizer, prompts, texts)
+        scores = self.scoring.grouped_scores(self.reward_model, tokenizer, prompts, texts)
         if scores is None:  # TRL's own call, as its reward-model branch makes it
             inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
                                add_special_tokens=False)  # fmt: skip
             with torch.inference_mode():
-                scores = self.model(**self.prepare(inputs)).logits[:, 0]
+                scores = self.reward_model(**self.prepare(inputs)).logits[:, 0]
         # TRL stores a reward function's list in float32, as it stores a model's logits: the same rounding
         return scores.tolist()
 

@@ -27,7 +27,7 @@ def _supported(reason: str | None, consequence: str) -> bool:
 class Setup:
     """What the switches depend on besides the config: the trainer's facts at the end of its `__init__`."""
 
-    model: object  # the policy, unwrapped
+    policy: object  # unwrapped
     generation_config: object  # None under vLLM (TRL sets none)
     device: object
     aux_loss: bool  # the MoE load-balancing loss is on
@@ -58,7 +58,7 @@ class Switches:
         """The switches `settings` asks for, each where `setup` can take it (else off, with one warning);
         `shuffle_reason()`: why keeping groups together would change more than the order of a sum, or None."""
         switches = cls(settings)
-        model = setup.model
+        model = setup.policy
         if settings.share_prompt_prefix:
             reason = forward_unsupported_reason(model, settings.share_under_dropout)
             if reason is None and setup.aux_loss:
