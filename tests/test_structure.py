@@ -5,6 +5,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+
 PACKAGE = Path(__file__).resolve().parent.parent / "rloo_efficient"
 
 
