@@ -39,6 +39,20 @@ SLOW_TESTS = {
     "test_masked_truncated_completions",
     "test_an_unsupported_reward_model_is_called_as_stock_calls_it",
 }
+# Cases of a quick test that repeat what another case of it covers: one loss of each kind, one layout of each
+SLOW_CASES = {
+    *(f"test_grpo_matches_stock[loss_{loss}]" for loss in ("bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")),
+    "test_small_micro_batches_hold_prompts_and_match_stock[hybrid_one_row]",
+    "test_small_micro_batches_hold_prompts_and_match_stock[moe_load_balancing_two_rows]",
+    "test_generation_prefills_each_prompt_and_image_once[qwen2_vl-True-False]",
+    "test_generation_prefills_each_prompt_and_image_once[qwen2_vl-False-False]",
+    "test_same_logits_and_samples_as_generate[qwen2_vl-True-interleaved]",
+    "test_same_logits_and_samples_as_generate[qwen2_vl-True-system_prompt]",
+    "test_image_prompts_held_across_micro_batches[qwen2_vl-rloo]",
+    "test_every_family_matches_stock_trl[qwen2_vl-groups]",
+    "test_matches_stock_trl[no_gradient_checkpointing]",
+    "test_small_micro_batches_hold_each_prompt_once_and_match_stock[two_rows_stock_order]",
+}
 
 
 def pytest_configure(config):
@@ -49,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         arch = getattr(item, "callspec", None) and item.callspec.params.get("arch")
-        if module in SLOW_MODULES or item.originalname in SLOW_TESTS or (
+        if module in SLOW_MODULES or item.originalname in SLOW_TESTS or item.name in SLOW_CASES or (
                 isinstance(arch, str) and arch not in QUICK_FAMILIES):  # fmt: skip
             item.add_marker(pytest.mark.slow)
 
