@@ -81,8 +81,15 @@ def test_a_row_packed_in_full_scores_its_tokens_as_packed_alone():
     assert len(sizes) == 1  # every row of the prompt packs alike
 
 
-ONE_ROW = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8,
-               max_completion_length=80, generation_kwargs={"min_new_tokens": 80})  # fmt: skip
+# Completions longer than the prompts (40 to 64 tokens), each row's own tokens more than a third of what one of
+# stock's forwards holds: no chunks merge. One row per chunk: a group's 4 rows, 4 chunks; two rows: one group of 8 rows
+# per generation, 4 chunks (the first eager, the second captured, the others replayed)
+SMALL_CHUNKS = {
+    1: dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8,
+            max_completion_length=80, generation_kwargs={"min_new_tokens": 80}),
+    2: dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=4, num_generations=8,
+            max_completion_length=136, generation_kwargs={"min_new_tokens": 136}),
+}  # fmt: skip
 
 
 def run(trainer_class, path, args, dataset):
@@ -92,17 +99,17 @@ def run(trainer_class, path, args, dataset):
     return trainer
 
 
-@pytest.mark.parametrize("fault", [None, pytest.param("wrong", marks=pytest.mark.slow),
-                                   pytest.param("fails", marks=pytest.mark.slow)])  # fmt: skip
-def test_one_row_scoring_passes_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, fault):
-    """One row per micro-batch, completions longer than the prompts (so no two rows' chunks merge): the reference pass's
+@pytest.mark.parametrize("rows, fault", [(1, None), (2, None), pytest.param(1, "wrong", marks=pytest.mark.slow),
+                                         pytest.param(1, "fails", marks=pytest.mark.slow)])  # fmt: skip
+def test_small_scoring_chunks_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, rows, fault):
+    """One or two rows per micro-batch, completions longer than the prompts (so no chunks merge): the reference pass's
     chunks of each held prompt replay one captured forward, and the run is stock's. A replay that differs from the
     eager forward, or a forward that cannot be captured, is caught at first use: eager from there on, one warning."""
     cfg, path, dataset = workload
     graphs, faults = emulated_graphs
     if fault is not None:
         faults[fault] = True
-    settings = {"max_steps": 1, "optim": "sgd", "learning_rate": 1e-1, **ONE_ROW}
+    settings = {"max_steps": 1, "optim": "sgd", "learning_rate": 1e-1, **SMALL_CHUNKS[rows]}
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **settings), dataset)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

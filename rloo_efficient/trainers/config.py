@@ -113,13 +113,13 @@ SHARING_DOC = r"""
             speed).
         graph_scoring_passes (`bool`, *optional*, defaults to `True`):
             With `share_prompt_prefix`, on CUDA, the no-grad log-prob passes (the old policy's, the reference's) at one
-            row per chunk replay their chunks from CUDA graphs: each row packed in full (its completion's padding too,
-            as stock's forward computes it), so that the rows reading one held prompt pack alike; the second such
-            chunk captures the forward, the later ones copy their tokens in and replay it (one launch instead of a
-            whole forward's). Checked against the eager forward on a model's first captured pass; eager, with one
-            warning, where a replay differs or the forward cannot be captured. No effect elsewhere (CPU, training
-            forwards, several rows per chunk, images, recurrent layers, the MoE load-balancing loss, ZeRO-3 and FSDP,
-            where every process must run the same forwards).
+            or two rows per chunk replay their chunks from CUDA graphs: each row packed in full (its completion's
+            padding too, as stock's forward computes it), so that the chunks reading one held prompt pack alike; the
+            second chunk of a layout captures the forward, the later ones copy their tokens in and replay it (one
+            launch instead of a whole forward's). Checked against the eager forward on a model's first captured pass;
+            eager, with one warning, where a replay differs or the forward cannot be captured. No effect elsewhere
+            (CPU, training forwards, chunks of more rows, images, recurrent layers, the MoE load-balancing loss, ZeRO-3
+            and FSDP, where every process must run the same forwards).
         share_reward_prefix (`bool`, *optional*, defaults to `True`):
             Score reward models over the prefix tree of their rows (in the reward model's own tokenization, chat
             template included), with no padding: each run of tokens the rows share once; each row's score read where
@@ -208,7 +208,7 @@ class SharingArguments:
     )
     graph_scoring_passes: bool = field(
         default=True,
-        metadata={"help": "On CUDA, replay the one-row no-grad log-prob passes' chunks from CUDA graphs (with "
+        metadata={"help": "On CUDA, replay the no-grad log-prob passes' chunks of one or two rows from CUDA graphs (with "
                           "share_prompt_prefix)."},
     )
     share_reward_prefix: bool = field(

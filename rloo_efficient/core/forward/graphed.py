@@ -1,12 +1,12 @@
 """
 The no-grad log-prob passes (the old policy's, the reference's) replayed from CUDA graphs, where a micro-batch is one
-row. With prompts held across chunks ([`scope`]), such a chunk forwards only its row's own tokens over its held
-prompt's keys: a few milliseconds of device work under the host's launches of a whole forward. Each chunk's row is
-packed in full, its completion's padding included ([`scored_in_full`]: stock's forward computes those columns too,
-and they come after every scored token, which attends only to what precedes it), so that every row of a group packs
-to the same shapes and reads the same held keys; the second chunk with a layout seen before captures the forward
-once ([`graphs.capture`]), and each later one copies its tokens, positions and labels into the captured inputs and
-replays it ([`GraphedForwards`]).
+or two rows ([`MAX_ROWS`]). With prompts held across chunks ([`scope`]), such a chunk forwards only its rows' own
+tokens over their held prompt's keys: a few milliseconds of device work under the host's launches of a whole forward.
+Each chunk's rows are packed in full, their completions' padding included ([`scored_in_full`]: stock's forward
+computes those columns too, and they come after every scored token, which attends only to what precedes it), so that
+the chunks of a group pack to the same shapes and read the same held keys; the second chunk with a layout seen before
+([`signature`]) captures the forward once ([`graphs.capture`]), and each later one copies its tokens, positions and
+labels into the captured inputs and replays it ([`GraphedForwards`]).
 
 Trusted as static decoding is: on a model's first captured pass, the first [`CHECKED_REPLAYS`] replays are checked
 against the eager forward; a mismatch, or a forward that cannot be captured, runs the eager forward from there on
@@ -24,8 +24,10 @@ from ..once import WarnOnce
 from .packing import PackedBatch
 
 
-# Devices on which the one-row no-grad passes are captured as graphs (with `graph_scoring_passes`, the default)
+# Devices on which the small no-grad chunks are captured as graphs (with `graph_scoring_passes`, the default)
 CAPTURE_DEVICES = ("cuda",)
+# The most rows a replayed chunk holds: more, and a chunk is rarely host-bound, its layouts rarely repeat
+MAX_ROWS = 2
 # Graphs a pass keeps at once (each holds its own memory pool): the oldest is dropped for a new one (with prompts held,
 # a graph is dropped as soon as its prompt is released)
 MAX_LIVE_GRAPHS = 4
@@ -55,14 +57,13 @@ def scored_in_full(rows: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def signature(packed: PackedBatch) -> tuple | None:
-    """What fixes a packed chunk's shapes and layout besides its tokens, positions and labels, or None where it is not
-    a path ([`tree.layout.TreeLayout.chain`]: one row, the only layout replayed): its tokens, the held sources it reads
-    and the runs of their keys."""
-    chain = packed.layout.chain
-    if chain is None:
-        return None
-    return packed.num_tokens, packed.held_sources, tuple(chain)
+def signature(packed: PackedBatch) -> tuple:
+    """What fixes a packed chunk's shapes and layout besides its tokens, positions and labels: its tokens, the held
+    sources it reads (and, for a path, the runs of their keys: [`tree.layout.TreeLayout.chain`]), and its tree's
+    shape (each node's parent, length and position; the layout's tensors are functions of these)."""
+    tree, chain = packed.tree, packed.layout.chain
+    return (packed.num_tokens, packed.held_sources, None if chain is None else tuple(chain), tree.parent.tobytes(),
+            tree.length.tobytes(), tree.position.tobytes())  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -93,7 +94,7 @@ class GraphedForwards:
 
     def forward(self, packed: PackedBatch) -> tuple:
         key = signature(packed)
-        if key is None or getattr(self.model, "_rloo_scoring_graph_failed", None) is not None:
+        if getattr(self.model, "_rloo_scoring_graph_failed", None) is not None:
             return self._eager(packed)
         captured = self.graphs.get(key)
         if captured is None:
@@ -152,5 +153,5 @@ class GraphedForwards:
         (the policy's and the reference's passes alike)."""
         self.graphs.clear()
         self.model._rloo_scoring_graph_failed = reason
-        _warnings.warn(f"rloo_efficient: the one-row log-prob passes run eagerly, not from CUDA graphs: {reason}"
+        _warnings.warn(f"rloo_efficient: the small log-prob chunks run eagerly, not from CUDA graphs: {reason}"
                        f"{detail}.", key=reason, stacklevel=4)  # fmt: skip

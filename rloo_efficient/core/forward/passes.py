@@ -24,7 +24,7 @@ from ..layers.moe import recording_router_logits, weighted_aux_loss
 from ..layers.recurrent import has_recurrent_layers
 from ..layers.rope import rope_length
 from ..layers.vision import ImageBatch, ModelVision
-from .graphed import GraphedForwards, scored_in_full
+from .graphed import MAX_ROWS, GraphedForwards, scored_in_full
 from .packing import pack_rows
 from .scope import HeldScope
 
@@ -95,7 +95,7 @@ class PackedPass:
     fall_back: Callable = lambda reason: None
     counts: PassCounts = dataclasses.field(default_factory=PassCounts)
     sharded: bool = False  # FSDP may shard the model ([`sharded`]): a held prompt's training forward is guarded
-    graphs: bool = False  # a no-grad pass's one-row chunks replayed from CUDA graphs where captured ([`graphed`])
+    graphs: bool = False  # a no-grad pass's small chunks replayed from CUDA graphs where captured ([`graphed`])
 
     def run(self, input_ids, attention_mask, logits_to_keep: int, rows: torch.Tensor, batch_size: int | None,
             images: dict, stock: Callable) -> tuple:  # fmt: skip
@@ -174,14 +174,14 @@ class PackedPass:
 
     def _chunk(self, batch: _Batch, images: ImageBatch | None, scope: HeldScope | None, index: int, start: int,
                end: int, stock: Callable, graphed: GraphedForwards | None = None) -> tuple:  # fmt: skip
-        """The rows `[start, end)` packed (after the prompts `scope` holds for them) and forwarded (a row alone through
-        `graphed`, where given: packed in full, replayed where its layout repeats); where they cannot be packed
-        ([`packing.pack_rows`] says why), stock's forward."""
+        """The rows `[start, end)` packed (after the prompts `scope` holds for them) and forwarded (one or two rows
+        through `graphed`, where given: packed in full, replayed where their layout repeats); where they cannot be
+        packed ([`packing.pack_rows`] says why), stock's forward."""
         pack = dict(token_weights=self.compute_aux_loss, group_sources=images is not None and images.with_positions,
                     image_tokens=images.vision.image_tokens if images else None, recurrent=self._recurrent,
                     position_period=position_period(self.unwrapped))  # fmt: skip
         ids, rows = batch.input_ids[start:end], batch.rows[start:end]
-        graphed = graphed if end - start == 1 else None
+        graphed = graphed if end - start <= MAX_ROWS else None
         if graphed is not None:
             rows = scored_in_full(rows, batch.logits_to_keep)
         if scope is not None:
