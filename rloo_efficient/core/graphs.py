@@ -11,6 +11,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 
+# A replay checked against the eager step: the same kernels on the same inputs, equal but for a kernel's
+# nondeterministic order
+REPLAY_RTOL, REPLAY_ATOL = 1e-3, 1e-3
+
 def warm_up(step, device: torch.device, buffers: Callable[[], Iterable] | None = None) -> object:
     """Runs `step()` once on a side stream (what capture needs first: lazily initialized kernels and workspaces), and
     returns its output. The tensors the step allocated there that the current stream reads next (its output's, and

@@ -50,8 +50,13 @@ class Counts(PassCounts):
 
 def _count(name: str) -> property:
     """The trainer's `name` counter, kept in its [`Counts`] (a user may reset it, as before)."""
-    return property(lambda self: getattr(self._counts, name), lambda self, value: setattr(self._counts, name, value),
-                    doc=f"`{name}` of [`Counts`].")  # fmt: skip
+
+    def reset(self, value) -> None:
+        if "_counts" not in vars(self):  # a trainer built without our `__init__`: its own, not the class's zeros
+            self._counts = Counts()
+        setattr(self._counts, name, value)
+
+    return property(lambda self: getattr(self._counts, name), reset, doc=f"`{name}` of [`Counts`].")
 
 
 class GroupSharingMixin:
@@ -122,7 +127,8 @@ class GroupSharingMixin:
                       other_backend=backend, tools=bool(getattr(self, "tools", None)),
                       several_micro_batches=self.args.steps_per_generation > 1)  # fmt: skip
         switches = Switches.resolve(settings, setup, lambda: group_shuffle_reason(self, GroupSharingMixin))
-        ranks = Ranks(self.accelerator, lambda: unwrap(self.model))
+        policy = lambda: unwrap(self.model)  # noqa: E731 (the Trainer may replace `self.model` when it prepares it)
+        ranks = Ranks(self.accelerator, policy)
         vision = ModelVision.of(unwrapped)  # batches with images: packed for the families whose layout is known
         fsdp = 0
         if getattr(self, "is_fsdp_enabled", False):
@@ -130,13 +136,13 @@ class GroupSharingMixin:
         budget = settings.held_prefix_budget_gib
         if switches.prefix and budget != 0:  # prompts held across a pass's chunks and a step's micro-batches
             budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
-            self._held = HeldPrefixes(budget, lambda: unwrap(self.model), self.args, ranks, switches, vision, fsdp=fsdp,
+            self._held = HeldPrefixes(budget, policy, self.args, ranks, switches, vision, fsdp=fsdp,
                                       aux_loss=bool(self.aux_loss_enabled))  # fmt: skip
         self._switches, self._ranks = switches, ranks
         self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
                                     self._counts, fsdp=bool(fsdp))  # fmt: skip
         self._generation = SharedGeneration(switches, ranks, vision, self._counts)
-        self._rewards = RewardScoring(switches, self.accelerator.device, self.accelerator.unwrap_model, self._counts)
+        self._rewards = RewardScoring(switches, self.accelerator.device, unwrap, self._counts)
         if switches.any_layout:
             # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside

@@ -52,8 +52,8 @@ class PackedRewardModel:
 
 class RewardScoring:
     """Scores reward models (and Hydra adapters) with each group's shared prefix once, on `device`; `switches`: the
-    config's `share_reward_prefix` and the fallbacks; `unwrap`: accelerate's; `counts`: `reward_forward_tokens` and
-    `reward_shared_prefix_lengths` counted there."""
+    config's `share_reward_prefix` and the fallbacks; `unwrap`: accelerate's unwrapping, looked up once per model
+    ([`packed.Unwrap`]); `counts`: `reward_forward_tokens` and `reward_shared_prefix_lengths` counted there."""
 
     def __init__(self, switches: Switches, device, unwrap, counts):
         self.switches, self.device, self.unwrap, self.counts = switches, device, unwrap, counts

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..graphs import capture, warm_up
+from ..graphs import REPLAY_ATOL, REPLAY_RTOL, capture, warm_up
 from ..once import WarnOnce
 from .packing import PackedBatch
 
@@ -33,7 +33,6 @@ MAX_ROWS = 2
 MAX_LIVE_GRAPHS = 4
 # On a model's first captured pass, this many replays are checked against the eager forward
 CHECKED_REPLAYS = 2
-_RTOL, _ATOL = 1e-3, 1e-3  # the same kernels on the same inputs: equal but for a kernel's nondeterministic order
 _INPUTS = ("input_ids", "position_ids", "shift_labels")  # what differs between the chunks of one layout
 _warnings = WarnOnce()  # the process's: a kernel's or the device's reasons
 
@@ -93,9 +92,9 @@ class GraphedForwards:
         return device.type in CAPTURE_DEVICES and getattr(model, "_rloo_scoring_graph_failed", None) is None
 
     def forward(self, packed: PackedBatch) -> tuple:
-        key = signature(packed)
         if getattr(self.model, "_rloo_scoring_graph_failed", None) is not None:
             return self._eager(packed)
+        key = signature(packed)
         captured = self.graphs.get(key)
         if captured is None:
             if key not in self.seen:  # a layout seen once: eager (it may never repeat)
@@ -140,7 +139,7 @@ class GraphedForwards:
         replayed = tuple(None if value is None else value.clone() for value in captured.outputs)
         eager = self._eager(packed)
         for name, a, b in zip(("log-probs", "entropies"), replayed, eager, strict=True):
-            if a is not None and not torch.allclose(a, b, rtol=_RTOL, atol=_ATOL):
+            if a is not None and not torch.allclose(a, b, rtol=REPLAY_RTOL, atol=REPLAY_ATOL):
                 difference = (a - b).abs().max().item()
                 self._give_up("a replay differs from the eager forward", f" by {difference:.3g} ({name})")
                 return eager

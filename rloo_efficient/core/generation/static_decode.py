@@ -56,7 +56,7 @@ try:  # the image inputs `generate`'s own input preparation passes to the prefil
 except ImportError:  # pragma: no cover - older transformers: every such input is a per-step one
     MULTIMODAL_INPUTS_TO_DROP_OUTSIDE_PREFILL = ()
 
-from ..graphs import capture, warm_up
+from ..graphs import REPLAY_ATOL, REPLAY_RTOL, capture, warm_up
 from ..once import WarnOnce
 from ..transformers_compat import CACHE_KWARG
 from .prompt_cache import PrefixCache, PrefixLayer
@@ -544,7 +544,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
 CAPTURE_DEVICES = ("cuda",)
 # On a model's first captured call, replays checked against the eager step for this many tokens
 CHECKED_STEPS = 3
-_RTOL, _ATOL = 1e-3, 1e-3  # the same kernels on the same inputs: equal but for a kernel's nondeterministic order
 
 
 class GraphedStep:
@@ -582,7 +581,7 @@ class GraphedStep:
             tensor.copy_(saved)
         self.checking -= 1
         eager = self.step()
-        if not torch.allclose(logits, eager, rtol=_RTOL, atol=_ATOL):
+        if not torch.allclose(logits, eager, rtol=REPLAY_RTOL, atol=REPLAY_ATOL):
             difference = (logits - eager).abs().max().item()
             self._give_up(f"a replay differs from the eager step by {difference:.3g} (logits)")
             return eager  # with the eager step's states
