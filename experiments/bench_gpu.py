@@ -62,10 +62,12 @@ GIB = "gib"
 
 
 def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir: Path, device_args,
-        rows: int | None = None) -> dict | str:  # fmt: skip
-    """One run; `rows` per micro-batch (default k), accumulation filling one group's step."""
+        rows: int | None = None, history: str | None = None) -> dict | str:  # fmt: skip
+    """One run; `rows` per micro-batch (default k), accumulation filling one group's step; `history`: where step 2's
+    allocator history goes (experiments/memory_history.py)."""
     results = out_dir / f"{method}_{len(list(out_dir.iterdir()))}.json"
     rows = rows or k
+    extra = [*extra, *(["--memory_history", history] if history else [])]
     command = [
         sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--prompt_length", str(prompt_length),
         "--max_completion_length", str(completion_length), "--num_generations", str(k),
@@ -82,6 +84,13 @@ def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir
         sys.stderr.write(done.stderr[-3000:])
         return f"failed (exit {done.returncode})"
     return json.loads(results.read_text())
+
+
+def history_path(directory: str | None, workload: str, label: str) -> str | None:
+    if directory is None:
+        return None
+    slug = "".join(c if c.isalnum() else "_" for c in f"{workload}_{label}".lower()).strip("_")
+    return str(Path(directory) / f"history_{'_'.join(part for part in slug.split('_') if part)}.md")
 
 
 def steady(result: dict, phase: str | None, stat: str) -> float | None:
@@ -160,6 +169,8 @@ def main(argv=None) -> int:
     parser.add_argument("--continuous_batching", action="store_true",
                         help="also stock with use_transformers_continuous_batching=True (its paged generation backend)")
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
+    parser.add_argument("--memory_history", default=None, metavar="DIR",
+                        help="on CUDA: each run's step-2 allocator history by phase and site, to DIR/history_*.md")
     args = parser.parse_args(argv)
     import torch
 
@@ -187,7 +198,8 @@ def main(argv=None) -> int:
         if args.ablations is not None:
             methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
         with tempfile.TemporaryDirectory() as tmp:
-            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args, *rows)
+            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args, *rows,
+                                  history=history_path(args.memory_history, name, label))
                        for label, (method, extra) in methods.items()}  # fmt: skip
         stock = results["stock"]
         for label, result in results.items():

@@ -36,8 +36,8 @@
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-FIRST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b held_overhead"
-REST="doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
+FIRST="history_rows1 history_0.6b"
+REST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -50,6 +50,10 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
+run 200 history_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --memory_history "$OUT" \
+    --output "$OUT/history_rows1.md"
+run 200 history_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --memory_history "$OUT" \
+    --output "$OUT/history_0.6b.md"
 run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
 run 120 static_once_sweep python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 512 1024 2048 \

@@ -76,6 +76,11 @@ class ExperimentArgs:
                   "own model) or 'hydra' (a LoRA policy and a reward LoRA adapter on its base; stock TRL loads the "
                   "adapter as a second model).", "choices": ["none", "separate", "hydra"]},
     )
+    memory_history: str | None = field(
+        default=None,
+        metadata={"help": "On CUDA: record the allocator's history of optimizer step 2 and write each phase's peak and "
+                  "the blocks live then, by allocation site, to this Markdown file (experiments/memory_history.py)."},
+    )
     skip_existing: bool = field(
         default=False, metadata={"help": "Do nothing when the results file for this workload already exists."}
     )
@@ -218,6 +223,12 @@ def main(argv=None) -> dict:
     trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, **extra,
                             processing_class=tokenizer)  # fmt: skip
     forwarded = count_forwards(trainer)
+    if exp.memory_history and torch.cuda.is_available():
+        from memory_history import record_step
+
+        from rloo_efficient.profiling.phase_profiler import PhaseProfiler
+
+        record_step(PhaseProfiler, 2, exp.memory_history)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start

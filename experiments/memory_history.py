@@ -1,0 +1,139 @@
+"""
+Where a CUDA phase's peak goes: the allocator's history of one optimizer step, recorded with
+`torch.cuda.memory._record_memory_history`, replayed event by event to each phase's peak of allocated memory, and the
+blocks live at that peak grouped by where they were allocated (the innermost frames in the library, TRL, transformers,
+PEFT or torch.nn).
+
+    python experiments/run_rloo.py --method ours ... --memory_history out.md   # step 2, on CUDA
+
+`run_rloo.py --memory_history PATH` installs it (`record_step(profiler_class, step, path)`): phase boundaries come from
+the trainer's `PhaseProfiler`, marked in the history by a small allocation made in `_phase_marker`.
+"""
+
+import collections
+from pathlib import Path
+
+import torch
+
+
+MARKER_BYTES = 512
+INTERESTING = ("rloo_efficient/", "trl/", "transformers/", "peft/", "torch/nn/", "torch/utils/checkpoint",
+               "torch/autograd", "torch/amp", "accelerate/")  # fmt: skip
+SKIP = ("memory_history.py",)
+
+
+def _phase_marker(label: str, markers: list[str]) -> None:
+    markers.append(label)
+    torch.empty(MARKER_BYTES, dtype=torch.uint8, device="cuda")  # freed at once: only its allocation event matters
+
+
+def _site(frames: list[dict], depth: int = 4) -> str:
+    """The innermost `depth` frames in the code we read, innermost first, as `file:line name`."""
+    kept = []
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(part in name for part in INTERESTING) and not any(part in name for part in SKIP):
+            short = name.split("site-packages/")[-1].split("rloo_efficient/", 1)[-1]
+            kept.append(f"{short}:{frame.get('line')} {frame.get('name')}")
+        if len(kept) == depth:
+            break
+    return " < ".join(kept) or "(no Python frame in the code we read)"
+
+
+def analyze(trace: list[dict], markers: list[str], start_allocated: int, top: int = 10) -> dict:
+    """Replays `trace` (a device's allocator events) from `start_allocated` bytes: per phase segment label, the peak
+    of allocated bytes and the blocks live then, by allocation site. Frees of blocks allocated before the recording
+    lower the count but have no site."""
+    live: dict[int, tuple[int, str]] = {}  # address -> (bytes, site)
+    current, label, marker = start_allocated, "before", 0
+    peaks: dict[str, dict] = {}
+    for event in trace:
+        action, size, address = event["action"], event["size"], event["addr"]
+        if action == "alloc":
+            frames = event.get("frames", [])
+            if size == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in frames):
+                label = markers[marker] if marker < len(markers) else "after"
+                marker += 1
+                live[address] = (size, "marker")
+                current += size
+                continue
+            live[address] = (size, _site(frames))
+            current += size
+        elif action == "free_completed":
+            current -= size
+            live.pop(address, None)
+        else:
+            continue
+        if current > peaks.get(label, {}).get("peak", -1):
+            peaks[label] = {"peak": current, "live": dict(live)}
+    report = {}
+    for label, record in peaks.items():
+        by_site = collections.Counter()
+        count = collections.Counter()
+        for size, site in record["live"].values():
+            by_site[site] += size
+            count[site] += 1
+        tracked = sum(by_site.values())
+        report[label] = {
+            "peak_allocated_gib": record["peak"] / 1024**3,
+            "from_before_the_step_gib": (record["peak"] - tracked) / 1024**3,
+            "largest": [{"gib": size / 1024**3, "blocks": count[site], "site": site}
+                        for site, size in by_site.most_common(top)],
+        }  # fmt: skip
+    return report
+
+
+def markdown(report: dict, title: str) -> str:
+    lines = [f"# {title}", ""]
+    for label, record in report.items():
+        lines += [f"## {label}: peak allocated {record['peak_allocated_gib']:.3f} GiB, of which allocated before the "
+                  f"step {record['from_before_the_step_gib']:.3f} GiB", "", "| GiB | blocks | where |", "|---:|---:|---|"]
+        lines += [f"| {entry['gib']:.3f} | {entry['blocks']} | {entry['site']} |" for entry in record["largest"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def record_step(profiler_class, step: int, path: str, max_entries: int = 2_000_000) -> None:
+    """Patches `profiler_class` (the trainer's PhaseProfiler) to record optimizer step `step` (1-based) and write
+    its analysis to `path` (Markdown) and `path`.json when that step ends."""
+    state = {"steps": 0, "markers": [], "start": 0}
+    begin_step, end_step, start, stop = (profiler_class.begin_step, profiler_class.end_step, profiler_class.start,
+                                         profiler_class.stop)  # fmt: skip
+
+    def recording() -> bool:
+        return state["steps"] == step
+
+    def patched_begin(self):
+        begin_step(self)
+        state["steps"] += 1
+        if recording():
+            torch.cuda.synchronize()
+            state["start"] = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                     max_entries=max_entries)  # fmt: skip
+            _phase_marker(str(self.current_phase or "outside"), state["markers"])
+
+    def patched_start(self, phase, evaluating=False):
+        start(self, phase, evaluating)
+        if recording():
+            _phase_marker(phase, state["markers"])
+
+    def patched_stop(self, phase):
+        stop(self, phase)
+        if recording():
+            _phase_marker(str(self.current_phase or "outside"), state["markers"])
+
+    def patched_end(self, step_number):
+        entry = end_step(self, step_number)
+        if recording():
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            trace = snapshot["device_traces"][torch.cuda.current_device()]
+            report = analyze(trace, state["markers"], state["start"])
+            Path(path).write_text(markdown(report, f"Allocator history of optimizer step {step} ({len(trace)} events)"))
+            state["steps"] += 10**9  # once
+        return entry
+
+    profiler_class.begin_step, profiler_class.end_step = patched_begin, patched_end
+    profiler_class.start, profiler_class.stop = patched_start, patched_stop
