@@ -1,16 +1,20 @@
 """
-Where a CUDA phase's peak goes: the allocator's history of one optimizer step, recorded with
-`torch.cuda.memory._record_memory_history`, replayed event by event to each phase's peak of allocated memory, and the
-blocks live at that peak grouped by where they were allocated (the innermost frames in the library, TRL, transformers,
-PEFT or torch.nn).
+Where each phase's peak goes, in one optimizer step:
 
-    python experiments/run_rloo.py --method ours ... --memory_history out.md   # step 2, on CUDA
+- on CUDA ([`record_step`], `run_rloo.py --memory_history PATH`): the allocator's history, recorded with
+  `torch.cuda.memory._record_memory_history`, replayed event by event to each phase's peak of allocated memory, and
+  the blocks live at that peak grouped by where they were allocated (the innermost frames in the library, TRL,
+  transformers, PEFT or torch.nn);
+- on any device ([`record_live_bytes`], `run_rloo.py --live_bytes PATH`): the live tensor bytes of
+  `rloo_efficient.profiling.live_bytes.LiveBytes`, each phase's peak and the largest tensors alive then, as JSON (the
+  CPU stand-in for the device's allocated memory: `experiments/bench_device_memory.py`).
 
-`run_rloo.py --memory_history PATH` installs it (`record_step(profiler_class, step, path)`): phase boundaries come from
-the trainer's `PhaseProfiler`, marked in the history by a small allocation made in `_phase_marker`.
+Phase boundaries come from the trainer's `PhaseProfiler` (on CUDA marked in the history by a small allocation made in
+`_phase_marker`).
 """
 
 import collections
+import json
 from pathlib import Path
 
 import torch
@@ -94,9 +98,34 @@ def markdown(report: dict, title: str) -> str:
 
 
 def record_step(profiler_class, step: int, path: str, max_entries: int = 2_000_000) -> None:
-    """Patches `profiler_class` (the trainer's PhaseProfiler) to record optimizer step `step` (1-based) and write
-    its analysis to `path` (Markdown) and `path`.json when that step ends."""
-    state = {"steps": 0, "markers": [], "start": 0}
+    """Patches `profiler_class` (the trainer's PhaseProfiler) to record optimizer step `step` (1-based) on CUDA and write
+    its analysis to `path` (Markdown) when that step ends."""
+    markers: list[str] = []
+    start = {}
+
+    def begin(profiler):
+        torch.cuda.synchronize()
+        start["allocated"] = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=max_entries)  # fmt: skip
+        _phase_marker(profiler.current_phase or "outside", markers)
+
+    def end(profiler):
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        report = analyze(trace, markers, start["allocated"])
+        Path(path).write_text(markdown(report, f"Allocator history of optimizer step {step} ({len(trace)} events)"))
+
+    _patch_steps(profiler_class, step, begin, lambda profiler, before: _phase_marker(
+        profiler.current_phase or "outside", markers), end)  # fmt: skip
+
+
+def _patch_steps(profiler_class, step: int, begin, boundary, end) -> None:
+    """Patches `profiler_class` so that optimizer step `step` (1-based) calls `begin(profiler)` when it starts,
+    `boundary(profiler, phase_before)` at each phase boundary in it, and `end(profiler)` when it ends."""
+    state = {"steps": 0}
     begin_step, end_step, start, stop = (profiler_class.begin_step, profiler_class.end_step, profiler_class.start,
                                          profiler_class.stop)  # fmt: skip
 
@@ -107,33 +136,44 @@ def record_step(profiler_class, step: int, path: str, max_entries: int = 2_000_0
         begin_step(self)
         state["steps"] += 1
         if recording():
-            torch.cuda.synchronize()
-            state["start"] = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=max_entries)  # fmt: skip
-            _phase_marker(str(self.current_phase or "outside"), state["markers"])
+            begin(self)
 
     def patched_start(self, phase, evaluating=False):
+        before = self.current_phase
         start(self, phase, evaluating)
         if recording():
-            _phase_marker(phase, state["markers"])
+            boundary(self, before)
 
     def patched_stop(self, phase):
         stop(self, phase)
         if recording():
-            _phase_marker(str(self.current_phase or "outside"), state["markers"])
+            boundary(self, phase)
 
     def patched_end(self, step_number):
         entry = end_step(self, step_number)
         if recording():
-            torch.cuda.synchronize()
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            trace = snapshot["device_traces"][torch.cuda.current_device()]
-            report = analyze(trace, state["markers"], state["start"])
-            Path(path).write_text(markdown(report, f"Allocator history of optimizer step {step} ({len(trace)} events)"))
+            end(self)
             state["steps"] += 10**9  # once
         return entry
 
     profiler_class.begin_step, profiler_class.end_step = patched_begin, patched_end
     profiler_class.start, profiler_class.stop = patched_start, patched_stop
+
+
+def record_live_bytes(profiler_class, step: int, path: str, top: int = 10) -> None:
+    """Counts live tensor bytes through optimizer step `step` (1-based) and writes, per phase, the peak above what
+    existed when the step began (the weights and optimizer states) and the `top` largest tensors alive then, to
+    `path` (JSON)."""
+    from rloo_efficient.profiling.live_bytes import PhasePeaks
+
+    counting = {}
+
+    def begin(profiler):
+        counting["peaks"] = PhasePeaks(profiler, top).__enter__()
+
+    def end(profiler):
+        peaks = counting.pop("peaks")
+        peaks.__exit__(None, None, None)
+        Path(path).write_text(json.dumps({"step": step, "phases": peaks.phases}, indent=1))
+
+    _patch_steps(profiler_class, step, begin, lambda profiler, before: None, end)

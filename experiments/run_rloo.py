@@ -34,6 +34,7 @@ from rloo_efficient.demo.workload import (
     build_reward_model_dir,
     vowel_reward,
 )
+from rloo_efficient.profiling.phase_profiler import PhaseProfiler
 from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
 
 
@@ -80,6 +81,19 @@ class ExperimentArgs:
         default=None,
         metadata={"help": "On CUDA: record the allocator's history of optimizer step 2 and write each phase's peak and "
                   "the blocks live then, by allocation site, to this Markdown file (experiments/memory_history.py)."},
+    )
+    lora: bool = field(
+        default=False, metadata={"help": "Train a LoRA adapter (r 16, alpha 32, every linear layer) on the policy."}
+    )
+    live_bytes: str | None = field(
+        default=None,
+        metadata={"help": "Count live tensor bytes through optimizer step 2 and write each phase's peak and largest "
+                  "tensors to this JSON file (experiments/memory_history.py: the CPU stand-in for device memory)."},
+    )
+    emulate_device_path: bool = field(
+        default=False,
+        metadata={"help": "On CPU, take the device path's choices (experiments/device_proxy.py): graph capture "
+                  "emulated for static decoding and the scoring passes, TRL's compact fused head."},
     )
     skip_existing: bool = field(
         default=False, metadata={"help": "Do nothing when the results file for this workload already exists."}
@@ -210,6 +224,10 @@ def main(argv=None) -> dict:
     else:
         dataset = build_dataset(workload)
 
+    if exp.emulate_device_path:
+        from device_proxy import emulate_device_path
+
+        emulate_device_path()
     ours, _, stock = TRAINERS[exp.trainer]
     trainer_class, args = (ours, config) if exp.method == "ours" else (stock, config.to_stock())
     reward_funcs, extra = vowel_reward, {}
@@ -220,15 +238,23 @@ def main(argv=None) -> dict:
         reward_funcs = [build_reward_model_dir(workload) if separate else build_reward_adapter_dir(workload)]
         if not separate:  # Hydra: a LoRA policy, and its reward adapter on the same base
             extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    if exp.lora:
+        from peft import LoraConfig
+
+        if "peft_config" in extra:
+            raise ValueError("--lora trains a LoRA policy; --reward_model hydra already does.")
+        extra["peft_config"] = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
     trainer = trainer_class(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset, **extra,
                             processing_class=tokenizer)  # fmt: skip
     forwarded = count_forwards(trainer)
     if exp.memory_history and torch.cuda.is_available():
         from memory_history import record_step
 
-        from rloo_efficient.profiling.phase_profiler import PhaseProfiler
-
         record_step(PhaseProfiler, 2, exp.memory_history)
+    if exp.live_bytes:
+        from memory_history import record_live_bytes
+
+        record_live_bytes(PhaseProfiler, 2, exp.live_bytes)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start

@@ -46,7 +46,7 @@ CHAT_TEMPLATE = (
 
 def chat_template(arch: str | None) -> str:
     return CHAT_TEMPLATE.replace("IMAGE", IMAGE_PLACEHOLDER.get(arch, ""))
-# Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B and Qwen3-1.7B
+# Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B, 1.7B, 4B and 8B
 # (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
 PRESETS = {
     "qwen3-0.6b": dict(arch="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
@@ -55,6 +55,12 @@ PRESETS = {
     "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
                        max_position_embeddings=40960, model_dtype="bfloat16"),
+    "qwen3-4b": dict(arch="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                     max_position_embeddings=40960, model_dtype="bfloat16"),
+    "qwen3-8b": dict(arch="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                     max_position_embeddings=40960, model_dtype="bfloat16"),
 }  # fmt: skip
 
 
@@ -101,6 +107,10 @@ class WorkloadConfig:
         default=None,
         metadata={"help": "A model shape that overrides the size fields above.", "choices": [None, *PRESETS]},
     )
+    preset_layers: int | None = field(
+        default=None,
+        metadata={"help": "The preset's widths with this many layers (a CPU stand-in for the whole model's memory)."},
+    )
     model_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 or float64."})
     workload_seed: int = field(default=0, metadata={"help": "Seed for the prompts and the model's random weights."})
     model_cache_dir: str = field(
@@ -114,6 +124,8 @@ class WorkloadConfig:
                 raise ValueError(f"Unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
             for key, value in PRESETS[self.preset].items():
                 setattr(self, key, value)
+            if self.preset_layers is not None:
+                self.num_hidden_layers = self.preset_layers
         if self.vocab_size is not None and self.vocab_size < BYTE_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte tokenizer's own tokens).")
         if self.arch not in ARCHITECTURES:

@@ -114,13 +114,15 @@ class HeldPrefixes:
     trainer tells it where each optimizer step's window starts and ends ([`step_begins`], [`step_ends`]) and which
     micro-batch comes next ([`prepare`]); the packed passes ask it for each pass's [`ChunkPlan`] ([`pass_plan`]).
     `policy()`: the policy, unwrapped; `args`: TRL's config; `fsdp`: 0, or FSDP's version; `aux_loss`: the MoE
-    load-balancing loss is on (a training plan holds every token then).
+    load-balancing loss is on (a training plan holds every token then); `one_process`: no DDP, DeepSpeed or FSDP
+    watches the parameters' gradients (a held prompt's training forward reads them through aliases,
+    [`core.forward.param_alias`]).
     """
 
     def __init__(self, budget: int, policy: Callable, args, ranks: Ranks, switches: Switches, vision: ModelVision,
-                 fsdp: int = 0, aux_loss: bool = False):  # fmt: skip
+                 fsdp: int = 0, aux_loss: bool = False, one_process: bool = False):  # fmt: skip
         self.budget, self.policy, self.training_args, self.ranks, self.switches = budget, policy, args, ranks, switches
-        self.vision, self.fsdp, self.aux_loss = vision, fsdp, aux_loss
+        self.vision, self.fsdp, self.aux_loss, self.one_process = vision, fsdp, aux_loss, one_process
         self.train_scope: TrainScope | None = None
         self.active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
         self.window_position = 0  # micro-batches run since the last optimizer step
@@ -182,7 +184,9 @@ class HeldPrefixes:
                               image_cost=image_cost, source_cap=cap if hoist else None)  # fmt: skip
 
         plan = self._agreed_plan(plan_for, len(batches), training=True) or None
-        held = HeldScope(plan, training=True, kv_source=self._kv_source()) if plan is not None else None
+        held = None
+        if plan is not None:
+            held = HeldScope(plan, training=True, kv_source=self._kv_source(), alias_parameters=self.one_process)
         self.train_scope = TrainScope(held, batches)
         return self.train_scope
 

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer
 from trl.extras.profiling import profiling_context
 
@@ -137,7 +138,8 @@ class GroupSharingMixin:
         if switches.prefix and budget != 0:  # prompts held across a pass's chunks and a step's micro-batches
             budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
             self._held = HeldPrefixes(budget, policy, self.args, ranks, switches, vision, fsdp=fsdp,
-                                      aux_loss=bool(self.aux_loss_enabled))  # fmt: skip
+                                      aux_loss=bool(self.aux_loss_enabled),
+                                      one_process=self.accelerator.distributed_type == DistributedType.NO)  # fmt: skip
         self._switches, self._ranks = switches, ranks
         self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
                                     self._counts, fsdp=bool(fsdp))  # fmt: skip

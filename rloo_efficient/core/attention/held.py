@@ -42,7 +42,7 @@ class _WithBank(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        bank = ctx.banks.get(ctx.name)
+        bank = ctx.banks.pop(ctx.name, None)  # (freed as its sum goes on: the source's backward runs after every layer's)
         if bank is not None:
             grad = (grad.to(bank.dtype) + bank).to(grad.dtype)
         ctx.source.banks_added += bank is not None

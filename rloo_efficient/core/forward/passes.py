@@ -167,7 +167,8 @@ class PackedPass:
         width = batch.input_ids.size(1)
         tokens = scope.forward_source(scope.plan.chunks[index].source, functools.partial(self._call, width),
                                       width - batch.logits_to_keep, batch.input_ids.device, self._recurrent, routers,
-                                      images, (start, end), self.unwrapped if self.sharded else None)  # fmt: skip
+                                      images, (start, end), self.unwrapped if self.sharded else None,
+                                      parameters_of=self.model)  # fmt: skip
         self.counts.packed_forward_tokens += tokens
         self.counts.tree_tokens += tokens
         self.counts.held_forward_tokens += tokens

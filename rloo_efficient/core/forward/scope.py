@@ -17,15 +17,20 @@ from ..layers.vision import ImageBatch
 from ..tree.holds import HoldPlan
 from ..tree.rows import row_tokens
 from .packing import PackedBatch, pack_rows, pack_source
+from .param_alias import aliased_parameters
 from .sharded import running_owner
 
 
 class HeldScope:
     """The sources of a plan's scope while its chunks run (`training`: with grad, read in the version each reader's
-    backward calls for; else without). `kv_source`: per attention layer, the layer whose keys it reads."""
+    backward calls for; else without). `kv_source`: per attention layer, the layer whose keys it reads.
+    `alias_parameters`: a training source reads the trainable parameters through aliases ([`param_alias`]), where
+    nothing else watches their gradients' accumulation (one process)."""
 
-    def __init__(self, plan: HoldPlan, training: bool, kv_source: list[int] | None = None):
+    def __init__(self, plan: HoldPlan, training: bool, kv_source: list[int] | None = None,
+                 alias_parameters: bool = False):  # fmt: skip
         self.plan, self.training, self.kv_source = plan, training, kv_source
+        self.alias_parameters = training and alias_parameters
         self.sources: dict[int, HeldSource] = {}
         self.forwarded_tokens = 0  # tokens the source forwards processed (read by tests and counters)
 
@@ -40,11 +45,14 @@ class HeldScope:
         return HeldReads(slots, self.kv_source)
 
     def forward_source(self, source: int, call, prompt_width: int, device, recurrent: bool, routers=None,
-                       images: ImageBatch | None = None, chunk: tuple[int, int] = (0, 0), sharded=None) -> int:  # fmt: skip
+                       images: ImageBatch | None = None, chunk: tuple[int, int] = (0, 0), sharded=None,
+                       parameters_of=None) -> int:  # fmt: skip
         """Runs `source`'s packed forward through `call`, holding what its layers hand over (and the router logits
         `routers(on_record)` records, a context manager yielding a list, where given). With `images` (an image batch,
         planned by group), `chunk`: the `(start, end)` rows of the batch's chunk that forwards the source (its images
-        are encoded here once). `sharded`: the model, where FSDP2 may shard it ([`sharded`]). Returns its tokens."""
+        are encoded here once). `sharded`: the model, where FSDP2 may shard it ([`sharded`]). `parameters_of`: the
+        module `call` runs, whose parameters a training source reads through aliases where the scope says so. Returns
+        its tokens."""
         extra = {}
         if images is None:
             batch = pack_source(self.plan, source, prompt_width, device, recurrent)
@@ -54,7 +62,10 @@ class HeldScope:
             batch, extra = images.packed(batch, chunk[0])
         reads = self.reads(batch.held_sources, int(self.plan.backprop_chunk[source]))
         inputs = {**batch.model_inputs(), "rloo_prefix_layout": replace(batch.layout, held=reads, memo={}), **extra}
-        with running_owner(sharded if self.training else None) as owner:
+        aliased = contextlib.nullcontext()
+        if self.alias_parameters and parameters_of is not None:
+            aliased = aliased_parameters(parameters_of)
+        with running_owner(sharded if self.training else None) as owner, aliased:
             capture = Capture(self.kv_source, owner)
             recorded = routers(capture.guard) if routers is not None else contextlib.nullcontext([])
             with holding(capture), recorded as logits:

@@ -1,22 +1,25 @@
 """Installing rloo_efficient's layers on a model: its attention modules on our backend, its recurrent layers on their
-forks; calls without a packed layout or a decoding cache still run the model's own."""
+forks (calls without a packed layout or a decoding cache still run the model's own), and its no-grad forwards holding
+one layer's autocast weight casts at a time ([`casts`])."""
 
 from torch import nn
 
 from ..attention.backend import install_attention
+from .casts import release_casts_per_layer
 from .recurrent import install as install_forks
 
 
 def install(model: nn.Module) -> int:
     """
-    Points every attention module of `model` at our attention function ([`attention.backend`]) and routes a hybrid's
-    recurrent layers to their forks ([`layers.recurrent`]); idempotent, and free once done. Returns the number of
-    attention modules.
+    Points every attention module of `model` at our attention function ([`attention.backend`]), routes a hybrid's
+    recurrent layers to their forks ([`layers.recurrent`]) and releases autocast's weight casts after each decoder layer
+    of a no-grad forward ([`layers.casts`]); idempotent, and free once done. Returns the number of attention modules.
     """
     count = getattr(model, "_rloo_prefix_attention_modules", None)
     if count is not None:
         return count
     install_forks(model)
+    release_casts_per_layer(model)
     model._rloo_prefix_attention_modules = install_attention(model)
     return model._rloo_prefix_attention_modules
 

@@ -1,0 +1,142 @@
+"""
+Device memory, counted on a CPU: stock TRL vs rloo_efficient, each phase's peak of live tensor bytes above its fixed
+state (`rloo_efficient.profiling.live_bytes.LiveBytes`: what a GPU's allocator calls allocated), with the device path's
+choices taken where a CPU can run them (experiments/device_proxy.py: static decoding and the scoring passes' graphs with
+capture emulated, TRL's compact fused head, the prompt kept once while decoding), under bf16 autocast as TRL trains on
+a GPU (float32 weights).
+
+The shape: Qwen3's widths and full vocabulary with a few layers (`--layers`). With two layer counts (`--layers 4 2`),
+each peak is also given at the model's own depth (`--depth`, 28 for Qwen3-0.6B): every term that grows with the layers
+(weight copies, keys and values, held gradients, checkpoint inputs) scaled from the two runs' difference. Each run is
+its own process, two optimizer steps; the second is counted (the first captures graphs and creates the optimizer's
+states). The fixed state of a phase is what exists in it whatever the method: the weights and the optimizer's states
+(not counted: they existed before the step), and in training and the optimizer step the gradients.
+
+    python experiments/bench_device_memory.py                            # Qwen3-0.6B's widths, P=3072 C=256 k=8
+    python experiments/bench_device_memory.py --rows 8 1 --layers 4 2 --output results/device_memory.md
+    python experiments/bench_device_memory.py --preset qwen3-4b --prompt_length 8192 --completion_length 1024 --rows 1
+    python experiments/bench_device_memory.py --preset qwen3-8b --lora ...   # LoRA r 16 on every linear layer
+"""
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench_common import Report, parser_for
+
+
+HERE = Path(__file__).resolve().parent
+PHASES = ("generation", "policy_logps", "reference_logps", "reward", "train", "optimizer")
+WITH_GRADIENTS = ("train", "optimizer")
+GIB = 1024**3
+
+
+def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
+    """One run's live-bytes record and results file."""
+    name = f"{method}_rows{rows}_layers{layers}"
+    live, results = directory / f"{name}_live.json", directory / f"{name}.json"
+    k = args.k
+    command = [
+        sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--preset", args.preset,
+        "--preset_layers", str(layers), "--prompt_length", str(args.prompt_length),
+        "--max_completion_length", str(args.completion_length), "--num_generations", str(k),
+        "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(k // rows),
+        "--steps_per_generation", str(k // rows), "--max_steps", "2", "--beta", "0.05",
+        "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": args.completion_length}),
+        "--bf16", "true", "--use_cpu", "true", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+        "--disable_tqdm", "true", "--emulate_device_path", "true", "--live_bytes", str(live),
+        "--results_file", str(results), "--output_dir", str(directory / "out"),
+        *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
+        *(["--lora", "true"] if args.lora else []),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"{name} failed (exit {done.returncode})")
+    return {"live": json.loads(live.read_text()), "results": json.loads(results.read_text())}
+
+
+def above_fixed(record: dict, phase: str) -> float | None:
+    """A phase's peak of live bytes above its fixed state (GiB); None where the phase did not run."""
+    phase_record = record["live"]["phases"].get(phase)
+    if phase_record is None:
+        return None
+    gradients = record["results"]["gradients_gib"] if phase in WITH_GRADIENTS else 0.0
+    return phase_record["peak_bytes"] / GIB - gradients
+
+
+def scaled(values: dict[int, float | None], depth: int) -> float | None:
+    """A value at `depth` layers, linear in the layers through the two measured counts."""
+    if len(values) < 2 or any(value is None for value in values.values()):
+        return None
+    (l1, v1), (l2, v2) = sorted(values.items())[:2]
+    return v1 + (v2 - v1) / (l2 - l1) * (depth - l1)
+
+
+def main(argv=None) -> int:
+    parser = parser_for(__doc__, prompt_length=3072, completion_length=256, k=8, output=True)
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 1], help="rows per micro-batch (k: one group)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[4], help="layer counts run (two: scaled to --depth)")
+    parser.add_argument("--depth", type=int, default=None, help="the model's own layers (default: the preset's)")
+    parser.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (a LoRA run)")
+    parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
+    args = parser.parse_args(argv)
+    from rloo_efficient.demo.workload import PRESETS
+
+    depth = args.depth or PRESETS[args.preset]["num_hidden_layers"]
+    command = " ".join(["python experiments/bench_device_memory.py", *(argv if argv is not None else sys.argv[1:])])
+    layer_cells = " | ".join(f"{layers} layers" for layers in args.layers)
+    scale = len(args.layers) >= 2
+    report = Report([
+        f"# {command}",
+        f"# {args.preset} widths, P={args.prompt_length} C={args.completion_length} k={args.k}, bf16 autocast on CPU, "
+        "device path emulated; peak live tensor bytes above each phase's fixed state (GiB), optimizer step 2 of 2",
+        f"| rows per micro-batch | phase | stock, {layer_cells} | ours, {layer_cells} | ratio"
+        + (f" | stock at {depth} | ours at {depth} | ratio at {depth} |" if scale else " |"),
+        "|---|---|" + "---:|" * (2 * len(args.layers) + 1) + ("---:|---:|---:|" if scale else ""),
+    ], args.output)
+    largest = []
+    for rows in args.rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            records = {(method, layers): run(method, args, rows, layers, Path(tmp))
+                       for layers in args.layers for method in ("stock", "ours")}  # fmt: skip
+        for phase in (*PHASES, "step"):
+            def value(method, layers, phase=phase):
+                if phase != "step":
+                    return above_fixed(records[(method, layers)], phase)
+                values = [above_fixed(records[(method, layers)], name) for name in PHASES]
+                return max(v for v in values if v is not None)
+
+            measured = {method: {layers: value(method, layers) for layers in args.layers} for method in ("stock", "ours")}
+            if all(v is None for per in measured.values() for v in per.values()):
+                continue
+            first = args.layers[0]
+            cells = [f"{measured[m][layers]:.3f}" if measured[m][layers] is not None else ""
+                     for m in ("stock", "ours") for layers in args.layers]  # fmt: skip
+            base, ours = measured["stock"][first], measured["ours"][first]
+            cells.append(f"{ours / base:.2f}x" if base and ours is not None else "")
+            if scale:
+                at_depth = {m: scaled(measured[m], depth) for m in ("stock", "ours")}
+                cells += [f"{at_depth[m]:.3f}" if at_depth[m] is not None else "" for m in ("stock", "ours")]
+                cells.append(f"{at_depth['ours'] / at_depth['stock']:.2f}x" if at_depth["stock"] and at_depth["ours"]
+                             is not None else "")  # fmt: skip
+            report.add(f"| {rows} | {phase} | " + " | ".join(cells) + " |")
+        for method in ("stock", "ours"):
+            record = records[(method, args.layers[0])]
+            for phase in PHASES:
+                phase_record = record["live"]["phases"].get(phase)
+                if phase_record is None:
+                    continue
+                largest.append(f"# {rows} rows, {method}, {phase} ({args.layers[0]} layers), peak "
+                               f"{phase_record['peak_bytes'] / GIB:.3f} GiB; the largest tensors then:")  # fmt: skip
+                largest += [f"#   {t['bytes'] / 2**20:9.1f} MiB {t['dtype']:>8} {str(tuple(t['shape'])):<24} "
+                            f"{t['op']:<22} {t['site']}" for t in phase_record["largest"][: args.top]]  # fmt: skip
+    report.add(*largest)
+    return report.write()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""
+Device memory, counted on CPU ([`profiling.live_bytes`]): what a GPU's allocator would hold, as live tensor bytes.
+No weight copy held through a no-grad forward ([`core.layers.casts`]); no parameter gradient left waiting in a held
+prompt's backward ([`core.forward.param_alias`]).
+"""
+
+import pytest
+import torch
+import trl
+from transformers import TrainerCallback
+
+import rloo_efficient
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.profiling.live_bytes import LiveBytes
+
+from .conftest import run, tiny_workload, training_args
+
+
+def test_live_bytes_count_each_storage_once_until_it_dies():
+    with LiveBytes() as live:
+        a = torch.ones(1000)  # 4000 bytes
+        view = a[10:]  # the same storage
+        a.add_(1)  # in place: nothing new
+        b = a * 2  # 4000 more
+        del a
+        assert live.current == 8000  # the view keeps the first storage alive
+        del view
+        assert live.current == 4000
+        c = torch.ones(250, dtype=torch.float64)  # 2000
+        del b, c
+    assert live.peak == 8000 and live.current == 0
+    assert [t["bytes"] for t in live.peak_tensors(2)] == [4000, 4000]
+    assert {t["op"] for t in live.peak_tensors(2)} == {"ones", "mul"}
+
+
+def _casts_alive(live: LiveBytes, weight_shapes: set) -> int:
+    """The bf16 copies of weights alive now: autocast's casts, shaped as a weight."""
+    return sum(1 for t in live.live_tensors()
+               if t["dtype"] == "bfloat16" and t["op"] == "_to_copy" and tuple(t["shape"]) in weight_shapes)  # fmt: skip
+
+
+class _Counting(TrainerCallback):
+    """Counts live tensor bytes through the first optimizer step (its generation, log-prob passes and training)."""
+
+    def __init__(self):
+        self.live = LiveBytes(sites=False)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.live.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.live.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("trainer_class", [trl.RLOOTrainer, RLOOTrainer])
+def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, trainer_class):
+    """
+    TRL's default precision: float32 weights under bf16 autocast. Autocast caches each weight's bf16 copy until the
+    forward ends; in a no-grad forward (generation's prefill and steps, the log-prob passes) ours releases them after
+    each decoder layer: at the last layer's end no earlier layer's copy is alive. Stock holds every layer's (the count
+    this test would see if ours did too).
+    """
+    cfg = tiny_workload(model_cache, arch="qwen3", model_dtype="float32", num_hidden_layers=4)
+    config_class = trl.RLOOConfig if trainer_class is trl.RLOOTrainer else rloo_efficient.RLOOConfig
+    args = training_args(tmp_path, config_class=config_class, bf16=True, use_cpu=True, max_steps=1,
+                         steps_per_generation=1)  # fmt: skip
+    counting = _Counting()
+    trainer = trainer_class(model=build_model_dir(cfg), reward_funcs=vowel_reward, args=args,
+                            train_dataset=build_dataset(cfg), processing_class=build_tokenizer(),
+                            callbacks=[counting])  # fmt: skip
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    layers = model.model.layers
+    shapes = {tuple(p.shape) for layer in layers for p in layer.parameters() if p.dim() == 2}
+    per_layer = sum(1 for p in layers[-1].parameters() if p.dim() == 2)
+    seen = []
+    layers[-1].register_forward_hook(lambda *_: None if torch.is_grad_enabled() else seen.append(
+        _casts_alive(counting.live, shapes)))  # fmt: skip
+    trainer.train()
+    assert seen  # no-grad forwards ran with the count on
+    if trainer_class is trl.RLOOTrainer:
+        assert min(seen) == len(layers) * per_layer  # every layer's copy, to the end of the forward
+    else:
+        assert max(seen) <= per_layer and trainer.shared_prefill_tokens > 0
+
+
+def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_path):
+    """
+    One row per micro-batch: each prompt forwarded once, held, and backpropagated in the last micro-batch's backward
+    beside that row's. Every parameter gradient the row's graph produces is accumulated as it arrives: none waits for
+    the prompt's part (autograd would hold each, in full, until the prompt's backward reaches the parameter: a whole
+    set of gradients at once). Counted at each of the row's gradient accumulations; stock's numbers alike.
+    """
+    cfg = tiny_workload(model_cache, arch="qwen3", model_dtype="float32", num_hidden_layers=4, hidden_size=64,
+                        intermediate_size=128, prompt_length=96, prompt_length_min=None)  # fmt: skip
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, steps_per_generation=4, max_steps=1)
+    stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
+                dataset)  # fmt: skip
+    counting = _Counting()
+    trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=training_args(tmp_path / "ours", **settings),
+                          train_dataset=dataset, processing_class=build_tokenizer(), callbacks=[counting])  # fmt: skip
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    shapes = {tuple(p.shape) for p in params}
+    waiting = []
+
+    def count(_):
+        grads = {id(p.grad.untyped_storage()) for p in params if p.grad is not None}
+        waiting.append(sum(t["bytes"] for t in counting.live.live_tensors()
+                           if tuple(t["shape"]) in shapes and t["dtype"] == "float32" and t["storage"] not in grads))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(count)
+    trainer.train()
+    assert trainer.held_forward_tokens > 0 and waiting
+    largest = max(p.numel() * p.element_size() for p in params)
+    assert max(waiting) <= largest  # at most the one being accumulated (the embedding's, the largest)
+    norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e] for t in (stock, trainer)]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)  # the gradients are stock's
