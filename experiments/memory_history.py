@@ -44,16 +44,25 @@ def _site(frames: list[dict], depth: int = 4) -> str:
     return " < ".join(kept) or "(no Python frame in the code we read)"
 
 
-def analyze(trace: list[dict], markers: list[str], start_allocated: int, top: int = 10) -> dict:
-    """Replays `trace` (a device's allocator events) from `start_allocated` bytes: per phase segment label, the peak
-    of allocated bytes and the blocks live then, by allocation site. Frees of blocks allocated before the recording
-    lower the count but have no site."""
+def analyze(trace: list[dict], markers: list[str], start_allocated: int, start_reserved: int = 0,
+            top: int = 10) -> dict:  # fmt: skip
+    """Replays `trace` (a device's allocator events) from `start_allocated` bytes allocated and `start_reserved`
+    reserved: per phase segment label, the peak of allocated bytes and the blocks live then, by allocation site, and
+    the peak of reserved bytes with the sites whose allocations made the allocator reserve more (`segment_alloc`).
+    Frees of blocks allocated before the recording lower the count but have no site."""
     live: dict[int, tuple[int, str]] = {}  # address -> (bytes, site)
-    current, label, marker = start_allocated, "before", 0
+    current, reserved, label, marker = start_allocated, start_reserved, "before", 0
     peaks: dict[str, dict] = {}
+    grown: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    pending_site = ""
     for event in trace:
         action, size, address = event["action"], event["size"], event["addr"]
-        if action == "alloc":
+        if action == "segment_alloc":
+            reserved += size
+            grown[label][_site(event.get("frames", []))] += size
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= size
+        elif action == "alloc":
             frames = event.get("frames", [])
             if size == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in frames):
                 label = markers[marker] if marker < len(markers) else "after"
@@ -66,23 +75,25 @@ def analyze(trace: list[dict], markers: list[str], start_allocated: int, top: in
         elif action == "free_completed":
             current -= size
             live.pop(address, None)
-        else:
-            continue
-        if current > peaks.get(label, {}).get("peak", -1):
-            peaks[label] = {"peak": current, "live": dict(live)}
+        record = peaks.setdefault(label, {"peak": -1, "reserved": 0})
+        record["reserved"] = max(record["reserved"], reserved)
+        if action == "alloc" and current > record["peak"]:
+            record.update(peak=current, live=dict(live))
     report = {}
     for label, record in peaks.items():
         by_site = collections.Counter()
         count = collections.Counter()
-        for size, site in record["live"].values():
+        for size, site in record.get("live", {}).values():
             by_site[site] += size
             count[site] += 1
         tracked = sum(by_site.values())
         report[label] = {
-            "peak_allocated_gib": record["peak"] / 1024**3,
-            "from_before_the_step_gib": (record["peak"] - tracked) / 1024**3,
+            "peak_allocated_gib": max(record["peak"], 0) / 1024**3,
+            "from_before_the_step_gib": (max(record["peak"], 0) - tracked) / 1024**3,
+            "peak_reserved_gib": record["reserved"] / 1024**3,
             "largest": [{"gib": size / 1024**3, "blocks": count[site], "site": site}
                         for site, size in by_site.most_common(top)],
+            "reserved_by": [{"gib": size / 1024**3, "site": site} for site, size in grown[label].most_common(5)],
         }  # fmt: skip
     return report
 
@@ -91,9 +102,11 @@ def markdown(report: dict, title: str) -> str:
     lines = [f"# {title}", ""]
     for label, record in report.items():
         lines += [f"## {label}: peak allocated {record['peak_allocated_gib']:.3f} GiB, of which allocated before the "
-                  f"step {record['from_before_the_step_gib']:.3f} GiB", "", "| GiB | blocks | where |", "|---:|---:|---|"]
+                  f"step {record['from_before_the_step_gib']:.3f} GiB; peak reserved {record['peak_reserved_gib']:.3f}"
+                  " GiB", "", "| GiB | blocks | where |", "|---:|---:|---|"]  # fmt: skip
         lines += [f"| {entry['gib']:.3f} | {entry['blocks']} | {entry['site']} |" for entry in record["largest"]]
-        lines.append("")
+        lines += ["", "reserved more for:", *(f"- {entry['gib']:.3f} GiB: {entry['site']}" for entry in record["reserved_by"]),
+                  ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -105,7 +118,7 @@ def record_step(profiler_class, step: int, path: str, max_entries: int = 2_000_0
 
     def begin(profiler):
         torch.cuda.synchronize()
-        start["allocated"] = torch.cuda.memory_allocated()
+        start["allocated"], start["reserved"] = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                  max_entries=max_entries)  # fmt: skip
         _phase_marker(profiler.current_phase or "outside", markers)
@@ -115,7 +128,7 @@ def record_step(profiler_class, step: int, path: str, max_entries: int = 2_000_0
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         trace = snapshot["device_traces"][torch.cuda.current_device()]
-        report = analyze(trace, markers, start["allocated"])
+        report = analyze(trace, markers, start["allocated"], start["reserved"])
         Path(path).write_text(markdown(report, f"Allocator history of optimizer step {step} ({len(trace)} events)"))
 
     _patch_steps(profiler_class, step, begin, lambda profiler, before: _phase_marker(

@@ -7,14 +7,18 @@ prompt's backward ([`core.forward.param_alias`]).
 import pytest
 import torch
 import trl
-from transformers import TrainerCallback
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import rloo_efficient
 from rloo_efficient import RLOOTrainer
+from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.live_bytes import LiveBytes
 
 from .conftest import run, tiny_workload, training_args
+from .helpers import HEADS, KV_HEADS, VOCAB, left_pad, prompts_for
 
 
 def test_live_bytes_count_each_storage_once_until_it_dies():
@@ -58,15 +62,16 @@ class _Counting(TrainerCallback):
 @pytest.mark.parametrize("trainer_class", [trl.RLOOTrainer, RLOOTrainer])
 def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, trainer_class):
     """
-    TRL's default precision: float32 weights under bf16 autocast. Autocast caches each weight's bf16 copy until the
-    forward ends; in a no-grad forward (generation's prefill and steps, the log-prob passes) ours releases them after
-    each decoder layer: at the last layer's end no earlier layer's copy is alive. Stock holds every layer's (the count
-    this test would see if ours did too).
+    TRL's default precision: float32 weights under bf16 autocast, gradient checkpointing on. Autocast caches each
+    weight's bf16 copy until the forward ends; ours releases them after each decoder layer, in no-grad forwards
+    (generation's prefill and steps, the log-prob passes) and in the checkpointed training forward (which saves none
+    of them): at the last layer's end no earlier layer's copy is alive. Stock holds every layer's (the count this test
+    would see if ours did too).
     """
     cfg = tiny_workload(model_cache, arch="qwen3", model_dtype="float32", num_hidden_layers=4)
     config_class = trl.RLOOConfig if trainer_class is trl.RLOOTrainer else rloo_efficient.RLOOConfig
     args = training_args(tmp_path, config_class=config_class, bf16=True, use_cpu=True, max_steps=1,
-                         steps_per_generation=1)  # fmt: skip
+                         steps_per_generation=1, gradient_checkpointing=True)  # fmt: skip
     counting = _Counting()
     trainer = trainer_class(model=build_model_dir(cfg), reward_funcs=vowel_reward, args=args,
                             train_dataset=build_dataset(cfg), processing_class=build_tokenizer(),
@@ -75,15 +80,16 @@ def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, tr
     layers = model.model.layers
     shapes = {tuple(p.shape) for layer in layers for p in layer.parameters() if p.dim() == 2}
     per_layer = sum(1 for p in layers[-1].parameters() if p.dim() == 2)
-    seen = []
-    layers[-1].register_forward_hook(lambda *_: None if torch.is_grad_enabled() else seen.append(
+    seen = {True: [], False: []}  # by grad mode
+    layers[-1].register_forward_hook(lambda *_: seen[torch.is_grad_enabled()].append(
         _casts_alive(counting.live, shapes)))  # fmt: skip
     trainer.train()
-    assert seen  # no-grad forwards ran with the count on
-    if trainer_class is trl.RLOOTrainer:
-        assert min(seen) == len(layers) * per_layer  # every layer's copy, to the end of the forward
-    else:
-        assert max(seen) <= per_layer and trainer.shared_prefill_tokens > 0
+    assert seen[True] and seen[False]  # training and no-grad forwards ran with the count on
+    for counts in seen.values():
+        if trainer_class is trl.RLOOTrainer:
+            assert min(counts) == len(layers) * per_layer  # every layer's copy, to the end of the forward
+        else:
+            assert max(counts) <= per_layer and trainer.shared_prefill_tokens > 0
 
 
 def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_path):
@@ -119,3 +125,66 @@ def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_pat
     assert max(waiting) <= largest  # at most the one being accumulated (the embedding's, the largest)
     norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e] for t in (stock, trainer)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)  # the gradients are stock's
+
+
+class _AttentionInputs(TorchDispatchMode):
+    """Every tensor an attention kernel is handed (the SDPA family's operators), as it was handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func._overloadpacket.__name__:
+            self.calls.append([x.clone() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
+
+
+def _stored(cache) -> list[torch.Tensor]:
+    """The keys and values a decoding cache holds: the prompt's (kept once or fanned out) and the rows' own."""
+    found = []
+    for layer in cache.layers:
+        for name in ("keys", "values", "prefix_keys", "prefix_values"):
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor) and value.numel():
+                found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("once, static, tree", [(False, False, True), (True, False, True), (True, True, True),
+                                                (False, True, False)])  # fmt: skip
+def test_caches_store_keys_in_the_dtype_attention_reads(monkeypatch, once, static, tree):
+    """
+    Under bf16 autocast (float32 weights, as TRL trains) Qwen3's keys come out of their norm in float32, and every
+    attention reads them in bf16. The shared prefill's cache (the prefix tree's, or the padded prefill's), the prompt
+    kept once, the static buffers and the decoded rows' keys are all stored in bf16: every attention kernel gets
+    bit-identical inputs to the run storing what the model hands over (float32 keys), and the same logits.
+    """
+    from rloo_efficient.core.generation import prompt_cache
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=8,
+                                         max_position_embeddings=512)).eval()  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompts, mask = left_pad(prompts_for("system_prompt" if tree else "mixed_lengths"))
+    config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
+    runs = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # each kernel's first-use check, not counted
+        generate_with_shared_prefill(model, prompts, mask, prompt_cache_once=once, static=static, tree=tree, **kwargs)
+    for narrow in (True, False):
+        if not narrow:  # what the model hands over, stored as it is
+            monkeypatch.setattr(prompt_cache, "stored_as_read", lambda *tensors: tensors)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _AttentionInputs() as inputs:
+            output, shared = generate_with_shared_prefill(model, prompts, mask, prompt_cache_once=once, static=static,
+                                                          tree=tree, **kwargs)  # fmt: skip
+        assert 0 < shared < (3 * (prompts.shape[1] - 1) if tree else 10**9)  # the tree: the system prompt once
+        runs[narrow] = (output, inputs.calls, {t.dtype for t in _stored(output.past_key_values)})
+    (narrow, narrow_calls, narrow_dtypes), (wide, wide_calls, wide_dtypes) = runs[True], runs[False]
+    assert narrow_dtypes == {torch.bfloat16} and torch.float32 in wide_dtypes  # (the keys: wider than read)
+    assert len(narrow_calls) == len(wide_calls) > 0
+    for a, b in zip(narrow_calls, wide_calls, strict=True):
+        assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for a, b in zip(narrow.logits, wide.logits, strict=True):
+        assert torch.equal(a, b)

@@ -261,6 +261,20 @@ def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(tensor if tensor.dtype == dtype else tensor.to(dtype) for tensor in tensors)
 
 
+def stored_as_read(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """
+    Keys and values as a cache stores them: under autocast, in autocast's lower precision where they are wider, the
+    dtype every attention reads them in (autocast casts SDPA's and eager attention's inputs, the flash integration and
+    [`_compute_dtype`] cast to it), so that a reader gets the same values from a narrower store; else as they are.
+    """
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(tensor.to(dtype) if tensor.is_floating_point() and tensor.element_size() > dtype.itemsize else tensor
+                 for tensor in tensors)  # fmt: skip
+
+
 # Under `torch.compile` the function runs as Python, outside the graph (a graph break per attention call): what it
 # does depends on host structure (the layout's buckets, the decoding cache in its context) that a compiled graph would
 # freeze at its first trace; the rest of each layer stays compiled. Eager calls skip dynamo's wrapper (host time per

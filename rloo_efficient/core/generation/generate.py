@@ -43,7 +43,7 @@ from ..layers.vision import (
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
 from . import static_decode
-from .prompt_cache import PrefixCache, cache_limit, keep_prompt_once, kv_sources
+from .prompt_cache import PrefixCache, ReadDtypeCache, cache_limit, keep_prompt_once, kv_sources
 from .static_decode import static_call_reason, static_sample, warn_off
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
@@ -168,7 +168,7 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     """
     prefix_ids = input_ids[first, :-1]
     prefix_mask = attention_mask[first, :-1]
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
+    cache = ReadDtypeCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     kwargs = dict(images or {})
     if takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read

@@ -16,8 +16,31 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
-from ..attention.backend import SplitLayout
+from ..attention.backend import SplitLayout, stored_as_read
 from ..layers.families import attention_reason
+
+
+class ReadDtypeCache(DynamicCache):
+    """
+    A `DynamicCache` storing keys and values in the dtype attention reads them ([`attention.backend.stored_as_read`]):
+    under bf16 autocast, a model whose keys come out in float32 (Qwen3's normalized keys, rotary embeddings in float32)
+    stores them in bf16, as every reader casts them, a third less than stock's cache of float32 keys and bf16 values.
+    Each attention call gets the same values. `source_dtype`: the keys' dtype as the model handed them over (what
+    stock's cache stores), which the masks built for this cache keep ([`mask_dtype`]).
+    """
+
+    source_dtype: torch.dtype | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.source_dtype is None:
+            self.source_dtype = key_states.dtype
+        key_states, value_states = stored_as_read(key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def mask_dtype(cache, keys: torch.Tensor) -> torch.dtype:
+    """The dtype of an additive mask over `cache`'s `keys`: stock's cache's keys' ([`ReadDtypeCache.source_dtype`])."""
+    return getattr(cache, "source_dtype", None) or keys.dtype
 
 
 class PrefixLayer(DynamicLayer):
@@ -98,7 +121,7 @@ def decode_split(inverse: list[int], prompt_lengths: list[int], prefix_width: in
                                                                                  device, dtype))  # fmt: skip
 
 
-class PrefixCache(DynamicCache):
+class PrefixCache(ReadDtypeCache):
     """
     The cache [`attention.backend`] decodes from: a filled cache of `G` distinct prompt rows, and `split`, the
     [`SplitLayout`] of the `B` decoded rows over them.
@@ -129,13 +152,14 @@ class PrefixCache(DynamicCache):
         self.inverse = inverse
         attention = [layer for layer in prefilled.layers if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)]
         keys = attention[0].keys
-        self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, keys.dtype)
+        self.source_dtype = dtype = mask_dtype(prefilled, keys)
+        self.split = decode_split(inverse, prompt_lengths, prefix_columns, keys.device, dtype)
         # A sliding-window layer kept the prompt's last positions only: its own padding mask, one per width
         biases = {prefix_columns: self.split.prefix_bias}
         for layer in attention:
             width = layer.keys.shape[-2]
             if width not in biases:
-                biases[width] = padding_bias(prompt_lengths, width, keys.device, keys.dtype)
+                biases[width] = padding_bias(prompt_lengths, width, keys.device, dtype)
         rows = torch.tensor(inverse, device=keys.device)
         self.layers = []
         for index, layer in enumerate(prefilled.layers):

@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - older transformers: every such input i
 from ..graphs import REPLAY_ATOL, REPLAY_RTOL, capture, warm_up
 from ..once import WarnOnce
 from ..transformers_compat import CACHE_KWARG
-from .prompt_cache import PrefixCache, PrefixLayer
+from .prompt_cache import PrefixCache, PrefixLayer, mask_dtype
 
 
 # How often (in steps) the loop reads back whether every row has finished: each read waits for the device to catch
@@ -118,8 +118,9 @@ class StaticLayer(DynamicLayer):
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.keys.index_copy_(2, self.column, key_states)
-        self.values.index_copy_(2, self.column, value_states)
+        # (in the buffers' dtype: a cache filled narrower than the model hands keys over, [`ReadDtypeCache`])
+        self.keys.index_copy_(2, self.column, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, self.column, value_states.to(self.values.dtype))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -424,7 +425,7 @@ class StaticStep:
         if isinstance(cache, PrefixCache):  # the rows' own positions alone in buffers; the prompt stays once
             self.additive, own = True, columns - (width - 1)  # the kernels' bias: additive
             self.column = torch.zeros(1, dtype=torch.long, device=input_ids.device)
-            dtype = next(layer.prefix_keys.dtype for layer in cache.layers if type(layer) is PrefixLayer)
+            dtype = mask_dtype(cache, next(layer.prefix_keys for layer in cache.layers if type(layer) is PrefixLayer))
             self.full = torch.full((1, 1, 1, own), torch.finfo(dtype).min, dtype=dtype, device=input_ids.device)
             cache.layers = [StaticPrefixLayer(layer, rows, own, self.column, self.full, self.written)
                             if type(layer) is PrefixLayer else layer for layer in cache.layers]  # fmt: skip
@@ -455,7 +456,7 @@ class StaticStep:
         """`attends` as the model's attention takes it: boolean for SDPA, additive (the dtype's minimum) for eager."""
         if not self.additive:
             return attends.clone()
-        dtype = next(layer.keys.dtype for layer in self.cache.layers if isinstance(layer, StaticLayer))
+        dtype = mask_dtype(self.cache, next(layer.keys for layer in self.cache.layers if isinstance(layer, StaticLayer)))
         return torch.zeros(attends.shape, dtype=dtype, device=attends.device).masked_fill_(attends.logical_not(),
                                                                                           torch.finfo(dtype).min)
 

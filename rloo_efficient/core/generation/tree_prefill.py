@@ -26,7 +26,7 @@ from ..attention.backend import capturing_keys
 from ..layers.install import install
 from ..tree.layout import LAYOUT_KWARG, NO_MASK, tree_layout
 from ..tree.radix import MIN_SAVED_TOKENS, Tree, build_tree, ranges
-from .prompt_cache import prefix_cache_unsupported_reason
+from .prompt_cache import ReadDtypeCache, prefix_cache_unsupported_reason
 
 
 # Cache layers filled from the keys and values the attention calls see: per-row keys and values (a sliding layer keeps
@@ -125,7 +125,7 @@ def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = 
     """
     device = next(model.parameters()).device
     layout, (tokens, slots) = tree_layout(plan.tree, device, parts=[plan.tokens, plan.slots], recurrent=False)
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
+    cache = ReadDtypeCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     stored = {index for index, layer in enumerate(cache.layers) if not isinstance(layer, DummyLayer)}
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWin
 from ..attention.backend import continuing_with
 from ..tree.layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
 from ..tree.radix import Tree, ranges
-from .prompt_cache import PrefixCache, PrefixLayer, cache_limit, kv_sources
+from .prompt_cache import PrefixCache, PrefixLayer, ReadDtypeCache, cache_limit, kv_sources
 from .tree_prefill import forward_capturing, tree_prefill_reason
 
 
@@ -58,7 +58,7 @@ def turn_cache(model: nn.Module) -> DynamicCache:
     decoding ([`attention.windows.decode_window_biases`]) mask the rest; the keys it keeps cost memory and, while
     decoding, reads.
     """
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    cache = ReadDtypeCache(config=model.config.get_text_config(decoder=True))
     cache.layers = [DynamicLayer() if type(layer) is DynamicSlidingWindowLayer else layer for layer in cache.layers]
     return cache
 

@@ -1,5 +1,5 @@
 """
-No-grad forwards holding one layer's low-precision weight copies at a time ([`release_casts_per_layer`]).
+Forwards holding one layer's low-precision weight copies at a time ([`release_casts_per_layer`]).
 
 Under autocast a float32 weight is cast to bf16 (or fp16) at each use, and autocast keeps the cast of every weight
 that requires grad in a cache until the outermost autocast region exits: through a whole forward, every layer's copy.
@@ -9,7 +9,10 @@ at Qwen3-0.6B's shape, 1.2 of ours' 2.2 GiB generation peak above the fixed stat
 nothing there: a forward uses each weight once. Released after each decoder layer, the copies live one layer at a
 time; the same casts run, the same numbers come out.
 
-With grad on, a cast is saved for the backward anyway (or recomputed under checkpointing): the cache is left alone.
+With grad on, a layer's backward keeps what it saved of its casts (whatever the cache holds), and under gradient
+checkpointing it saves nothing and casts again when it recomputes: released there too, a checkpointed training
+forward no longer ends holding every layer's copy (stock's one-row training peak on the H200 did: 0.82 of its 1.48 GiB
+above the fixed state).
 """
 
 import torch
@@ -18,13 +21,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 def _release(module, args, output) -> None:
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
         torch.clear_autocast_cache()
 
 
 def release_casts_per_layer(model: nn.Module) -> int:
-    """After each decoder layer of `model` (transformers' `GradientCheckpointingLayer`s), in a no-grad forward, the
-    autocast cache is cleared. Idempotent; returns the number of layers."""
+    """After each decoder layer of `model` (transformers' `GradientCheckpointingLayer`s) the autocast cache is cleared.
+    Idempotent; returns the number of layers."""
     count = getattr(model, "_rloo_cast_release_layers", None)
     if count is not None:
         return count
