@@ -3,11 +3,15 @@
 # leaves the others their time; every output goes to $OUT (or results/gpu_session/ without it). On the device machine,
 # from the project root, after installing the carried wheels (README "On a GPU"):
 #
-#     bash experiments/gpu_session.sh            # the first call: issue 51's rows, most wanted first (~9 minutes)
+#     bash experiments/gpu_session.sh            # the first call: issue 58's rows, most wanted first (~9 minutes)
 #     STEPS="$(bash experiments/gpu_session.sh --list)" ...   # every step: ~25 minutes of limits, several calls
 #     STEPS="doctor tree_kernels" bash experiments/gpu_session.sh   # the steps named
 #
-# The first call's steps, in order (each a row of issue 51's "done when" still open after the fourth session,
+# The first call's steps (issue 58, device memory): the 0.6B trainer at one row per micro-batch and at k=8, stock and
+# ours in one run each with step 2's allocator history by phase (each phase's peak allocated and reserved, and the
+# blocks live at the peak by allocation site: experiments/memory_history.py), then the 1.7B trainer at P=16384.
+#
+# Issue 51's steps, after those (each a row of issue 51's "done when" still open after the fourth session,
 # results/gpu.md; a step cut by its limit leaves the others their time): the prompt kept once against fanned out under
 # graph replay below the one size measured (88 MB per layer and step: core/generation/prompt_cache.py
 # REPLAYED_BREAK_EVEN_BYTES), the 0.6B trainer (peak above the fixed state, reserved, step) beside releasing the cache
@@ -36,8 +40,8 @@
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-FIRST="history_rows1 history_0.6b"
-REST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b bench_gpu_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
+FIRST="history_rows1 history_0.6b bench_gpu_1.7b"
+REST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -50,10 +54,8 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
-run 200 history_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --memory_history "$OUT" \
-    --output "$OUT/history_rows1.md"
-run 200 history_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --memory_history "$OUT" \
-    --output "$OUT/history_0.6b.md"
+run 170 history_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --memory_history "$OUT"
+run 140 history_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --memory_history "$OUT"
 run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
 run 120 static_once_sweep python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 512 1024 2048 \
@@ -65,7 +67,7 @@ run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 
     --output "$OUT/bench_gpu_rows1.md"
 run 180 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
     --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
-run 200 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
+run 230 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
 run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
 run 240 bench_gpu_long_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-long-rows1 \
