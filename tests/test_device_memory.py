@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 import rloo_efficient
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
+from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.live_bytes import LiveBytes
 
@@ -180,7 +181,7 @@ def test_caches_store_keys_in_the_dtype_attention_reads(monkeypatch, once, stati
             output, shared = generate_with_shared_prefill(model, prompts, mask, prompt_cache_once=once, static=static,
                                                           tree=tree, **kwargs)  # fmt: skip
         assert 0 < shared < (3 * (prompts.shape[1] - 1) if tree else 10**9)  # the tree: the system prompt once
-        runs[narrow] = (output, inputs.calls, {t.dtype for t in _stored(output.past_key_values)})
+        runs[narrow] = (output, inputs.calls, {t.dtype for t in _stored(output_cache(output))})
     (narrow, narrow_calls, narrow_dtypes), (wide, wide_calls, wide_dtypes) = runs[True], runs[False]
     assert narrow_dtypes == {torch.bfloat16} and torch.float32 in wide_dtypes  # (the keys: wider than read)
     assert len(narrow_calls) == len(wide_calls) > 0

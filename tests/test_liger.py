@@ -51,6 +51,12 @@ def apply_liger_stand_in(model, kernel_config):
             module.__dict__["forward"] = _swiglu.__get__(module)
 
 
+# transformers 5.25 kernelizes a model `from_pretrained` loads at every change of train/eval mode: a layer with a Hub
+# kernel mapping and no kernel for the device gets its class's forward back, which removes a forward bound on the
+# instance, as Liger binds its RMSNorm (TRL's `use_liger_kernel=True` loses it; its MLP and rotary patches stay)
+KERNELIZES = tuple(int(part) for part in transformers.__version__.split(".")[:2]) >= (5, 25)
+
+
 @pytest.fixture
 def liger_stand_in(monkeypatch):
     monkeypatch.setattr(transformers.trainer, "apply_liger_kernel", apply_liger_stand_in)
@@ -70,7 +76,11 @@ def test_liger_kernels_share_in_every_phase_and_equal_stock(workload, tmp_path, 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ours = run(RLOOTrainer, path, training_args(tmp_path / "ours", **settings), dataset)
-    assert all(stock_calls) and _rms_norm.calls > stock_calls[0] and _rotary.calls > stock_calls[2]  # ours ran them
+    assert stock_calls[1] and stock_calls[2] and _rotary.calls > stock_calls[2]  # ours ran them
+    if KERNELIZES:  # Liger's RMSNorm is reverted at training's start, in stock's model and ours alike
+        assert stock_calls[0] == _rms_norm.calls == 0
+    else:
+        assert stock_calls[0] and _rms_norm.calls > stock_calls[0]
     assert not [str(w.message) for w in caught if "rloo_efficient" in str(w.message) and "off" in str(w.message)]
     assert ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
     assert list(ours._logs["completion"]) == list(stock._logs["completion"])

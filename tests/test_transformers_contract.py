@@ -1,4 +1,4 @@
-"""The private transformers internals rloo_efficient relies on, pinned in pyproject.toml (`transformers>=5.23,<5.25`):
+"""The private transformers internals rloo_efficient relies on, pinned in pyproject.toml (`transformers>=5.23,<5.26`):
 if an upgrade changes one of them, this says which, before any equivalence test fails in a less legible way."""
 
 import copy
@@ -23,7 +23,7 @@ def tiny():
 
 def test_the_pin_matches_what_is_installed():
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    assert (major, minor) in ((5, 23), (5, 24)), "re-run the suite and move the pin in pyproject.toml"
+    assert (major, minor) in ((5, 23), (5, 24), (5, 25)), "re-run the suite and move the pin in pyproject.toml"
 
 
 def test_cache_layers_are_per_row_keys_and_values():

@@ -1,4 +1,4 @@
-"""The names that differ between the transformers releases we support (5.23 and 5.24), in one place."""
+"""The names that differ between the transformers releases we support (5.23 to 5.25), in one place."""
 
 import inspect
 

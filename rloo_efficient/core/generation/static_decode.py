@@ -515,12 +515,14 @@ def _layer_tensors(layer) -> list[torch.Tensor]:
 
 
 def _states(layer) -> list[torch.Tensor]:
-    """A recurrent layer's convolution and recurrent states (transformers keeps them in dicts by state index): what a
-    step advances in place, where running a step twice at one position is not the same as once."""
+    """A recurrent layer's convolution and recurrent states (transformers keeps them in dicts by state index), and from
+    transformers 5.25 its count of tokens seen (a device tensor each step adds to): what a step advances in place,
+    where running a step twice at one position is not the same as once."""
     held = []
     for name in ("conv_states", "recurrent_states"):
         states = getattr(layer, name, None) or {}
         held += list(states.values() if isinstance(states, dict) else states)
+    held.append(getattr(layer, "cumulative_length_linear", None))
     return [tensor for tensor in held if isinstance(tensor, torch.Tensor)]
 
 

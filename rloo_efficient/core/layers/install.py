@@ -17,6 +17,7 @@ def install(model: nn.Module) -> int:
     """
     count = getattr(model, "_rloo_prefix_attention_modules", None)
     if count is not None:
+        install_forks(model)  # (a recurrent layer's routing reset by a kernelization since: transformers >= 5.25)
         return count
     install_forks(model)
     release_casts_per_layer(model)

@@ -341,18 +341,24 @@ def has_recurrent_layers(model: nn.Module) -> bool:
 
 
 def install(model: nn.Module) -> int:
-    """Routes each recurrent layer of `model` to its fork when the packed layout reaches it (idempotent). Returns how
-    many there are."""
+    """Routes each recurrent layer of `model` to its fork when the packed layout reaches it (idempotent: a layer still
+    routed is left as it is, one whose forward was reset is routed again). Returns how many there are.
+
+    transformers 5.25 kernelizes a model loaded by `from_pretrained` at every change of `train()`/`eval()` mode, and
+    kernelizing a layer that has no kernel for its device removes any forward set on the instance: ours too. Each of
+    our forwards installs first, so that a layer reset since is routed again before the forward reaches it."""
+    if not has_recurrent_layers(model):
+        return 0
     count = 0
     for module, fork in recurrent_layers(model):
         count += 1
-        if getattr(module, "_rloo_efficient_routed", False):
-            continue
         # Under an accelerate hook (`device_map`, offloading), its forward moves the inputs (and loads offloaded
         # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too. The
         # fork reads the convolution's weights without calling it: fire that child's hook around the fork, as the
         # layer's own forward does (an offloaded child's weights are on the meta device until then)
         target = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+        if getattr(vars(module).get(target), "_rloo_routed", False):
+            continue
         own_forward = getattr(module, target)
         # Outside a compiled graph, as our attention function ([`attention.backend`]): the fork reads host structure
         fork = torch._dynamo.disable(force_accelerate_hooks(FORKS[type(module).__name__][1])(fork), recursive=True)
@@ -363,6 +369,6 @@ def install(model: nn.Module) -> int:
                 return _own(*args, **kwargs)
             return _fork(_module, args[0] if args else kwargs["hidden_states"], layout)
 
+        forward._rloo_routed = True
         setattr(module, target, forward)
-        module._rloo_efficient_routed = True
     return count
