@@ -16,7 +16,8 @@ from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
-from rloo_efficient.profiling.live_bytes import LiveBytes
+from rloo_efficient.profiling.live_bytes import LiveBytes, PhasePeaks
+from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin
 
 from .conftest import run, tiny_workload, training_args
 from .helpers import HEADS, KV_HEADS, VOCAB, left_pad, prompts_for
@@ -189,3 +190,56 @@ def test_caches_store_keys_in_the_dtype_attention_reads(monkeypatch, once, stati
         assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
     for a, b in zip(narrow.logits, wide.logits, strict=True):
         assert torch.equal(a, b)
+
+
+class _StepTwo(TrainerCallback):
+    """Live tensor bytes per phase through optimizer step 2 ([`PhasePeaks`] on the trainer's phase profiler)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.peaks = trainer, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.peaks = PhasePeaks(self.trainer._profiler).__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.peaks.__exit__(None, None, None)
+
+
+class _ProfiledStock(MemoryProfilingMixin, trl.RLOOTrainer):
+    """Stock TRL with the same phase profiler as ours."""
+
+
+@pytest.mark.parametrize("rows", [4, 1])
+def test_no_phase_holds_more_than_stocks(model_cache, tmp_path, rows):
+    """
+    TRL's defaults on a GPU: bf16 autocast over float32 weights, gradient checkpointing; a whole group per micro-batch
+    and one row per micro-batch (prompts held across micro-batches). Each phase's peak of live tensor bytes (above
+    what existed when the step began: the weights and optimizer states) is at most stock's, and with a group per
+    micro-batch ours' step is well below stock's. Deterministic byte counts, a device's allocated memory without its
+    allocator.
+    """
+    cfg = tiny_workload(model_cache, arch="qwen3", model_dtype="float32", num_hidden_layers=4, hidden_size=64,
+                        intermediate_size=128, prompt_length=256, prompt_length_min=None)  # fmt: skip
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=rows, gradient_accumulation_steps=4 // rows,
+                    steps_per_generation=4 // rows, max_steps=2, gradient_checkpointing=True)  # fmt: skip
+    peaks = {}
+    for name, trainer_class, config_class in (("stock", _ProfiledStock, trl.RLOOConfig),
+                                              ("ours", RLOOTrainer, rloo_efficient.RLOOConfig)):  # fmt: skip
+        trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
+                                args=training_args(tmp_path / name, config_class=config_class, **settings),
+                                processing_class=build_tokenizer())  # fmt: skip
+        step = _StepTwo(trainer)
+        trainer.add_callback(step)
+        trainer.train()
+        peaks[name] = {phase: record["peak_bytes"] for phase, record in step.peaks.phases.items()
+                       if phase != "outside"}  # (between phases: the Trainer's own bookkeeping)
+    stock, ours = peaks["stock"], peaks["ours"]
+    assert {"generation", "train"} <= set(stock) and set(ours) == set(stock)
+    # (ours' batch carries its group table, `rloo_rows`: a host tensor on a GPU, a few KiB here)
+    above = {phase: (stock[phase], ours[phase]) for phase in stock if ours[phase] > stock[phase] + 64 * 1024}
+    assert not above, above
+    if rows == 4:  # (at one row both are near the tiny model's own bytes)
+        assert max(ours.values()) <= 0.5 * max(stock.values()), (stock, ours)
