@@ -15,6 +15,7 @@ from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.generation import static_decode
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.generation.static_decode import StaticHybridLayer, StaticLayer, StaticPrefixLayer, StaticStep
+from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.profiling.op_count import OpCounter
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, training_args
@@ -88,11 +89,11 @@ def test_same_logits_and_samples_as_generate(monkeypatch, arch, once, layout):
         warnings.simplefilter("error")  # static decoding ran: no fallback's warning
         stock, _, ours, _ = static_and_stock(model, ids, mask, config, once)
     kinds = {StaticLayer if type(layer) is StaticHybridLayer else type(layer)  # (Falcon-H1's: states and keys)
-             for layer in ours.cache.layers} - {LinearAttentionLayer, DummyLayer}  # as they were
+             for layer in output_cache(ours).layers} - {LinearAttentionLayer, DummyLayer}  # as they were
     assert kinds == {StaticPrefixLayer if once else StaticLayer}
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
-    held = [getattr(layer, "keys", None) for layer in ours.cache.layers]
-    for layer in ours.cache.layers:  # a recurrent layer's states, in dicts by state index
+    held = [getattr(layer, "keys", None) for layer in output_cache(ours).layers]
+    for layer in output_cache(ours).layers:  # a recurrent layer's states, in dicts by state index
         held += [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
     assert {id(tensor) for tensor in held if tensor is not None} <= {id(tensor) for tensor in steps[-1].buffers()}
 
@@ -122,7 +123,7 @@ def test_longrope_decodes_static_within_its_original_context(monkeypatch, new_to
     aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
     assert_same_generation(stock, ours, "phi4_mini", new_tokens)
     if new_tokens == 12:
-        assert not aside and all(type(layer) is StaticLayer for layer in ours.cache.layers)
+        assert not aside and all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
         assert syncs == [0] * new_tokens
     else:
         assert len(aside) == 1 and "passes its original context (64 positions)" in aside[0] and not syncs
@@ -141,7 +142,7 @@ def test_rows_finishing_early_leave_the_random_generator_as_generate_does(attent
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # static decoding ran
         stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config)
-    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+    assert all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
     finished = stock.sequences.shape[1] - ids.shape[1]
     if steps is None:
         assert finished < 20 and finished % 8  # stopped early, between two read-backs
@@ -200,7 +201,7 @@ def test_the_rows_copies_of_the_prompt_are_allocated_once_at_their_final_size(mo
     ids, mask = left_pad(prompts_for("equal_lengths"))  # 6 rows, 2 distinct prompts
     stock, _, ours, _ = static_and_stock(model, ids, mask, generation_config(max_new_tokens=4))
     assert_same_generation(stock, ours, "llama", 4)
-    assert rows == [{2}] and ours.cache.layers[0].keys.shape[0] == 6
+    assert rows == [{2}] and output_cache(ours).layers[0].keys.shape[0] == 6
 
 
 @pytest.mark.parametrize(
@@ -251,7 +252,7 @@ def test_every_row_its_own_prompt_decodes_from_its_own_cache():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stock, _, ours, _ = static_and_stock(model, ids, mask, config)
-    assert all(type(layer) is StaticLayer for layer in ours.cache.layers)
+    assert all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
     assert_same_generation(stock, ours, "qwen3", config.max_new_tokens)
     assert SYSTEM < ids.shape[1]
 
@@ -269,7 +270,7 @@ def test_tool_turns_continue_their_caches_from_static_buffers(arch, once):
         warnings.simplefilter("error")
         for turn, (stock, ours, tokens, added, _) in enumerate(tool_loop(arch, turns, once=once, static=True)):
             kept_once = once and turn == 0  # the first turn's prompt once per group; later turns each row its own
-            assert all(type(layer) is (StaticPrefixLayer if kept_once else StaticLayer) for layer in ours.cache.layers)
+            assert all(type(layer) is (StaticPrefixLayer if kept_once else StaticLayer) for layer in output_cache(ours).layers)
             assert_same_generation(stock, ours, arch, len(stock.logits))
             if turn:
                 assert tokens == added
@@ -433,7 +434,7 @@ def test_a_model_with_its_own_generate_decodes_through_it(monkeypatch):
     aside = [str(w.message) for w in caught if "static decoding is off" in str(w.message)]
     assert len(aside) == 1 and "OwnGenerate has its own generate" in aside[0]
     assert_same_generation(stock, ours, "llama", config.max_new_tokens)
-    assert not any(isinstance(layer, StaticLayer) for layer in ours.cache.layers)
+    assert not any(isinstance(layer, StaticLayer) for layer in output_cache(ours).layers)
 
 
 @pytest.mark.parametrize("once, setting", [(False, True), (True, None)])

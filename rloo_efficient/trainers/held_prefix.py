@@ -115,8 +115,8 @@ class HeldPrefixes:
     micro-batch comes next ([`prepare`]); the packed passes ask it for each pass's [`ChunkPlan`] ([`pass_plan`]).
     `policy()`: the policy, unwrapped; `args`: TRL's config; `fsdp`: 0, or FSDP's version; `aux_loss`: the MoE
     load-balancing loss is on (a training plan holds every token then); `one_process`: no DDP, DeepSpeed or FSDP
-    watches the parameters' gradients (a held prompt's training forward reads them through aliases,
-    [`core.forward.param_alias`]).
+    watches the parameters' gradients, and no compiled graph guards the parameters (a held prompt's training forward
+    reads them through aliases, [`core.forward.param_alias`]).
     """
 
     def __init__(self, budget: int, policy: Callable, args, ranks: Ranks, switches: Switches, vision: ModelVision,

@@ -534,9 +534,10 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     config = generation_config
     if not config.return_dict_in_generate:
         return sequences
+    # (the output's field is the release's name for the cache: `cache` from transformers 5.24, `past_key_values` before)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores if config.output_scores else None,
                                      logits=logits if config.output_logits else None,
-                                     cache=model_kwargs.get(CACHE_KWARG))  # fmt: skip
+                                     **{CACHE_KWARG: model_kwargs.get(CACHE_KWARG)})  # fmt: skip
 
 
 # Devices on which a call's decoding step is captured as a graph and replayed ([`GraphedStep`]); elsewhere it runs
