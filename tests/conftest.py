@@ -232,7 +232,8 @@ def _exact_gemma4_rms_norm(self, x):
     """Gemma 4's RMSNorm (a weight of w, or none), in the input's dtype."""
     import torch
 
-    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    eps = self.eps if hasattr(self, "eps") else self.variance_epsilon  # (renamed in transformers 5.25)
+    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     return normed * self.weight if self.with_scale else normed
 
 

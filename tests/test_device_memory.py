@@ -94,12 +94,33 @@ def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, tr
             assert max(counts) <= per_layer and trainer.shared_prefill_tokens > 0
 
 
+class _Waiting(LiveBytes):
+    """Live tensor bytes, and after every operator the bytes of float32 tensors shaped like a trainable parameter that
+    are not a parameter's `.grad`: gradients produced and not yet accumulated (hooks on the parameters would change
+    what is measured: a parameter with hooks is not read through an alias)."""
+
+    def __init__(self, params):
+        super().__init__(sites=False)
+        self.params, self.shapes, self.most = params, {tuple(p.shape) for p in params}, 0
+        self.counting = True  # (off from the optimizer step on: its states are shaped like the parameters)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if not self.counting:
+            return out
+        grads = {id(p.grad.untyped_storage()) for p in self.params if p.grad is not None}
+        waiting = sum(t["bytes"] for t in self.live_tensors()
+                      if tuple(t["shape"]) in self.shapes and t["dtype"] == "float32" and t["storage"] not in grads)
+        self.most = max(self.most, waiting)
+        return out
+
+
 def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_path):
     """
     One row per micro-batch: each prompt forwarded once, held, and backpropagated in the last micro-batch's backward
-    beside that row's. Every parameter gradient the row's graph produces is accumulated as it arrives: none waits for
-    the prompt's part (autograd would hold each, in full, until the prompt's backward reaches the parameter: a whole
-    set of gradients at once). Counted at each of the row's gradient accumulations; stock's numbers alike.
+    beside that row's. Every parameter gradient is accumulated as it arrives: none waits for the prompt's part
+    (autograd would hold each, in full, until the prompt's backward reaches the parameter: a whole set of gradients at
+    once). Counted after every operator of the step; stock's gradients alike.
     """
     cfg = tiny_workload(model_cache, arch="qwen3", model_dtype="float32", num_hidden_layers=4, hidden_size=64,
                         intermediate_size=128, prompt_length=96, prompt_length_min=None)  # fmt: skip
@@ -107,24 +128,17 @@ def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_pat
     settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=4, steps_per_generation=4, max_steps=1)
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
                 dataset)  # fmt: skip
-    counting = _Counting()
     trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=training_args(tmp_path / "ours", **settings),
-                          train_dataset=dataset, processing_class=build_tokenizer(), callbacks=[counting])  # fmt: skip
+                          train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    shapes = {tuple(p.shape) for p in params}
-    waiting = []
-
-    def count(_):
-        grads = {id(p.grad.untyped_storage()) for p in params if p.grad is not None}
-        waiting.append(sum(t["bytes"] for t in counting.live.live_tensors()
-                           if tuple(t["shape"]) in shapes and t["dtype"] == "float32" and t["storage"] not in grads))
-
-    for p in params:
-        p.register_post_accumulate_grad_hook(count)
+    counting = _Counting()
+    counting.live = _Waiting(params)
+    counting.on_pre_optimizer_step = lambda *args, **kwargs: setattr(counting.live, "counting", False)
+    trainer.add_callback(counting)
     trainer.train()
-    assert trainer.held_forward_tokens > 0 and waiting
+    assert trainer.held_forward_tokens > 0
     largest = max(p.numel() * p.element_size() for p in params)
-    assert max(waiting) <= largest  # at most the one being accumulated (the embedding's, the largest)
+    assert 0 < counting.live.most <= largest  # at most the one being accumulated (the embedding's, the largest)
     norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e] for t in (stock, trainer)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)  # the gradients are stock's
 
@@ -243,3 +257,27 @@ def test_no_phase_holds_more_than_stocks(model_cache, tmp_path, rows):
     assert not above, above
     if rows == 4:  # (at one row both are near the tiny model's own bytes)
         assert max(ours.values()) <= 0.5 * max(stock.values()), (stock, ours)
+
+
+def test_a_parameter_watched_by_hooks_is_not_aliased():
+    """A parameter whose gradient hooks watch (PEFT's OSF projects it; a layer-wise optimizer steps on it) keeps
+    autograd's own accumulation in a held prompt's forward: its hooks see the whole gradient. The others are read
+    through aliases, restored after, and get the same gradients."""
+    from rloo_efficient.core.forward.param_alias import aliased_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    seen = []
+    model[1].weight.register_hook(lambda grad: seen.append(grad.clone()))
+    x = torch.randn(2, 3)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with aliased_parameters(model):
+        assert not isinstance(model[0].weight, torch.nn.Parameter)  # read through its alias
+        assert isinstance(model[1].weight, torch.nn.Parameter)  # watched: itself
+        loss = model(x).square().sum()
+    assert all(isinstance(p, torch.nn.Parameter) for p in (model[0].weight, model[0].bias))  # restored
+    loss.backward()
+    assert len(seen) == 2 and torch.equal(seen[1], model[1].weight.grad)  # the hook saw the whole gradient
+    assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), expected, strict=True))

@@ -263,16 +263,16 @@ def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def stored_as_read(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """
-    Keys and values as a cache stores them: under autocast, in autocast's lower precision where they are wider, the
-    dtype every attention reads them in (autocast casts SDPA's and eager attention's inputs, the flash integration and
-    [`_compute_dtype`] cast to it), so that a reader gets the same values from a narrower store; else as they are.
+    Keys and values as a cache stores them: under autocast, float32 ones in autocast's lower precision, the dtype
+    every attention reads them in (autocast casts SDPA's and eager attention's float32 inputs, the flash integration
+    and [`_compute_dtype`] cast to it), so that a reader gets the same values from a narrower store; else as they are
+    (autocast leaves float64 alone: a float64 model's attention reads float64).
     """
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(tensor.to(dtype) if tensor.is_floating_point() and tensor.element_size() > dtype.itemsize else tensor
-                 for tensor in tensors)  # fmt: skip
+    return tuple(tensor.to(dtype) if tensor.dtype == torch.float32 else tensor for tensor in tensors)
 
 
 # Under `torch.compile` the function runs as Python, outside the graph (a graph break per attention call): what it

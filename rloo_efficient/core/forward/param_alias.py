@@ -12,7 +12,9 @@ accumulation runs as soon as its gradient is ready, and each alias's gradient is
 arrives. The same sums, in another order.
 
 Only where nothing else watches a parameter's gradient accumulation (one process, no DDP, DeepSpeed or FSDP: their
-hooks on it would fire before the prompt's part is added).
+hooks on it would fire before the prompt's part is added). A parameter with hooks of its own (PEFT's OSF projects
+each gradient, a layer-wise optimizer steps on it) is left as it is: its gradients meet in autograd's order, as
+before.
 """
 
 import contextlib
@@ -32,6 +34,11 @@ def _add_to(parameter: torch.Tensor):
     return hook
 
 
+def _watched(parameter: torch.Tensor) -> bool:
+    """Whether hooks watch `parameter`'s gradient (they would not see what its alias adds)."""
+    return bool(parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None))
+
+
 @contextlib.contextmanager
 def aliased_parameters(module: nn.Module):
     """`module`'s trainable parameters replaced, inside the block, by leaves sharing their storage, each adding its
@@ -40,7 +47,7 @@ def aliased_parameters(module: nn.Module):
     swapped = []
     for owner in module.modules():
         for name, parameter in owner._parameters.items():
-            if parameter is None or not parameter.requires_grad:
+            if parameter is None or not parameter.requires_grad or _watched(parameter):
                 continue
             if id(parameter) not in aliases:
                 alias = parameter.detach().requires_grad_(True)

@@ -265,6 +265,8 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
         return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[source_layer[index]])
 
     def lay_out(index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if cache.source_dtype is None:  # the keys as the model hands them over (stored narrower, [`ReadDtypeCache`])
+            cache.source_dtype = key.dtype
         if index not in storage:  # a layer reading another's keys (the model hands it its source's)
             return
         for target, x in zip(storage[index], (key, value), strict=True):

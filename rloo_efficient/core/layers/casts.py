@@ -32,6 +32,13 @@ def release_casts_per_layer(model: nn.Module) -> int:
     if count is not None:
         return count
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    # A weight two layers share (Zamba's shared block) is cast once for both in stock's forward, and its gradient
+    # summed on that cast: those layers keep the cache
+    owners: dict[int, int] = {}
+    for layer in layers:
+        for parameter in layer.parameters():
+            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
+    layers = [layer for layer in layers if all(owners[id(p)] == 1 for p in layer.parameters())]
     for layer in layers:
         if not getattr(layer, "_rloo_releases_casts", False):
             layer.register_forward_hook(_release)

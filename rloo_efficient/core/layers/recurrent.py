@@ -356,7 +356,9 @@ def install(model: nn.Module) -> int:
         # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too. The
         # fork reads the convolution's weights without calling it: fire that child's hook around the fork, as the
         # layer's own forward does (an offloaded child's weights are on the meta device until then)
-        target = "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+        # (a kernelization that removed the hook's wrapper leaves `_old_forward` unused: route `forward` then)
+        hooked = hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") and "forward" in vars(module)
+        target = "_old_forward" if hooked else "forward"
         if getattr(vars(module).get(target), "_rloo_routed", False):
             continue
         own_forward = getattr(module, target)
