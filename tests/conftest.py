@@ -38,6 +38,7 @@ SLOW_TESTS = {
     "test_prompts_with_two_images",
     "test_masked_truncated_completions",
     "test_an_unsupported_reward_model_is_called_as_stock_calls_it",
+    "test_a_family_we_have_not_read_runs_stocks_path_and_says_why",
 }
 # Cases of a quick test that repeat what another case of it covers: one loss of each kind, one layout of each
 SLOW_CASES = {

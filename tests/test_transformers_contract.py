@@ -2,7 +2,9 @@
 if an upgrade changes one of them, this says which, before any equivalence test fails in a less legible way."""
 
 import copy
+import warnings
 
+import pytest
 import torch
 import transformers
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -10,7 +12,11 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.tree.layout import NO_MASK
+from rloo_efficient.demo.workload import build_dataset, build_tokenizer
+
+from .conftest import run, tiny_workload, training_args
 
 
 def tiny():
@@ -142,3 +148,38 @@ def test_every_file_we_rely_on_is_one_we_read(tmp_path):
     lines, changed = transformers_review.review(root, edited)
     assert changed == 1
     assert f"family qwen3_5: CHANGED since {newest}: models/qwen3_5/modeling_qwen3_5.py" in lines
+
+
+# Decoder LMs a newer transformers adds, which rloo_efficient has not read: stock TRL's path, one warning for each path
+# that turns off, naming why
+NEW_FAMILIES = [
+    ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM",
+     dict(moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=4, head_dim=8)),
+    ("ErgoConfig", "ErgoForCausalLM",
+     dict(first_dense_intermediate_size=32, moe_intermediate_size=16, shared_intermediate_size=16, num_experts=4,
+          num_experts_per_tok=2, sliding_window=16, global_attention_every_n_layers=2, head_dim=8)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config_name, model_name, sizes", NEW_FAMILIES, ids=[name for name, _, _ in NEW_FAMILIES])
+def test_a_family_we_have_not_read_runs_stocks_path_and_says_why(model_cache, tmp_path, config_name, model_name,
+                                                                    sizes):  # fmt: skip
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        pytest.skip(f"{config_name} is not in transformers {transformers.__version__}")
+    torch.manual_seed(0)
+    tokenizer = build_tokenizer()
+    # tiny: the test checks the path taken, not numbers
+    config = config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sizes)  # fmt: skip
+    getattr(transformers, model_name)(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    dataset = build_dataset(tiny_workload(model_cache))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = run(RLOOTrainer, str(tmp_path / "model"), training_args(tmp_path / "out", max_steps=1), dataset)
+    ours = [str(w.message) for w in caught if str(w.message).startswith("rloo_efficient")]
+    # once per path it turns off (the packed forwards, the shared prefill), each naming the family
+    assert len(ours) == len(set(ours)) == 2 and all(config.model_type in message for message in ours), ours
+    assert trainer.packed_forward_tokens == 0 and trainer.shared_prefill_tokens == 0
