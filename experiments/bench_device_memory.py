@@ -19,15 +19,13 @@ states). The fixed state of a phase is what exists in it whatever the method: th
 """
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench_common import Report, parser_for
+from bench_common import Report, parser_for, run_workload
 
 
-HERE = Path(__file__).resolve().parent
 PHASES = ("generation", "policy_logps", "reference_logps", "reward", "train", "optimizer")
 WITH_GRADIENTS = ("train", "optimizer")
 GIB = 1024**3
@@ -36,26 +34,20 @@ GIB = 1024**3
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
     """One run's live-bytes record and results file."""
     name = f"{method}_rows{rows}_layers{layers}"
-    live, results = directory / f"{name}_live.json", directory / f"{name}.json"
+    live = directory / f"{name}_live.json"
     k = args.k
-    command = [
-        sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--preset", args.preset,
-        "--preset_layers", str(layers), "--prompt_length", str(args.prompt_length),
+    arguments = [
+        "--preset", args.preset, "--preset_layers", str(layers), "--prompt_length", str(args.prompt_length),
         "--max_completion_length", str(args.completion_length), "--num_generations", str(k),
         "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(k // rows),
         "--steps_per_generation", str(k // rows), "--max_steps", "2", "--beta", "0.05",
         "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": args.completion_length}),
-        "--bf16", "true", "--use_cpu", "true", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
-        "--disable_tqdm", "true", "--emulate_device_path", "true", "--live_bytes", str(live),
-        "--results_file", str(results), "--output_dir", str(directory / "out"),
+        "--bf16", "true", "--use_cpu", "true", "--emulate_device_path", "true", "--live_bytes", str(live),
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr[-4000:])
-        raise SystemExit(f"{name} failed (exit {done.returncode})")
-    return {"live": json.loads(live.read_text()), "results": json.loads(results.read_text())}
+    results = run_workload(method, arguments, directory, name)
+    return {"live": json.loads(live.read_text()), "results": results}
 
 
 def above_fixed(record: dict, phase: str) -> float | None:
