@@ -46,19 +46,20 @@ def _casts_alive(live: LiveBytes, weight_shapes: set) -> int:
                if t["dtype"] == "bfloat16" and t["op"] == "_to_copy" and tuple(t["shape"]) in weight_shapes)  # fmt: skip
 
 
-class _Counting(TrainerCallback):
-    """Counts live tensor bytes through the first optimizer step (its generation, log-prob passes and training)."""
+class _During(TrainerCallback):
+    """`counter` (a [`LiveBytes`], or [`PhasePeaks`]) active through optimizer step `step` (1-based: its generation,
+    log-prob passes, training and optimizer step)."""
 
-    def __init__(self):
-        self.live = LiveBytes(sites=False)
+    def __init__(self, counter, step: int = 1):
+        self.counter, self.step = counter, step
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:
-            self.live.__enter__()
+        if state.global_step == self.step - 1:
+            self.counter.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.live.__exit__(None, None, None)
+        if state.global_step == self.step:
+            self.counter.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("trainer_class", [trl.RLOOTrainer, RLOOTrainer])
@@ -74,7 +75,7 @@ def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, tr
     config_class = trl.RLOOConfig if trainer_class is trl.RLOOTrainer else rloo_efficient.RLOOConfig
     args = training_args(tmp_path, config_class=config_class, bf16=True, use_cpu=True, max_steps=1,
                          steps_per_generation=1, gradient_checkpointing=True)  # fmt: skip
-    counting = _Counting()
+    counting = _During(LiveBytes(sites=False))
     trainer = trainer_class(model=build_model_dir(cfg), reward_funcs=vowel_reward, args=args,
                             train_dataset=build_dataset(cfg), processing_class=build_tokenizer(),
                             callbacks=[counting])  # fmt: skip
@@ -84,7 +85,7 @@ def test_no_grad_forwards_hold_one_layers_weight_casts(model_cache, tmp_path, tr
     per_layer = sum(1 for p in layers[-1].parameters() if p.dim() == 2)
     seen = {True: [], False: []}  # by grad mode
     layers[-1].register_forward_hook(lambda *_: seen[torch.is_grad_enabled()].append(
-        _casts_alive(counting.live, shapes)))  # fmt: skip
+        _casts_alive(counting.counter, shapes)))  # fmt: skip
     trainer.train()
     assert seen[True] and seen[False]  # training and no-grad forwards ran with the count on
     for counts in seen.values():
@@ -131,14 +132,14 @@ def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_pat
     trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=training_args(tmp_path / "ours", **settings),
                           train_dataset=dataset, processing_class=build_tokenizer())  # fmt: skip
     params = [p for p in trainer.model.parameters() if p.requires_grad]
-    counting = _Counting()
-    counting.live = _Waiting(params)
-    counting.on_pre_optimizer_step = lambda *args, **kwargs: setattr(counting.live, "counting", False)
+    waiting = _Waiting(params)
+    counting = _During(waiting)
+    counting.on_pre_optimizer_step = lambda *args, **kwargs: setattr(waiting, "counting", False)
     trainer.add_callback(counting)
     trainer.train()
     assert trainer.held_forward_tokens > 0
     largest = max(p.numel() * p.element_size() for p in params)
-    assert 0 < counting.live.most <= largest  # at most the one being accumulated (the embedding's, the largest)
+    assert 0 < waiting.most <= largest  # at most the one being accumulated (the embedding's, the largest)
     norms = [[e["grad_norm"] for e in t.state.log_history if "grad_norm" in e] for t in (stock, trainer)]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)  # the gradients are stock's
 
@@ -206,21 +207,6 @@ def test_caches_store_keys_in_the_dtype_attention_reads(monkeypatch, once, stati
         assert torch.equal(a, b)
 
 
-class _StepTwo(TrainerCallback):
-    """Live tensor bytes per phase through optimizer step 2 ([`PhasePeaks`] on the trainer's phase profiler)."""
-
-    def __init__(self, trainer):
-        self.trainer, self.peaks = trainer, None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == 1:
-            self.peaks = PhasePeaks(self.trainer._profiler).__enter__()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 2:
-            self.peaks.__exit__(None, None, None)
-
-
 class _ProfiledStock(MemoryProfilingMixin, trl.RLOOTrainer):
     """Stock TRL with the same phase profiler as ours."""
 
@@ -245,10 +231,10 @@ def test_no_phase_holds_more_than_stocks(model_cache, tmp_path, rows):
         trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
                                 args=training_args(tmp_path / name, config_class=config_class, **settings),
                                 processing_class=build_tokenizer())  # fmt: skip
-        step = _StepTwo(trainer)
-        trainer.add_callback(step)
+        peaks_of_step_two = PhasePeaks(trainer._profiler)
+        trainer.add_callback(_During(peaks_of_step_two, step=2))
         trainer.train()
-        peaks[name] = {phase: record["peak_bytes"] for phase, record in step.peaks.phases.items()
+        peaks[name] = {phase: record["peak_bytes"] for phase, record in peaks_of_step_two.phases.items()
                        if phase != "outside"}  # (between phases: the Trainer's own bookkeeping)
     stock, ours = peaks["stock"], peaks["ours"]
     assert {"generation", "train"} <= set(stock) and set(ours) == set(stock)

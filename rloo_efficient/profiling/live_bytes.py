@@ -36,6 +36,11 @@ def _aliases_input(func) -> bool:
     return func.is_view or any(ret.alias_info is not None for ret in func._schema.returns)
 
 
+def _described(record: tuple) -> dict:
+    nbytes, shape, dtype, op, site = record
+    return {"bytes": nbytes, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "op": op, "site": site}
+
+
 class LiveBytes(TorchDispatchMode):
     """
     The bytes of the storages operators create while active, each counted until it dies, and their peak. Storages
@@ -92,16 +97,13 @@ class LiveBytes(TorchDispatchMode):
 
     def peak_tensors(self, n: int = 10) -> list[dict]:
         """The `n` largest storages alive at the segment's peak, largest first."""
-        largest = sorted(self._at_peak, key=lambda record: -record[0])[:n]
-        return [{"bytes": nbytes, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "op": op,
-                 "site": site} for nbytes, shape, dtype, op, site in largest]  # fmt: skip
+        return [_described(record) for record in sorted(self._at_peak, key=lambda record: -record[0])[:n]]
 
     def live_tensors(self) -> list[dict]:
         """Every storage alive now, largest first (as [`peak_tensors`] gives them, with `storage`: `id()` of its
         `untyped_storage()`, the same object while it lives)."""
         records = sorted(self._live.items(), key=lambda item: -item[1][0])
-        return [{"bytes": nbytes, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "op": op,
-                 "site": site, "storage": key} for key, (nbytes, shape, dtype, op, site) in records]  # fmt: skip
+        return [{**_described(record), "storage": key} for key, record in records]
 
 
 class PhasePeaks:

@@ -114,15 +114,15 @@ class HeldPrefixes:
     trainer tells it where each optimizer step's window starts and ends ([`step_begins`], [`step_ends`]) and which
     micro-batch comes next ([`prepare`]); the packed passes ask it for each pass's [`ChunkPlan`] ([`pass_plan`]).
     `policy()`: the policy, unwrapped; `args`: TRL's config; `fsdp`: 0, or FSDP's version; `aux_loss`: the MoE
-    load-balancing loss is on (a training plan holds every token then); `one_process`: no DDP, DeepSpeed or FSDP
-    watches the parameters' gradients, and no compiled graph guards the parameters (a held prompt's training forward
-    reads them through aliases, [`core.forward.param_alias`]).
+    load-balancing loss is on (a training plan holds every token then); `alias_parameters`: a held prompt's training
+    forward reads the parameters through aliases ([`core.forward.param_alias`]): where no DDP, DeepSpeed or FSDP
+    watches their gradients and no compiled graph guards them.
     """
 
     def __init__(self, budget: int, policy: Callable, args, ranks: Ranks, switches: Switches, vision: ModelVision,
-                 fsdp: int = 0, aux_loss: bool = False, one_process: bool = False):  # fmt: skip
+                 fsdp: int = 0, aux_loss: bool = False, alias_parameters: bool = False):  # fmt: skip
         self.budget, self.policy, self.training_args, self.ranks, self.switches = budget, policy, args, ranks, switches
-        self.vision, self.fsdp, self.aux_loss, self.one_process = vision, fsdp, aux_loss, one_process
+        self.vision, self.fsdp, self.aux_loss, self.alias_parameters = vision, fsdp, aux_loss, alias_parameters
         self.train_scope: TrainScope | None = None
         self.active_scope: TrainScope | None = None  # the training scope of the micro-batch being prepared or run
         self.window_position = 0  # micro-batches run since the last optimizer step
@@ -186,7 +186,7 @@ class HeldPrefixes:
         plan = self._agreed_plan(plan_for, len(batches), training=True) or None
         held = None
         if plan is not None:
-            held = HeldScope(plan, training=True, kv_source=self._kv_source(), alias_parameters=self.one_process)
+            held = HeldScope(plan, training=True, kv_source=self._kv_source(), alias_parameters=self.alias_parameters)
         self.train_scope = TrainScope(held, batches)
         return self.train_scope
 

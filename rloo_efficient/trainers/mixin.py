@@ -139,8 +139,8 @@ class GroupSharingMixin:
             budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
             self._held = HeldPrefixes(budget, policy, self.args, ranks, switches, vision, fsdp=fsdp,
                                       aux_loss=bool(self.aux_loss_enabled),
-                                      one_process=self.accelerator.distributed_type == DistributedType.NO
-                                      and not self.args.torch_compile)  # (a compiled model guards its parameters)
+                                      alias_parameters=self.accelerator.distributed_type == DistributedType.NO
+                                      and not self.args.torch_compile)  # fmt: skip
         self._switches, self._ranks = switches, ranks
         self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
                                     self._counts, fsdp=bool(fsdp))  # fmt: skip

@@ -27,10 +27,7 @@ def _release(module, args, output) -> None:
 
 def release_casts_per_layer(model: nn.Module) -> int:
     """After each decoder layer of `model` (transformers' `GradientCheckpointingLayer`s) the autocast cache is cleared.
-    Idempotent; returns the number of layers."""
-    count = getattr(model, "_rloo_cast_release_layers", None)
-    if count is not None:
-        return count
+    Idempotent (per layer: two models may hold one); returns the number of layers that release."""
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     # A weight two layers share (Zamba's shared block) is cast once for both in stock's forward, and its gradient
     # summed on that cast: those layers keep the cache
@@ -43,5 +40,4 @@ def release_casts_per_layer(model: nn.Module) -> int:
         if not getattr(layer, "_rloo_releases_casts", False):
             layer.register_forward_hook(_release)
             layer._rloo_releases_casts = True
-    model._rloo_cast_release_layers = len(layers)
     return len(layers)

@@ -1,6 +1,6 @@
 """Installing rloo_efficient's layers on a model: its attention modules on our backend, its recurrent layers on their
-forks (calls without a packed layout or a decoding cache still run the model's own), and its no-grad forwards holding
-one layer's autocast weight casts at a time ([`casts`])."""
+forks (calls without a packed layout or a decoding cache still run the model's own), and its forwards holding one
+layer's autocast weight casts at a time ([`casts`])."""
 
 from torch import nn
 
@@ -13,11 +13,13 @@ def install(model: nn.Module) -> int:
     """
     Points every attention module of `model` at our attention function ([`attention.backend`]), routes a hybrid's
     recurrent layers to their forks ([`layers.recurrent`]) and releases autocast's weight casts after each decoder layer
-    of a no-grad forward ([`layers.casts`]); idempotent, and free once done. Returns the number of attention modules.
+    ([`layers.casts`]); idempotent. Once done, a call only routes again a recurrent layer whose routing a
+    kernelization reset (transformers >= 5.25; a pass over the model's recurrent layers, none for a model without).
+    Returns the number of attention modules.
     """
     count = getattr(model, "_rloo_prefix_attention_modules", None)
     if count is not None:
-        install_forks(model)  # (a recurrent layer's routing reset by a kernelization since: transformers >= 5.25)
+        install_forks(model)
         return count
     install_forks(model)
     release_casts_per_layer(model)

@@ -331,13 +331,17 @@ def recurrent_layers(model: nn.Module):
             yield module, fork
 
 
-def has_recurrent_layers(model: nn.Module) -> bool:
-    """Whether `model` has a layer this module forks (a packed layout then needs the tree's levels); looked up once per
-    model (every packed forward asks)."""
-    known = model.__dict__.get("_rloo_has_recurrent_layers")
+def _known_recurrent_layers(model: nn.Module) -> list:
+    """[`recurrent_layers`] of `model`, found once per model (every packed forward asks, and routes them again)."""
+    known = model.__dict__.get("_rloo_recurrent_layers")
     if known is None:
-        known = model.__dict__["_rloo_has_recurrent_layers"] = any(True for _ in recurrent_layers(model))
+        known = model.__dict__["_rloo_recurrent_layers"] = list(recurrent_layers(model))
     return known
+
+
+def has_recurrent_layers(model: nn.Module) -> bool:
+    """Whether `model` has a layer this module forks (a packed layout then needs the tree's levels)."""
+    return bool(_known_recurrent_layers(model))
 
 
 def install(model: nn.Module) -> int:
@@ -347,11 +351,8 @@ def install(model: nn.Module) -> int:
     transformers 5.25 kernelizes a model loaded by `from_pretrained` at every change of `train()`/`eval()` mode, and
     kernelizing a layer that has no kernel for its device removes any forward set on the instance: ours too. Each of
     our forwards installs first, so that a layer reset since is routed again before the forward reaches it."""
-    if not has_recurrent_layers(model):
-        return 0
-    count = 0
-    for module, fork in recurrent_layers(model):
-        count += 1
+    layers = _known_recurrent_layers(model)
+    for module, fork in layers:
         # Under an accelerate hook (`device_map`, offloading), its forward moves the inputs (and loads offloaded
         # weights) before calling `_old_forward`: route there, so that the fork runs after the hook's work too. The
         # fork reads the convolution's weights without calling it: fire that child's hook around the fork, as the
@@ -373,4 +374,4 @@ def install(model: nn.Module) -> int:
 
         forward._rloo_routed = True
         setattr(module, target, forward)
-    return count
+    return len(layers)
