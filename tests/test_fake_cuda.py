@@ -754,3 +754,14 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
                 assert (logits.shape, logits.dtype, logits.device) == ((6, 64), torch.float32, CUDA)
                 step.advance(torch.randint(3, 64, (6,)).to(CUDA))
                 assert all(a is b for a, b in zip(step.buffers(), before, strict=True))
+
+
+def test_an_embeddings_gradient_is_added_on_cuda_without_host_reads():
+    """[`core.forward.in_place_grads`] on CUDA: the embedding's gradient added on the rows its tokens touch, with shapes
+    fixed by the token count: no host read, no host tensor handed in."""
+    from rloo_efficient.core.forward.in_place_grads import _add_rows
+
+    with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:
+        grad, rows = torch.zeros(40, 8, device=CUDA), torch.randn(150, 8, device=CUDA)
+        _add_rows(grad, rows, torch.randint(12, (150,), device=CUDA), 3)
+    assert grad.device == CUDA and safety.found == []

@@ -135,15 +135,16 @@ class GroupSharingMixin:
         if getattr(self, "is_fsdp_enabled", False):
             fsdp = 2 if getattr(self.accelerator, "is_fsdp2", False) else 1
         budget = settings.held_prefix_budget_gib
+        # Nothing but autograd watches a gradient's accumulation: it may be done as gradients arrive
+        owns_accumulation = self.accelerator.distributed_type == DistributedType.NO and not self.args.torch_compile
         if switches.prefix and budget != 0:  # prompts held across a pass's chunks and a step's micro-batches
             budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
             self._held = HeldPrefixes(budget, policy, self.args, ranks, switches, vision, fsdp=fsdp,
                                       aux_loss=bool(self.aux_loss_enabled),
-                                      alias_parameters=self.accelerator.distributed_type == DistributedType.NO
-                                      and not self.args.torch_compile)  # fmt: skip
+                                      alias_parameters=owns_accumulation)  # fmt: skip
         self._switches, self._ranks = switches, ranks
         self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
-                                    self._counts, fsdp=bool(fsdp))  # fmt: skip
+                                    self._counts, fsdp=bool(fsdp), grads_in_place=owns_accumulation)  # fmt: skip
         self._generation = SharedGeneration(switches, ranks, vision, self._counts)
         self._rewards = RewardScoring(switches, self.accelerator.device, unwrap, self._counts)
         if switches.any_layout:

@@ -41,13 +41,15 @@ class PackedPasses:
     The packed passes of one trainer: `autocast` (the accelerator's mixed precision), `unwrap` ([`Unwrap`]),
     `switches` (whether to pack, and the fallbacks), `ranks` (where every process must pack or none), the policy's
     `vision`, the `held` prefixes (None: nothing held), `counts` (what the passes processed), `fsdp` (FSDP may shard
-    the policy).
+    the policy), `grads_in_place` (nothing else watches a gradient's accumulation: the LM head's is added to `.grad` as
+    made, [`core.forward.in_place_grads`]).
     """
 
     def __init__(self, autocast, unwrap: Unwrap, switches: Switches, ranks: Ranks, vision: ModelVision,
-                 held: HeldPrefixes | None, counts: PassCounts, fsdp: bool = False):  # fmt: skip
+                 held: HeldPrefixes | None, counts: PassCounts, fsdp: bool = False,
+                 grads_in_place: bool = False):  # fmt: skip
         self.autocast, self.unwrap, self.switches, self.ranks, self.vision = autocast, unwrap, switches, ranks, vision
-        self.held, self.counts, self.fsdp = held, counts, fsdp
+        self.held, self.counts, self.fsdp, self.grads_in_place = held, counts, fsdp, grads_in_place
 
     def rows_for(self, rows: torch.Tensor | None, input_ids, logits_to_keep: int, images: dict) -> torch.Tensor | None:
         """`rows`, the active group structure, where a packed pass can serve this call (every process's, where the
@@ -97,5 +99,5 @@ class PackedPasses:
         fall_back = functools.partial(self.switches.fall_back, permanent=False)
         packed = PackedPass(model, self.unwrap(model), compute_entropy, compute_aux_loss, self.vision, self.autocast,
                             self.held, fall_back, self.counts, self.fsdp,
-                            graphs=self._graphs)  # fmt: skip
+                            graphs=self._graphs, grads_in_place=self.grads_in_place)  # fmt: skip
         return packed.run(input_ids, attention_mask, logits_to_keep, rows, batch_size, images, stock)

@@ -26,6 +26,8 @@ from torch import nn
 def _add_to(parameter: torch.Tensor):
     def hook(alias: torch.Tensor) -> None:
         grad, alias.grad = alias.grad, None
+        if grad is None:  # (added in place already: [`in_place_grads`])
+            return
         if parameter.grad is None:
             parameter.grad = grad
         else:
@@ -34,9 +36,14 @@ def _add_to(parameter: torch.Tensor):
     return hook
 
 
-def _watched(parameter: torch.Tensor) -> bool:
+def watched(parameter: torch.Tensor) -> bool:
     """Whether hooks watch `parameter`'s gradient (they would not see what its alias adds)."""
     return bool(parameter._backward_hooks or getattr(parameter, "_post_accumulate_grad_hooks", None))
+
+
+def alias_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The parameter `tensor` is an alias of (its gradient added to the parameter's as it arrives), or None."""
+    return getattr(tensor, "_alias_of", None)
 
 
 @contextlib.contextmanager
@@ -47,11 +54,12 @@ def aliased_parameters(module: nn.Module):
     swapped = []
     for owner in module.modules():
         for name, parameter in owner._parameters.items():
-            if parameter is None or not parameter.requires_grad or _watched(parameter):
+            if parameter is None or not parameter.requires_grad or watched(parameter):
                 continue
             if id(parameter) not in aliases:
                 alias = parameter.detach().requires_grad_(True)
                 alias.register_post_accumulate_grad_hook(_add_to(parameter))
+                alias._alias_of = parameter
                 aliases[id(parameter)] = alias
             swapped.append((owner, name, parameter))
     for owner, name, parameter in swapped:

@@ -25,6 +25,7 @@ from ..layers.recurrent import has_recurrent_layers
 from ..layers.rope import rope_length
 from ..layers.vision import ImageBatch, ModelVision
 from .graphed import MAX_ROWS, GraphedForwards, scored_in_full
+from .in_place_grads import adding_in_place
 from .packing import pack_rows
 from .scope import HeldScope
 
@@ -38,6 +39,8 @@ class PassCounts:
     held_forward_tokens: int = 0  # tokens the held prompts' source forwards processed (part of the above)
     scoring_forward_calls: int = 0  # model calls of the no-grad passes, held prompts' included
     graph_replays: int = 0  # chunks of the no-grad passes replayed from a captured graph ([`graphed`])
+    in_place_head_grads: int = 0  # training backwards adding the LM head's gradient to `.grad` as made ([`in_place_grads`])
+    in_place_embedding_grads: int = 0  # ... and the input embedding's
 
 
 @dataclasses.dataclass
@@ -96,6 +99,7 @@ class PackedPass:
     counts: PassCounts = dataclasses.field(default_factory=PassCounts)
     sharded: bool = False  # FSDP may shard the model ([`sharded`]): a held prompt's training forward is guarded
     graphs: bool = False  # a no-grad pass's small chunks replayed from CUDA graphs where captured ([`graphed`])
+    grads_in_place: bool = False  # training: the LM head's and embedding's gradients added to `.grad` as made
 
     def run(self, input_ids, attention_mask, logits_to_keep: int, rows: torch.Tensor, batch_size: int | None,
             images: dict, stock: Callable) -> tuple:  # fmt: skip
@@ -121,19 +125,23 @@ class PackedPass:
             graphed = GraphedForwards(self.unwrapped, input_ids.device, functools.partial(self._call, input_ids.size(1)),
                                       self.compute_entropy, self.counts)  # fmt: skip
         all_logps, all_entropies, all_aux = [], [], []
+        in_place = contextlib.nullcontext()
+        if self.grads_in_place and torch.is_grad_enabled():
+            in_place = adding_in_place(self.unwrapped, self.counts)
         try:
-            for index, (start, end) in zip(plan.indices, plan.chunks, strict=True):
-                if plan.scope is not None and plan.scope.plan.chunks[index].source is not None:
-                    # The prompts first held here, forwarded once for every later chunk
-                    self._forward_source(batch, image_batch, plan.scope, index, start, end)
-                logps, entropies, aux = self._chunk(batch, image_batch, plan.scope, index, start, end, stock, graphed)
-                if plan.scope is not None:
-                    plan.scope.release(index)
-                    if graphed is not None:
-                        graphed.release(set(plan.scope.sources))
-                all_logps.append(logps)
-                all_entropies.append(entropies)
-                all_aux.append(aux)
+            with in_place:  # (the stock forward of a chunk that cannot be packed too)
+                for index, (start, end) in zip(plan.indices, plan.chunks, strict=True):
+                    if plan.scope is not None and plan.scope.plan.chunks[index].source is not None:
+                        # The prompts first held here, forwarded once for every later chunk
+                        self._forward_source(batch, image_batch, plan.scope, index, start, end)
+                    logps, entropies, aux = self._chunk(batch, image_batch, plan.scope, index, start, end, stock, graphed)
+                    if plan.scope is not None:
+                        plan.scope.release(index)
+                        if graphed is not None:
+                            graphed.release(set(plan.scope.sources))
+                    all_logps.append(logps)
+                    all_entropies.append(entropies)
+                    all_aux.append(aux)
         finally:
             if plan.closes:
                 plan.scope.close()

@@ -1,0 +1,265 @@
+"""
+The LM head's and the input embedding's weight gradients added to their `.grad` as they are made, instead of as one
+more vocabulary x hidden float32 tensor each per micro-batch ([`adding_in_place`]).
+
+From a step's second micro-batch on, a parameter has a `.grad`, and autograd adds each new gradient to it in place
+(`grad += new`, torch's AccumulateGrad with grad mode off). Two of those new gradients are made whole although few of
+their rows matter at a time: TRL's fused head (`trl.kernels.chunked_logprob`) builds its weight gradient in full in its
+backward (`torch.zeros(weight.shape, dtype=torch.float32)`), and the embedding's backward returns a dense `[V, H]`
+gradient for the few hundred tokens of a row. At Qwen3-0.6B's vocabulary each is 593.5 MiB: the largest transients of a
+one-row micro-batch's backward, stock's and ours alike.
+
+- The head ([`_InPlaceHead`]): TRL's backward with its two loops swapped (vocabulary chunks outside, token chunks
+  inside). Every tile, fold and product is TRL's; each vocabulary chunk's gradient is summed over the token chunks in
+  TRL's order, and then added to that chunk's rows of `.grad`.
+- The embedding ([`_InPlaceEmbedding`]): torch's own dense backward over the distinct tokens renamed by rank (each
+  row's sum as torch makes it), added to those rows of `.grad`.
+
+The same additions, elementwise, as autograd's: the same bits, with one chunk alive instead of the whole.
+
+Only where autograd would add that gradient alone, in one step: a leaf weight that already has a `.grad` of its own
+shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, untied (a tied embedding's
+two gradients are summed before they are added), and no other use of the weight pending in a graph. The caller decides
+the rest: one process and no torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL
+whose backward is not the one read here, torch's and TRL's own.
+"""
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import weakref
+
+import torch
+import trl.kernels.chunked_logprob as chunked_logprob
+import trl.trainer.utils as trl_utils
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+from ..once import WarnOnce
+from .param_alias import alias_of, watched
+
+
+# SHA-256 of TRL's backward as read (trl 1.16.0): another one is left as it is
+READ_BACKWARDS = {"be5711d605117b7c667abe874d233868e36f6399311fe09159dc6197ccb33f08"}
+
+
+_WARNINGS = WarnOnce()  # (this process's: the installed TRL)
+
+
+@functools.cache
+def reason() -> str | None:
+    """Why the head's gradient cannot be added in place with the installed TRL, or None."""
+    digest = hashlib.sha256(inspect.getsource(ChunkedLogProbFunction.backward).encode()).hexdigest()
+    if digest not in READ_BACKWARDS:
+        return ("the installed TRL's fused LM head backward (trl.kernels.chunked_logprob) is not the one rloo_efficient "
+                "read: the LM head's gradient is made in full each micro-batch, as stock's")
+    return None
+
+
+# Heads recorded for backward and not yet freed, by their weight's id: a weight with two is left to autograd
+_pending: dict[int, int] = {}
+
+
+def _release(key: int) -> None:
+    _pending[key] -= 1
+    if not _pending[key]:
+        del _pending[key]
+
+
+class _InPlaceHead(ChunkedLogProbFunction):
+    """TRL's fused head, its weight gradient added to `.grad` as it is computed where that is autograd's addition."""
+
+    counts = None  # the active `adding_in_place` block's counter (a `PassCounts`), read at backward
+
+    @staticmethod
+    def forward(ctx, hidden, weight, *args):
+        outputs = ChunkedLogProbFunction.forward(ctx, hidden, weight, *args)
+        ctx.counts = _InPlaceHead.counts
+        if ctx.needs_input_grad[1]:
+            ctx.key = id(weight)
+            _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
+            weakref.finalize(ctx, _release, ctx.key)  # (the graph freed, backward run or not)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, *rest):
+        weight = ctx.saved_tensors[1]
+        if not ctx.needs_input_grad[1] or not _adds_alone(ctx, weight):
+            return ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy, *rest)
+        grad_hidden, grad_bias = _backward_adding(ctx, weight, grad_logprobs, grad_entropy)
+        if ctx.counts is not None:
+            ctx.counts.in_place_head_grads += 1
+        return grad_hidden, None, grad_bias, *(None,) * 6
+
+
+def _adds_alone(ctx, weight: torch.Tensor) -> bool:
+    """Whether autograd would add this head's weight gradient, and only it, to `weight.grad` now, in place."""
+    grad = weight.grad
+    return (weight.grad_fn is None and grad is not None and grad.shape == weight.shape and grad.dtype == weight.dtype
+            and grad.layout == torch.strided and not torch.is_grad_enabled() and not watched(weight)
+            and _pending.get(ctx.key) == 1)  # fmt: skip
+
+
+# Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
+def _backward_adding(ctx, weight, grad_logprobs, grad_entropy) -> tuple:
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+    compute_dtype = ctx.compute_dtype
+    chunk_size = ctx.chunk_size
+    needs_hidden_grad, _, needs_bias_grad = ctx.needs_input_grad[:3]
+    N = hidden.shape[0]
+    tokens = chunked_logprob.TOKEN_CHUNK_SIZE
+    with maybe_gather_lm_head_ctx(weight, bias):
+        vocab = weight.shape[0]
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=torch.float32) if needs_hidden_grad else None
+        grad_bias = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if needs_bias_grad else None
+        mm_buf = torch.empty((min(N, tokens), chunk_size), device=hidden.device, dtype=compute_dtype)
+        grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
+        grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+
+        # in place: the vocabulary chunks outside, each one's weight gradient summed over the token chunks (TRL's
+        # `grad_weight[start:end]`), then added to `.grad`
+        for start in range(0, vocab, chunk_size):
+            end = min(start + chunk_size, vocab)
+            w_chunk = weight[start:end].to(compute_dtype)
+            grad_weight = torch.zeros((end - start, weight.shape[1]), device=weight.device, dtype=torch.float32)
+            for token_start in range(0, N, tokens):
+                token_end = min(token_start + tokens, N)
+                n = token_end - token_start
+                hidden_chunk = hidden[token_start:token_end].to(compute_dtype)
+                tile = mm_buf[:n, : end - start]
+                torch.mm(hidden_chunk, w_chunk.t(), out=tile)
+                if bias is not None:
+                    tile.add_(bias[start:end].to(compute_dtype))
+                fold = (
+                    chunked_logprob._backward_kernel[
+                        (n, chunked_logprob.triton.cdiv(end - start, chunked_logprob._BLOCK_SIZE))]
+                    if chunked_logprob._use_triton(hidden.device)
+                    else chunked_logprob._backward_tile
+                )  # fmt: skip
+                fold(
+                    tile,
+                    tile.stride(0),
+                    targets[token_start:token_end],
+                    log_z[token_start:token_end],
+                    entropy[token_start:token_end],
+                    grad_logprobs[token_start:token_end] if grad_logprobs is not None else log_z,
+                    grad_entropy[token_start:token_end] if grad_entropy is not None else log_z,
+                    start,
+                    end - start,
+                    HAS_LOGPROB_GRAD=grad_logprobs is not None,
+                    HAS_ENTROPY_GRAD=grad_entropy is not None,
+                    BLOCK_SIZE=chunked_logprob._BLOCK_SIZE,
+                    **ctx.kernel_args,
+                )
+                if grad_hidden is not None:
+                    chunked_logprob._addmm_fp32(grad_hidden[token_start:token_end], tile, w_chunk)
+                chunked_logprob._addmm_fp32(grad_weight, tile.t(), hidden_chunk)
+                if grad_bias is not None:
+                    grad_bias[start:end] += tile.sum(dim=0, dtype=torch.float32)
+            # in place: autograd's `grad += new`, on this chunk's rows (TRL returns `grad_weight.to(weight.dtype)`)
+            weight.grad[start:end].add_(grad_weight.to(weight.dtype))
+            del grad_weight
+
+    return (
+        grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
+        grad_bias.to(bias.dtype) if grad_bias is not None else None,
+    )
+
+
+def _read_alone(model: torch.nn.Module, module) -> torch.Tensor | None:
+    """`module`'s weight where no other parameter of `model` shares its storage (an untied embedding), else None."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or type(weight) is not torch.nn.Parameter:
+        return None
+    storage = weight.untyped_storage().data_ptr()
+    shared = sum(p.untyped_storage().data_ptr() == storage for _, p in model.named_parameters(remove_duplicate=False))
+    return weight if shared == 1 else None
+
+
+@contextlib.contextmanager
+def adding_in_place(model: torch.nn.Module, counts=None):
+    """Inside the block, `model`'s LM head (TRL's fused head, `model(..., fused_lm_head=True)`) and input embedding
+    add their weight gradients to `.grad` as made, where [`_adds_alone`] and neither weight is tied (counted in
+    `counts.in_place_head_grads` and `in_place_embedding_grads`, where given). A head patched in by someone else (a
+    test's stand-in) is left as it is."""
+    stock_head, stock_embedding = trl_utils._ChunkedLogProbFunction, torch.nn.functional.embedding
+    if reason() is not None:
+        _WARNINGS.warn(reason(), stacklevel=3)
+    head = _read_alone(model, model.get_output_embeddings()) if reason() is None else None
+    embedding = _read_alone(model, model.get_input_embeddings())
+    if head is not None and stock_head is ChunkedLogProbFunction:
+        trl_utils._ChunkedLogProbFunction = _InPlaceHead
+    if embedding is not None:
+        torch.nn.functional.embedding = _embedding_adding_in_place(embedding, stock_embedding)
+    _InPlaceHead.counts = counts
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction, torch.nn.functional.embedding = stock_head, stock_embedding
+        _InPlaceHead.counts = None
+
+
+class _InPlaceEmbedding(torch.autograd.Function):
+    """An embedding lookup whose weight gradient is added to `.grad` on the rows the tokens touch, where that is
+    autograd's addition of the dense `[V, H]` gradient `torch.embedding`'s backward makes. `weight` may be an alias of
+    `parameter` ([`param_alias`]: its gradient is added to the parameter's as it arrives)."""
+
+    @staticmethod
+    def forward(ctx, indices, weight, padding_idx: int, parameter):
+        ctx.save_for_backward(indices)
+        ctx.parameter, ctx.padding_idx, ctx.counts = parameter, padding_idx, _InPlaceHead.counts
+        ctx.key = id(weight)
+        _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
+        weakref.finalize(ctx, _release, ctx.key)
+        return torch.embedding(weight, indices, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (indices,) = ctx.saved_tensors
+        parameter = ctx.parameter
+        if not _adds_alone(ctx, parameter):
+            return None, torch.ops.aten.embedding_backward(grad_output, indices, parameter.shape[0], ctx.padding_idx,
+                                                           False, False), None, None  # fmt: skip
+        _add_rows(parameter.grad, grad_output.reshape(-1, parameter.shape[1]), indices.reshape(-1), ctx.padding_idx)
+        if ctx.counts is not None:
+            ctx.counts.in_place_embedding_grads += 1
+        return None, None, None, None
+
+
+def _add_rows(grad: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, padding_idx: int) -> None:
+    """`grad += embedding_dense_backward(rows, indices, V, padding_idx)`, made on the touched rows only.
+
+    Each index is renamed to its rank among the distinct indices (order kept: a stable sort orders the renamed indices
+    as the originals, so torch's kernels, CPU and CUDA, sum each row's tokens in the same order and groups), the dense
+    gradient is made over `n` rows (one per token: those past the distinct count stay zero), and added to `grad`'s rows
+    by the distinct indices (the spare slots add zeros to row 0). Shapes fixed by the token count: no host sync."""
+    n = indices.numel()
+    if padding_idx >= 0:  # the padding row gets nothing: its tokens' rows zeroed, added to its own slot as zeros
+        rows = torch.where((indices == padding_idx).unsqueeze(-1), 0, rows)
+    ordered, order = torch.sort(indices, stable=True)
+    starts = torch.diff(ordered, prepend=ordered.new_full((1,), -1)).ne(0)  # (indices are not negative)
+    ranks = starts.cumsum(0) - 1  # each sorted token's index's rank among the distinct ones
+    distinct = torch.zeros_like(indices).scatter_(0, ranks, ordered)
+    renamed = torch.empty_like(ranks).scatter_(0, order, ranks)
+    dense = torch.ops.aten.embedding_dense_backward(rows, renamed, n, -1, False)
+    grad.index_put_((distinct,), dense.to(grad.dtype), accumulate=True)
+
+
+def _embedding_adding_in_place(weight: torch.Tensor, stock):
+    """`torch.nn.functional.embedding`, through [`_InPlaceEmbedding`] for `weight` while gradients are recorded."""
+
+    def embedding(input, weight_, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+                  sparse=False):  # fmt: skip
+        ours = weight_ is weight or alias_of(weight_) is weight  # (a held prompt reads it through an alias)
+        if (not ours or max_norm is not None or scale_grad_by_freq or sparse or not torch.is_grad_enabled()
+                or not weight_.requires_grad or torch.overrides.has_torch_function_variadic(input, weight_)):  # fmt: skip
+            return stock(input, weight_, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+        if padding_idx is None:
+            padding_idx = -1
+        elif padding_idx < 0:
+            padding_idx += weight.size(0)
+        return _InPlaceEmbedding.apply(input, weight_, padding_idx, weight)
+
+    return embedding

@@ -1,0 +1,187 @@
+"""
+The LM head's weight gradient added to `.grad` as TRL's fused head makes it ([`core.forward.in_place_grads`]): the
+same bits as autograd's addition of the whole gradient, engaged from a step's second micro-batch on, with no
+vocabulary x hidden transient, and left to autograd where it would sum parts first.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import trl.kernels.chunked_logprob as chunked_logprob
+import trl.trainer.utils as trl_utils
+from transformers import TrainerCallback
+
+from rloo_efficient import RLOOTrainer
+from rloo_efficient.core.forward import in_place_grads, passes
+from rloo_efficient.core.forward.passes import PassCounts
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.profiling.live_bytes import LiveBytes
+
+from .conftest import tiny_workload, training_args
+
+
+class _Gradients(TrainerCallback):
+    """Every parameter's gradient at each optimizer step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+class _WholeGradients(LiveBytes):
+    """The most bytes alive at once, after any operator while `weight` has a `.grad`, of float32 tensors in its shape
+    made by `op` that are not that `.grad`: a whole gradient, made to be added to it (the first micro-batch's becomes
+    the `.grad`). Per `(weight, op)` given."""
+
+    def __init__(self, *watched):
+        super().__init__(sites=False)
+        self.watched, self.most = watched, [0] * len(watched)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for i, (weight, op) in enumerate(self.watched):
+            if weight.grad is not None:
+                made = sum(t["bytes"] for t in self.live_tensors() if tuple(t["shape"]) == tuple(weight.shape)
+                           and t["dtype"] == "float32" and t["op"] == op
+                           and t["storage"] != id(weight.grad.untyped_storage()))  # fmt: skip
+                self.most[i] = max(self.most[i], made)
+        return out
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """A tiny Qwen3 (untied embeddings, as Qwen3-8B's) saved in float32, and its prompts (48 tokens each)."""
+    cfg = tiny_workload(tmp_path_factory.mktemp("models"), arch="qwen3", model_dtype="float32", prompt_length=48,
+                        prompt_length_min=None)  # fmt: skip
+    return build_model_dir(cfg), build_dataset(cfg)
+
+
+@pytest.mark.parametrize("token_chunk", [None, 5])
+def test_the_heads_gradient_added_in_place_is_autograds(untied, tmp_path, monkeypatch, token_chunk):
+    """
+    TRL's defaults (float32 weights under bf16 autocast, gradient checkpointing), one row per micro-batch, four
+    micro-batches a step: from the second on, the head's gradient is added to `.grad` one vocabulary chunk at a time,
+    and the input embedding's on the rows its tokens touch: neither is made whole. Every parameter's gradient is, bit
+    for bit, the one autograd's addition gives (the same run with both left to autograd, which makes each whole every
+    time). With five-token chunks, each vocabulary chunk's gradient is first summed over several token chunks, as TRL
+    sums them.
+    """
+    path, dataset = untied
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
+    if token_chunk is not None:
+        monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", token_chunk)
+    settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=4,
+                    steps_per_generation=4, max_steps=2, gradient_checkpointing=True)  # fmt: skip
+    runs = {}
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(passes, "adding_in_place", lambda *args: contextlib.nullcontext())
+        gradients = _Gradients()
+        trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
+                              args=training_args(tmp_path / str(in_place), **settings),
+                              processing_class=build_tokenizer(), callbacks=[gradients])  # fmt: skip
+        model = trainer.model
+        whole = _WholeGradients((model.get_output_embeddings().weight, "zeros"),
+                                (model.get_input_embeddings().weight, "embedding_dense_backward"))  # fmt: skip
+        with whole:
+            trainer.train()
+        counts = trainer._counts
+        runs[in_place] = gradients.steps, (counts.in_place_head_grads, counts.in_place_embedding_grads), whole.most
+    (on, added, made_on), (off, none, made_off) = runs[True], runs[False]
+    # Three of each step's four micro-batches; the embedding's also in the held prompt's backward (through its alias)
+    assert added == (2 * 3, 2 * (3 + 1)) and none == (0, 0)
+    size = model.get_output_embeddings().weight.numel() * 4
+    assert made_on == [0, 0] and made_off == [size, size]  # autograd's way: each whole, in float32, every time
+    for step_on, step_off in zip(on, off, strict=True):
+        assert step_on.keys() == step_off.keys()
+        for name in step_on:
+            assert torch.equal(step_on[name], step_off[name]), name
+
+
+class _Model(torch.nn.Module):
+    """An input embedding and an LM head (tied or not), as a causal LM names them."""
+
+    def __init__(self, vocab: int, hidden: int, tied: bool = False):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def _heads_backward(model, heads: int, in_place: bool) -> tuple:
+    """`heads` calls of TRL's fused head on one weight in one graph (3 vocabulary chunks), backpropagated onto a
+    `.grad` already there: the weight's and the inputs' gradients, and the in-place additions counted."""
+    weight = model.head.weight
+    generator = torch.Generator().manual_seed(1)
+    weight.grad = torch.randn(weight.shape, generator=generator)
+    hidden = torch.randn(heads, 6, weight.shape[1], generator=generator, requires_grad=True)
+    targets = torch.randint(weight.shape[0], (heads, 6), generator=generator)
+    counts = PassCounts()
+    with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+        loss = 0
+        for head in range(heads):
+            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden[head], weight, None, targets[head],
+                                                                         0.7, 16, None, 1.0, ("entropy",))  # fmt: skip
+            loss = loss + logps.sum() + 0.1 * entropy.sum()
+    loss.backward()
+    return weight.grad, hidden.grad, counts.in_place_head_grads
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_head_is_added_in_place_only_alone_in_its_graph(heads):
+    """One head in a graph: added in place, the same bits as autograd's addition. Two heads on one weight in one graph
+    (autograd sums their gradients before adding them): both left to autograd, and the same bits again."""
+    torch.manual_seed(0)
+    model = _Model(40, 8)
+    grad, hidden_grad, added = _heads_backward(model, heads, in_place=True)
+    stock_grad, stock_hidden_grad, _ = _heads_backward(model, heads, in_place=False)
+    assert added == (1 if heads == 1 else 0)
+    assert torch.equal(grad, stock_grad) and torch.equal(hidden_grad, stock_hidden_grad)
+    assert not in_place_grads._pending  # every recorded head released with its graph
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
+    """The input embedding's gradient added on the rows its tokens touch (repeated tokens, the padding token among
+    them): bit for bit autograd's addition of the dense gradient, which the tied embedding keeps."""
+    torch.manual_seed(0)
+    tokens = torch.randint(12, (3, 50))  # 12 of 40 rows touched, each many times (their sums' order matters)
+    results = {}
+    for in_place, tied in ((True, False), (False, False), (True, True)):
+        model = _Model(40, 8, tied)
+        model.embed.padding_idx = padding_idx
+        model.embed.weight.grad = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+        counts = PassCounts()
+        with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+            out = model.embed(tokens)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        results[in_place, tied] = model.embed.weight.grad, counts.in_place_embedding_grads
+    assert results[True, False][1] == 1 and results[True, True][1] == 0  # a tied embedding: left to autograd
+    assert torch.equal(results[True, False][0], results[False, False][0])
+    assert torch.equal(results[True, True][0], results[False, False][0])
+    if padding_idx is not None:
+        assert torch.equal(results[True, False][0][padding_idx], torch.randn(40, 8, generator=torch.Generator(
+            ).manual_seed(1))[padding_idx])  # fmt: skip
+    assert not in_place_grads._pending
+
+
+def test_another_trls_backward_is_left_as_it_is(monkeypatch):
+    """A TRL whose fused head backward is not the one read: its own, said once."""
+    monkeypatch.setattr(in_place_grads, "READ_BACKWARDS", set())
+    monkeypatch.setattr(in_place_grads, "_WARNINGS", in_place_grads.WarnOnce())
+    in_place_grads.reason.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="not the one rloo_efficient read"):
+            _, _, added = _heads_backward(_Model(40, 8), 1, in_place=True)
+        assert added == 0
+    finally:
+        in_place_grads.reason.cache_clear()
