@@ -169,4 +169,5 @@ def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp
     # row per chunk, held forwards counted)
     assert 0 < ours.scoring_forward_calls * (8 if "one_row" in layout else 1) <= stock.stock_scoring_chunks * (
         5 if "one_row" in layout else 1)  # fmt: skip
-    assert not ours._held.train_scope or not ours._held.train_scope.held or not ours._held.train_scope.held.sources  # all released
+    scope = ours._held.planner.train_scope
+    assert not scope or not scope.held or not scope.held.sources  # all released

@@ -135,7 +135,6 @@ def test_no_graphs_where_every_forward_gathers_from_all_processes():
     from rloo_efficient.trainers.packed import PackedPasses
 
     for setting, collective, expected in ((True, False, True), (True, True, False), (False, False, False)):
-        switches = SimpleNamespace(settings=SimpleNamespace(graph_scoring_passes=setting))
         ranks = SimpleNamespace(collective=lambda collective=collective: collective)
-        passes = PackedPasses(None, None, switches, ranks, None, None, None)
+        passes = PackedPasses(None, None, ranks, None, None, None, prefix=True, graphs=setting, fall_back=print)
         assert passes._graphs is expected

@@ -27,23 +27,29 @@ from .conftest import emulate_varlen, tiny_workload
 from .trees import stock_batch
 
 
-def bare_held(collective: bool = False, fsdp: int = 0, agree=None):
-    """A [`HeldPrefixes`] outside a trainer: no budget limit, each held token costing 1 byte, every width within the
-    position period; `collective`: every forward gathers from all ranks, `agree(values)` what the all-reduce says
-    (default: every process agrees). Its warnings go to `.warned`."""
+def bare_planner(agree=None):
+    """A [`HoldPlanner`] outside a trainer: no budget limit, each held token costing 1 byte, every width within the
+    position period; `agree(values)`: what the all-reduce says (default: every process agrees). Its warnings go to
+    `.warned`."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.core.forward.hold_planner import HoldPlanner
+
+    warned = []
+    costs = SimpleNamespace(within_period=lambda width: True, token_bytes=lambda training: 1, kv_source=lambda: None)
+    planner = HoldPlanner(2**40, costs, agree or (lambda values: True), warned.append)
+    planner.warned = warned
+    return planner
+
+
+def bare_held(fsdp: int = 0):
+    """A [`HeldPrefixes`] outside a trainer, its planner a [`bare_planner`]."""
     from types import SimpleNamespace
 
     from rloo_efficient.trainers.held_prefix import HeldPrefixes
 
-    warned = []
-    ranks = SimpleNamespace(collective=lambda model=None: collective, agree=agree or (lambda values: True))
     args = SimpleNamespace(gradient_checkpointing=False, gradient_checkpointing_kwargs=None, bf16=False, fp16=False)
-    held = HeldPrefixes(2**40, lambda: None, args, ranks, SimpleNamespace(warn_once=warned.append), None, fsdp=fsdp)
-    held.warned = warned
-    held._within_period = lambda width: True
-    held._held_token_bytes = lambda training: 1
-    held._kv_source = lambda: None
-    return held
+    return HeldPrefixes(bare_planner(), lambda: None, args, None, fsdp=fsdp)
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +282,7 @@ def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_ho
     messages = [str(w.message) for w in caught if "not held across micro-batches" in str(w.message)]
     named = "use_reentrant=True" if case == "reentrant_checkpointing" else "FSDP1"
     assert len(messages) == 1 and named in messages[0]
-    assert not trainer._held.training and trainer._held.train_scope is None
+    assert not trainer._held.training and trainer._held.planner.train_scope is None
     assert trainer.held_forward_tokens > 0  # the scoring passes (old policy, reference) held the prompts
 
 
@@ -332,7 +338,7 @@ def test_fsdp2_holds_prompts_in_training_and_fsdp1_does_not():
             patch.setattr(held_prefix, "nested_units", lambda model, nested=nested: nested)
             held.prepare({}, lambda position: None)  # (no buffered batches: nothing to plan)
         said = [str(w.message) for w in caught if "inside another sharded one" in str(w.message)]
-        assert held.active_scope is None and held.training == (not nested) and len(said) == nested
+        assert held.planner.active_scope is None and held.training == (not nested) and len(said) == nested
 
 
 def test_image_placeholders_count_against_the_budget_by_group():
@@ -360,7 +366,7 @@ def test_a_training_micro_batch_cannot_skip_prompts_held_for_it():
     gradient: refused, naming the way out."""
     from types import SimpleNamespace
 
-    waiting = bare_held()
+    waiting = bare_planner()
     waiting.active_scope = SimpleNamespace(held=SimpleNamespace(sources={0: object()}))
     with torch.enable_grad(), pytest.raises(RuntimeError, match="held_prefix_budget_gib=0"):
         waiting.check_nothing_held()
@@ -437,7 +443,7 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
     width, structure = batch(system=70, task=40)  # long prompts, one row per chunk: worth holding
     chunks = [(row, row + 1) for row in range(8)]
     assert (plan_holds([row_tokens(structure[a:b]) for a, b in chunks], full=False) is None) == empty
-    held = bare_held()
+    held = bare_planner()
     # Short prompts, four rows per chunk: both groups merged whole into one chunk, nothing held
     width, structure = batch(system=6, task=4)
     chunks = [(0, 4), (4, 8)]
@@ -553,7 +559,7 @@ def test_processes_whose_hoisted_sources_differ_hold_without_hoisting():
     assert pattern(plan_for(True)) != pattern(plan_for(False))  # hoisted: B's prompt in chunk 0's source
     for other, hoisted in ((pattern(plan_for(True)), True), (pattern(plan_for(False)), False), (None, None)):
         # (the other process's pattern)
-        held = bare_held(collective=True, agree=lambda values, other=other: values.tolist() == other)
+        held = bare_planner(agree=lambda values, other=other: values.tolist() == other)
         plan = held._agreed_plan(plan_for, 4, training=True)
         if hoisted is None:
             assert plan is False and held.warned  # neither agrees: nothing held, one warning
@@ -576,7 +582,7 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
     width = input_ids.shape[1]
     stock = [(row, row + 2) for row in range(0, 12, 2)]  # two rows per chunk
     other = []  # the other process's pattern
-    trainer = bare_held(collective=True, agree=lambda values: values.tolist() == other[-1])
+    trainer = bare_planner(agree=lambda values: values.tolist() == other[-1])
     chunks = stock
     if merge:
         group, plen, scored, _ = row_tokens(structure)

@@ -309,9 +309,9 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     # Packed or padded (share_reward_prefix=False), the adapter's scores are the same
     args = (hydra, trainer.reward_processing_classes[0], ["ab", "ab", "c"], ["abcd", "abde", "cfg"])
     packed = trainer._rewards.grouped_scores(*args)
-    trainer._switches.settings.share_reward_prefix = False
+    trainer._rewards.share = False
     torch.testing.assert_close(trainer._rewards.grouped_scores(*args), packed, rtol=1e-10, atol=1e-12)
-    trainer._switches.settings.share_reward_prefix = True
+    trainer._rewards.share = True
 
     # A reward call, also one that raises, leaves the policy's adapter active and every flag as it was, even one the
     # user set (PEFT's set_adapter alone would make all of the policy's adapter trainable again)

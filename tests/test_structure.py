@@ -5,6 +5,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rloo_efficient"
 
@@ -48,3 +50,114 @@ def test_core_imports_no_trainer_and_no_function_passes_100_lines():
         long += [f"{path.name}:{node.name}" for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                  and node.end_lineno - node.lineno + 1 > 100]  # fmt: skip
     assert not long, long
+
+
+def _reaches(source: str, parts: bool = True) -> list[str]:
+    """What `source` reaches in another object: `self.trainer`, a trainer's private attribute (`trainer._x`, or by
+    `getattr(trainer, "_x")`), and with `parts` (the trainer's parts: trainers/, profiling/) a part's private attribute
+    (`self.part._x`). Core's code stamps and reads attributes of the models it installs on: not a reach between
+    parts."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if node.attr == "trainer" and isinstance(value, ast.Name) and value.id == "self":
+                found.append(f"{node.lineno}: self.trainer")
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            on_trainer = isinstance(value, ast.Name) and value.id == "trainer"
+            on_part = parts and isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and (
+                value.value.id == "self")  # fmt: skip
+            if private and (on_trainer or on_part):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr"):
+            target, name = (node.args + [None, None])[:2]
+            if (isinstance(name, ast.Constant) and isinstance(name.value, str) and name.value.startswith("_")
+                    and not name.value.startswith("__") and isinstance(target, ast.Name) and target.id == "trainer"):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")  # fmt: skip
+    return found
+
+
+def _imports_trainers(source: str, relative_root: int) -> list[str]:
+    """Every way `source` (a module `relative_root` packages below rloo_efficient) imports rloo_efficient.trainers:
+    `import rloo_efficient.trainers...`, `from rloo_efficient(.trainers...) import ...`, relative imports reaching it,
+    and a module named in a string (`importlib.import_module("rloo_efficient.trainers")`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.startswith("rloo_efficient.trainers")]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:  # relative: resolved against the package
+                if node.level > relative_root:
+                    module = ".".join(filter(None, ["rloo_efficient", module]))
+                else:
+                    continue  # inside core
+            if not module.startswith("rloo_efficient"):
+                continue
+            names = [alias.name for alias in node.names]
+            if module.startswith("rloo_efficient.trainers") or (module == "rloo_efficient" and (
+                    "trainers" in names or any(name[0].isupper() for name in names))):  # fmt: skip
+                found.append(f"{node.lineno}: from {'.' * node.level}{node.module or ''} import {', '.join(names)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "rloo_efficient.trainers" in node.value:
+            if " " not in node.value:  # a module name, not prose
+                found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+# A diagnostic that runs any trainer, stock TRL's included, and reads the completions TRL keeps only there
+REACH_EXCEPTIONS = {"doctor.py": ["trainer._logs"]}
+
+
+def test_no_part_reaches_into_another_object():
+    """Outside the mixin (which owns the parts), no code reads `self.trainer` or a trainer's private attributes, and no
+    part reads another part's private attributes."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = str(path.relative_to(PACKAGE))
+        if path == PACKAGE / "trainers" / "mixin.py":
+            continue
+        parts = path.parent.name in ("trainers", "profiling")
+        reaches = [r for r in _reaches(path.read_text(), parts)
+                   if not any(r.endswith(allowed) for allowed in REACH_EXCEPTIONS.get(name, []))]  # fmt: skip
+        if reaches:
+            found[name] = reaches
+    assert not found, found
+
+
+def test_core_imports_no_trainer_in_any_form():
+    found = {}
+    for path in sorted((PACKAGE / "core").rglob("*.py")):
+        depth = len(path.relative_to(PACKAGE).parts) - 1  # packages below rloo_efficient
+        imports = _imports_trainers(path.read_text(), depth)
+        if imports:
+            found[str(path.relative_to(PACKAGE))] = imports
+    assert not found, found
+
+
+@pytest.mark.parametrize("source, reached", [
+    ("self.trainer.log({})", True),
+    ("trainer._profiler.step()", True),
+    ("self.held._train_scope = None", True),
+    ("getattr(trainer, '_switches', None)", True),
+    ("self._switches.prefix and self.held.close()", False),
+    ("getattr(self, '_cache', None)", False),
+    ("getattr(model, '_rloo_graph_failed', None)", False),
+])  # fmt: skip
+def test_the_reach_check_sees_each_reach(source, reached):
+    """Each of the reaches the package test refuses, as a one-line mutation would add it, is seen."""
+    assert bool(_reaches(source)) == reached
+
+
+@pytest.mark.parametrize("source, depth, imported", [
+    ("import rloo_efficient.trainers.mixin", 2, True),
+    ("from rloo_efficient.trainers import held_prefix", 2, True),
+    ("from rloo_efficient import trainers", 2, True),
+    ("from rloo_efficient import RLOOTrainer", 2, True),
+    ("from ...trainers.switches import Switches", 2, True),
+    ("from ... import trainers", 2, True),
+    ("importlib.import_module('rloo_efficient.trainers.packed')", 2, True),
+    ("from ..tree.holds import plan_holds", 2, False),
+    ("from .passes import ChunkPlan", 2, False),
+])  # fmt: skip
+def test_the_import_check_sees_each_form(source, depth, imported):
+    assert bool(_imports_trainers(source, depth)) == imported

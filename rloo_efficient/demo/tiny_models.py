@@ -122,10 +122,15 @@ _MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "beta
                     "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.1}
 
 
-def _family_kwargs(cfg, head_dim: int) -> dict:
-    """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
-    arch, layers, window = cfg.arch, cfg.num_hidden_layers, cfg.sliding_window
-    experts = dict(num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
+def _experts(cfg) -> dict:
+    """Top-2 routing over experts half the MLP's width, as the mixture-of-experts families share them."""
+    return dict(num_experts_per_tok=2, moe_intermediate_size=cfg.intermediate_size // 2)
+
+
+def _attention_kwargs(cfg, head_dim: int) -> dict:
+    """Per dense family: what its real models set that reaches attention differently (windows, scales, rotary),
+    shrunk."""
+    layers, window = cfg.num_hidden_layers, cfg.sliding_window
     return {
         # query_pre_attn_scalar scales the scores, embeddings are scaled, every other layer slides
         "gemma3": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=window or 512,
@@ -134,18 +139,6 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
         # shrunk from 50 and 30 so that they bend a tiny model's logits
         "gemma2": dict(head_dim=head_dim, query_pre_attn_scalar=head_dim // 2, sliding_window=window or 512,
                        layer_types=alternating(layers), attn_logit_softcapping=0.5, final_logit_softcapping=3.0),
-        # attention sinks, every other layer slides, mixture of experts
-        "gpt_oss": dict(head_dim=head_dim, sliding_window=window or 128, layer_types=alternating(layers),
-                        num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=max(cfg.max_position_embeddings, 131072)),
-        "qwen3_moe": dict(head_dim=head_dim, num_experts=4, **experts),
-        # experts routed per token (softmax), a window on every layer where the workload gives one; router jitter off
-        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, **({"sliding_window": window} if window else {})),
-        # experts and a sigmoid-gated shared expert on every layer, biased q/k/v
-        "qwen2_moe": dict(num_experts=4, decoder_sparse_step=1, shared_expert_intermediate_size=cfg.intermediate_size // 2,
-                          **experts),
-        # q/k norms over the whole projection, experts on every layer
-        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
         # q/k norms, post-norms, three sliding layers to one full layer without rotary (every other one here)
         "exaone4": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
         # Ministral 8B: Mistral with windows on every other layer
@@ -163,27 +156,56 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
                           rope_parameters=_longrope(cfg.hidden_size // cfg.num_attention_heads, 0.75, 64)),
         "mistral": {"sliding_window": window} if window else {},
         "qwen3": dict(head_dim=head_dim),
-        # sigmoid router with a correction bias and group-limited selection, shared experts, per-head q/k norms, rotary
-        # on half of each head; no load-balancing loss
-        "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-                         use_qk_norm=True, **experts),
         # rotary on sliding layers only (full layers have none), a parallel attention/MLP block, a logit scale
         "cohere2": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
         # q/k norms over the whole projection, windows on every other layer, post-norms
         "olmo3": dict(sliding_window=window or 4096, layer_types=alternating(layers)),
+        # biased q/k/v; dropout on attention and residuals by default (0.1), which must be off to share
+        "seed_oss": dict(head_dim=head_dim, attention_dropout=0.0, residual_dropout=0.0),
+    }
+
+
+def _expert_kwargs(cfg, head_dim: int) -> dict:
+    """Per mixture-of-experts family: its router and experts, and what reaches attention differently, shrunk."""
+    layers, window = cfg.num_hidden_layers, cfg.sliding_window
+    experts = _experts(cfg)
+    return {
+        # attention sinks, every other layer slides, mixture of experts
+        "gpt_oss": dict(head_dim=head_dim, sliding_window=window or 128, layer_types=alternating(layers),
+                        num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=max(cfg.max_position_embeddings, 131072)),
+        "qwen3_moe": dict(head_dim=head_dim, num_experts=4, **experts),
+        # experts routed per token (softmax), a window on every layer where the workload gives one; router jitter off
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, **({"sliding_window": window} if window else {})),
+        # experts and a sigmoid-gated shared expert on every layer, biased q/k/v
+        "qwen2_moe": dict(num_experts=4, decoder_sparse_step=1, shared_expert_intermediate_size=cfg.intermediate_size // 2,
+                          **experts),
+        # q/k norms over the whole projection, experts on every layer
+        "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+        # sigmoid router with a correction bias and group-limited selection, shared experts, per-head q/k norms, rotary
+        # on half of each head; no load-balancing loss
+        "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         use_qk_norm=True, **experts),
         # softmax router with a correction bias, shared experts; TRL's load-balancing loss on by default (0.001)
         "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1,
                              moe_intermediate_size=cfg.intermediate_size // 2),
         # sigmoid router with a correction bias, q/k norms over the projection, partial rotary; loss on by default
         "minimax_m2": dict(head_dim=head_dim, num_local_experts=4, num_experts_per_tok=2,
                            intermediate_size=cfg.intermediate_size // 2, rotary_dim=head_dim // 2),
-        # biased q/k/v; dropout on attention and residuals by default (0.1), which must be off to share
-        "seed_oss": dict(head_dim=head_dim, attention_dropout=0.0, residual_dropout=0.0),
         # multi-head latent attention: low-rank queries, keys and values from a cached latent, value heads narrower
         # than key heads (12 vs 24), rotary on part of each head (interleaved); sigmoid-routed experts
         "deepseek_v3": dict(num_key_value_heads=cfg.num_attention_heads, n_routed_experts=4, n_shared_experts=1,
                             n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, **experts),
+    }
+
+
+def _hybrid_kwargs(cfg, head_dim: int) -> dict:
+    """Per hybrid family: its recurrent layers (Gated DeltaNet, Mamba2, short convolutions) among attention layers,
+    shrunk."""
+    layers = cfg.num_hidden_layers
+    experts = _experts(cfg)
+    return {
         # Gated DeltaNet and gated attention, experts with a shared expert; TRL's load-balancing loss on (0.001)
         "qwen3_next": dict(head_dim=head_dim, layer_types=hybrid(layers), num_experts=4, decoder_sparse_step=1,
                            shared_expert_intermediate_size=cfg.intermediate_size // 2, **experts, **_GDN),
@@ -215,7 +237,13 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
                             mlp_layer_types=["dense"] + ["sparse"] * (layers - 1)),
         # LFM2: gated short convolutions (3 taps) among attention layers
         "lfm2": dict(layer_types=hybrid(layers, "conv"), conv_L_cache=3),
-    }.get(arch, {})
+    }
+
+
+def _family_kwargs(cfg, head_dim: int) -> dict:
+    """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
+    families = {**_attention_kwargs(cfg, head_dim), **_expert_kwargs(cfg, head_dim), **_hybrid_kwargs(cfg, head_dim)}
+    return families.get(cfg.arch, {})
 
 
 def model_config(cfg, tokenizer):

@@ -6,13 +6,13 @@ continuous batching go to TRL untouched.
 """
 
 import contextlib
+from collections.abc import Callable
 
 from ..core.generation.generate import generate_with_shared_prefill, row_tiles, text_only
 from ..core.generation.turn_cache import TurnCaches
 from ..core.layers.vision import IMAGE_KWARGS, TOKEN_TYPE_FIELDS, ModelVision, layout_reason
 from ..core.tree.rows import prompt_key
 from .ranks import Ranks
-from .switches import Switches
 
 
 def distinct_prompts(prompts: list, environments: list | None) -> tuple[list[int], list[int]]:
@@ -30,28 +30,34 @@ def distinct_prompts(prompts: list, environments: list | None) -> tuple[list[int
 
 class SharedGeneration:
     """
-    The shared prefill of one trainer: `switches` (whether it is on, the prompt's cache kept once, the tool budget,
-    the fallbacks), `ranks` (where every process must take it or none), the policy's `vision`, `counts`
-    (`shared_prefill_tokens` counted there).
+    The shared prefill of one trainer: `ranks` (where every process must take it or none), the policy's `vision`,
+    `counts` (`shared_prefill_tokens` counted there); its decisions: `cache_once` (the prompt's cache kept once while
+    decoding: True, False, or None: by its cost), `tree` (the prompts' prefix tree), `static` (decoding from static
+    buffers: None, where graphs replay), `turn_budget` (a tool loop's held caches: bytes, or None), `fall_back(reason)`
+    (says once why a call runs stock's generate) and `warn(message)` (says a message once).
     """
 
-    def __init__(self, switches: Switches, ranks: Ranks, vision: ModelVision, counts):
-        self.switches, self.ranks, self.vision, self.counts = switches, ranks, vision, counts
+    def __init__(self, ranks: Ranks, vision: ModelVision, counts, *, cache_once: bool | None, tree: bool,
+                 static: bool | None, turn_budget: int | None, fall_back: Callable[[str], None],
+                 warn: Callable[[str], None]):  # fmt: skip
+        self.ranks, self.vision, self.counts = ranks, vision, counts
+        self.cache_once, self.tree, self.static, self.turn_budget = cache_once, tree, static, turn_budget
+        self.fall_back, self.warn = fall_back, warn
         self.turns: TurnCaches | None = None  # a tool loop's held caches, while TRL's `_generate` runs
 
     @contextlib.contextmanager
     def tool_loop(self):
         """While TRL's `_generate` runs its tool loop: each turn's KV caches held for the rows' next turn, within the
         budget, and all of them released when it ends."""
-        budget = self.switches.turn_budget
+        budget = self.turn_budget
         self.turns = TurnCaches(budget) if budget is not None else None
         try:
             yield
         finally:
             if self.turns is not None and self.turns.over_budget:
-                self.switches.warn_once("rloo_efficient: a tool turn's KV caches were not held across the tool call: "
-                                        "they would take more than tool_cache_budget_gib; the next turn prefilled its "
-                                        "rows' histories instead")  # fmt: skip
+                self.warn("rloo_efficient: a tool turn's KV caches were not held across the tool call: they would "
+                          "take more than tool_cache_budget_gib; the next turn prefilled its rows' histories "
+                          "instead")  # fmt: skip
             self.turns = None  # every held cache released
 
     def prefill(self, model, prompt_ids: list[list[int]], images, multimodal_fields):
@@ -61,14 +67,14 @@ class SharedGeneration:
         if "generate" in vars(model):
             # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
             # is called as stock calls it, with stock's arguments
-            self.switches.warn_once("rloo_efficient: the shared generation prefill is off for such calls, using stock "
-                                    "TRL's generate: the model's generate is replaced on the model object")  # fmt: skip
+            self.warn("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
+                      "generate: the model's generate is replaced on the model object")  # fmt: skip
             return None
         with_images = not text_only(images, multimodal_fields)
         reason = self._image_reason(model, prompt_ids, images, multimodal_fields) if with_images else None
         # Where every forward gathers parameters from all ranks, they all take stock's generate or none does
         if not self.ranks.can(reason is None):
-            self.switches.fall_back(reason or "another process's prompts cannot be prefilled once", permanent=False)
+            self.fall_back(reason or "another process's prompts cannot be prefilled once")
             return None
         return self.prefilling(model, prompt_ids, images if with_images else None)
 
@@ -97,13 +103,13 @@ class SharedGeneration:
         exactly as the stock call.
         """
         stock_generate = model.generate
-        switches, counts = self.switches, self.counts
+        counts = self.counts
 
         def generate(input_ids, attention_mask, **kwargs):
             output, tokens = generate_with_shared_prefill(
-                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=switches.prompt_cache_once,
-                tree=switches.settings.share_prefill_tree, synced=self.ranks.collective(model),
-                generate=stock_generate, images=images, turns=self.turns, static=switches.settings.static_decoding,
+                model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self.cache_once,
+                tree=self.tree, synced=self.ranks.collective(model), generate=stock_generate, images=images,
+                turns=self.turns, static=self.static,
                 **kwargs,
             )  # fmt: skip
             counts.shared_prefill_tokens += tokens

@@ -15,11 +15,11 @@ from ..core.tree.rows import group_shuffle_order
 TRL_LOSSES = ("trl.trainer.rloo_trainer", "trl.trainer.grpo_trainer")
 
 
-def group_shuffle_reason(trainer, ours: type) -> str | None:
+def group_shuffle_reason(trainer, ours: type, entropy_bonus: bool = False) -> str | None:
     """Why keeping each group's rows in one micro-batch would change more than the order of a sum for `trainer` (a TRL
-    trainer; `ours`: our mixin, skipped in its method resolution order), or None: every micro-batch of a generation
-    must feed one optimizer step, and the loss must be a sum over sequences normalized independently of which rows
-    share a micro-batch."""
+    trainer; `ours`: our mixin, skipped in its method resolution order; `entropy_bonus`: GRPO's entropy bonus is on), or
+    None: every micro-batch of a generation must feed one optimizer step, and the loss must be a sum over sequences
+    normalized independently of which rows share a micro-batch."""
     args = trainer.args
     if args.gradient_accumulation_steps % args.steps_per_generation:
         return (f"gradient_accumulation_steps ({args.gradient_accumulation_steps}) is not a multiple of "
@@ -35,7 +35,7 @@ def group_shuffle_reason(trainer, ours: type) -> str | None:
         return "the bnpo loss is normalized by each micro-batch's tokens"
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         return "top_entropy_quantile takes its threshold over each micro-batch's tokens"
-    if getattr(trainer, "_entropy_bonus_enabled", False):
+    if entropy_bonus:
         return "the entropy bonus is a mean over each micro-batch's tokens"
     return None
 

@@ -3,11 +3,10 @@
 import trl
 
 from .config import GRPOConfig
-from .memory_profiling import MemoryProfilingMixin
 from .mixin import GroupSharingMixin
 
 
-class GRPOTrainer(MemoryProfilingMixin, GroupSharingMixin, trl.GRPOTrainer):
+class GRPOTrainer(GroupSharingMixin, trl.GRPOTrainer):
     """
     A drop-in replacement for [`trl.GRPOTrainer`] (same constructor, same results) that processes each prompt once
     per group in every phase, profiles memory per phase, and can release cached memory at phase boundaries. See
@@ -16,8 +15,8 @@ class GRPOTrainer(MemoryProfilingMixin, GroupSharingMixin, trl.GRPOTrainer):
     Every GRPO feature runs through TRL's own code: each loss type, the reference and old-log-prob passes, tools (each
     turn's prompts prefilled as their tree; a later turn's rows continuing their caches from the turn before, within
     `tool_cache_budget_gib`), `rollout_func` and environments (prompts grouped by their tokens, environment included).
-    TRL methods wrapped: those of [`GroupSharingMixin`] and [`MemoryProfilingMixin`], each calling `super()`; no TRL
-    method is copied.
+    TRL methods wrapped: those of [`GroupSharingMixin`] (profiling included: `trainer.memory_profiling`), each calling
+    `super()`; no TRL method is copied.
     """
 
     _config_class = GRPOConfig

@@ -8,7 +8,8 @@ to the parts it holds, each an object with its own state:
 - [`generation.SharedGeneration`]: the shared prefill, and a tool loop's held caches;
 - [`packed.PackedPasses`]: the packed log-prob and training passes ([`core.forward.passes`]);
 - [`held_prefix.HeldPrefixes`]: prompts held across a pass's chunks and a step's micro-batches;
-- [`rewards.RewardScoring`]: reward models scored from packed rows.
+- [`rewards.RewardScoring`]: reward models scored from packed rows;
+- [`profiling.trainer_profiling.TrainerProfiling`]: each phase's memory and time (`trainer.memory_profiling`).
 
 The batch's rows ([`core.tree.rows.row_groups`]: each row's group, lengths and tokens) are read once per generation
 batch from the token lists TRL's `_generate` returns, are active while TRL's own no-grad passes run, travel with the
@@ -28,7 +29,8 @@ from ..core.forward.passes import PassCounts
 from ..core.layers.install import install
 from ..core.layers.vision import ModelVision
 from ..core.tree.rows import prompt_images, row_groups
-from .config import ROWS_KEY, default_budget, sharing_settings
+from ..profiling.trainer_profiling import PROFILING_OFF, TrainerProfiling
+from .config import ROWS_KEY, sharing_settings
 from .generation import SharedGeneration, distinct_prompts
 from .group_shuffle import group_shuffle_reason, ordered_for_group_shuffle
 from .held_prefix import HeldPrefixes
@@ -36,7 +38,7 @@ from .hydra import attach_hydra_rewards, hydra_reward_funcs, saving_policy_adapt
 from .packed import PackedPasses, Unwrap
 from .ranks import Ranks
 from .rewards import RewardScoring
-from .switches import STOCK, Setup, Switches
+from .switches import STOCK, Fallbacks, Setup, Switches
 
 
 @dataclasses.dataclass
@@ -88,6 +90,8 @@ class GroupSharingMixin:
       the batch it is given; TRL's otherwise.
     - `_calculate_rewards`: reward models scored from packed rows ([`rewards`]).
     - `_save`: a Hydra reward adapter is left out of the saved policy.
+    - `log`: the profiling part's metrics merged in. `_generate`, `_calculate_rewards`, `training_step`,
+      `_generate_and_score_completions` and `_get_per_token_logps_and_entropies` open its phases ([`TrainerProfiling`]).
     """
 
     _config_class: type | None = None  # our config for this trainer: a stock config of its base class becomes one
@@ -99,6 +103,7 @@ class GroupSharingMixin:
     _passes: PackedPasses | None = None
     _held: HeldPrefixes | None = None
     _rewards: RewardScoring | None = None
+    memory_profiling: TrainerProfiling = PROFILING_OFF
     _active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
 
     packed_forward_tokens = _count("packed_forward_tokens")
@@ -127,32 +132,44 @@ class GroupSharingMixin:
         setup = Setup(unwrapped, getattr(self, "generation_config", None), self.accelerator.device, bool(self.aux_loss_enabled),
                       other_backend=backend, tools=bool(getattr(self, "tools", None)),
                       several_micro_batches=self.args.steps_per_generation > 1)  # fmt: skip
-        switches = Switches.resolve(settings, setup, lambda: group_shuffle_reason(self, GroupSharingMixin))
+        entropy_bonus = getattr(self, "_entropy_bonus_enabled", False)  # (TRL's GRPO only)
+        switches = Switches.resolve(settings, setup,
+                                    lambda: group_shuffle_reason(self, GroupSharingMixin, entropy_bonus))  # fmt: skip
         policy = lambda: unwrap(self.model)  # noqa: E731 (the Trainer may replace `self.model` when it prepares it)
         ranks = Ranks(self.accelerator, policy)
         vision = ModelVision.of(unwrapped)  # batches with images: packed for the families whose layout is known
         fsdp = 0
         if getattr(self, "is_fsdp_enabled", False):
             fsdp = 2 if getattr(self.accelerator, "is_fsdp2", False) else 1
-        budget = settings.held_prefix_budget_gib
         # Nothing but autograd watches a gradient's accumulation: it may be done as gradients arrive
         owns_accumulation = self.accelerator.distributed_type == DistributedType.NO and not self.args.torch_compile
-        if switches.prefix and budget != 0:  # prompts held across a pass's chunks and a step's micro-batches
-            budget = default_budget(self.accelerator.device) if budget is None else int(budget * 1024**3)
-            self._held = HeldPrefixes(budget, policy, self.args, ranks, switches, vision, fsdp=fsdp,
-                                      aux_loss=bool(self.aux_loss_enabled),
-                                      alias_parameters=owns_accumulation)  # fmt: skip
+        fallbacks = self._fallbacks = Fallbacks()
+        if switches.hold_budget:  # prompts held across a pass's chunks and a step's micro-batches
+            self._held = HeldPrefixes.of(switches.hold_budget, policy, self.args, ranks.agree, fallbacks.warn, vision,
+                                         fsdp=fsdp, aux_loss=bool(self.aux_loss_enabled),
+                                         alias_parameters=owns_accumulation)  # fmt: skip
         self._switches, self._ranks = switches, ranks
-        self._passes = PackedPasses(self.accelerator.autocast, unwrap, switches, ranks, vision, self._held,
-                                    self._counts, fsdp=bool(fsdp), grads_in_place=owns_accumulation)  # fmt: skip
-        self._generation = SharedGeneration(switches, ranks, vision, self._counts)
-        self._rewards = RewardScoring(switches, self.accelerator.device, unwrap, self._counts)
+        planner = self._held.planner if self._held is not None else None
+        self._passes = PackedPasses(self.accelerator.autocast, unwrap, ranks, vision, planner, self._counts,
+                                    prefix=switches.prefix, graphs=switches.graphed_passes, fall_back=fallbacks.packed,
+                                    fsdp=bool(fsdp), grads_in_place=owns_accumulation)  # fmt: skip
+        self._generation = SharedGeneration(ranks, vision, self._counts, cache_once=switches.prompt_cache_once,
+                                            tree=switches.tree, static=switches.static_decoding,
+                                            turn_budget=switches.turn_budget, fall_back=fallbacks.packed,
+                                            warn=fallbacks.warn)  # fmt: skip
+        self._rewards = RewardScoring(self.accelerator.device, unwrap, self._counts, share=switches.reward_prefix,
+                                      warn=fallbacks.warn)  # fmt: skip
         if switches.any_layout:
             # Our forwards pass a layout to the attention modules; without one they run the model's own attention.
             # TRL has wrapped the reference already (a DeepSpeed engine, FSDP, DDP): install on the model inside
             for inner in (unwrapped, self.ref_model):
                 if inner is not None:
                     install(self.accelerator.unwrap_model(inner))
+        # Last: the memory now (the models loaded, our layers installed) is the profiling's baseline
+        self.memory_profiling = TrainerProfiling.from_args(self.args, self.accelerator, lambda: self.model.training,
+                                                           self.ref_model, self._counts, type(self))  # fmt: skip
+        for callback in self.memory_profiling.callbacks:
+            self.add_callback(callback)
 
     @property
     def _constructed(self) -> bool:
@@ -174,9 +191,13 @@ class GroupSharingMixin:
         with saving_policy_adapters_only(self.reward_funcs):
             return super()._save(output_dir, state_dict)
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs.update(self.memory_profiling.logs(logs))  # in place, as TRL's own metrics: `evaluate()` returns them
+        super().log(logs, start_time)
+
     # -- generation --------------------------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts: list):
-        if not self._switches.settings.share_prompt_prefix or self._is_vlm:
+        if not self._switches.distinct_prompts or self._is_vlm:
             return super()._tokenize_prompts(prompts)
         # With environments (GRPO), each prompt is rendered with its environment's tools: part of the key
         environments = getattr(self, "_batch_environments", None)
@@ -220,26 +241,27 @@ class GroupSharingMixin:
     def _generate(self, prompts: list):
         if not self._constructed:
             return super()._generate(prompts)
-        with self._generation.tool_loop():  # TRL's tool loop runs in it: each turn's caches held for the next
-            result = super()._generate(prompts)
+        with self.memory_profiling.phase("generation"), self._generation.tool_loop():
+            result = super()._generate(prompts)  # TRL's tool loop runs in it: each turn's caches held for the next
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
         images = prompt_images(prompts)
         self._active_rows = row_groups(prompt_ids, self._scored_lengths(completion_ids), images, completion_ids)
         if images is not None and any(ids and ids[-1] in self._passes.vision.image_tokens for ids in prompt_ids):
             # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
-            self._switches.fall_back("a prompt ends with an image's token", permanent=False)
+            self._fallbacks.packed("a prompt ends with an image's token")
             self._active_rows = None
         tool_images = result[7] if len(result) > 7 else None  # GRPO: images a tool returned, per row
         if self._is_vlm and tool_images and any(tool_images):
             # In the rows' completions, each row's own: the packed forward takes images from the prompts only
-            self._switches.fall_back("a tool returned images", permanent=False)
+            self._fallbacks.packed("a tool returned images")
             self._active_rows = None
         return result
 
     def _generate_and_score_completions(self, inputs):
         self._active_rows = None
         try:
-            output = super()._generate_and_score_completions(inputs)
+            with self.memory_profiling.scoring():  # its no-grad log-prob passes are phases
+                output = super()._generate_and_score_completions(inputs)
             rows = self._active_rows
         finally:
             self._active_rows = None
@@ -252,17 +274,19 @@ class GroupSharingMixin:
 
     # -- training: micro-batches, their windows, their loss ----------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch):
-        held = self._held
-        if held is None:
-            return super().training_step(model, inputs, num_items_in_batch)
-        held.step_begins(model)
-        try:
-            return super().training_step(model, inputs, num_items_in_batch)
-        except BaseException:
-            held.close()
-            raise
-        finally:
-            held.step_ends(self.accelerator.sync_gradients)
+        # The accumulation's last micro-batch (TRL counts `_step` in its `training_step`): the optimizer step follows
+        with self.memory_profiling.micro_batch(lambda: self._step % self.current_gradient_accumulation_steps == 0):
+            held = self._held
+            if held is None:
+                return super().training_step(model, inputs, num_items_in_batch)
+            held.step_begins(model)
+            try:
+                return super().training_step(model, inputs, num_items_in_batch)
+            except BaseException:
+                held.close()
+                raise
+            finally:
+                held.step_ends(self.accelerator.sync_gradients)
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -302,10 +326,11 @@ class GroupSharingMixin:
         if rows is None:
             if passes is not None:
                 passes.check_nothing_held()
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal_kwargs,
-            )  # fmt: skip
+            with self.memory_profiling.scoring_pass(model):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                    **multimodal_kwargs,
+                )  # fmt: skip
         trl_forward = super()._get_per_token_logps_and_entropies.__func__
         trl_forward = getattr(trl_forward, "__wrapped__", trl_forward)  # TRL's forward without its timer: ours is timed
 
@@ -313,7 +338,8 @@ class GroupSharingMixin:
             return trl_forward(self, model, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                                **chunk_images)  # fmt: skip
 
-        with profiling_context(self, "_get_per_token_logps_and_entropies"):  # TRL's timer, as its own method has
+        # TRL's timer, as its own method has
+        with self.memory_profiling.scoring_pass(model), profiling_context(self, "_get_per_token_logps_and_entropies"):
             return passes.run(model, input_ids, attention_mask, logits_to_keep, rows, batch_size, compute_entropy,
                               compute_aux_loss, images, stock)  # fmt: skip
 
@@ -322,6 +348,7 @@ class GroupSharingMixin:
         if self._rewards is None:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         prepare = functools.partial(Trainer._prepare_inputs, self)  # to the device, as TRL's reward-model branch does
-        with self._rewards.standing_in(self.reward_funcs, self.reward_processing_classes, self.chat_template_kwargs,
-                                       prepare):  # fmt: skip
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with self.memory_profiling.phase("reward"):
+            with self._rewards.standing_in(self.reward_funcs, self.reward_processing_classes,
+                                           self.chat_template_kwargs, prepare):  # fmt: skip
+                return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

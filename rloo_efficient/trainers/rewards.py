@@ -8,6 +8,7 @@ is TRL's own.
 """
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,7 +19,6 @@ from ..core.layers.install import install
 from ..core.layers.recurrent import has_recurrent_layers
 from ..core.tree.rows import group_ids_for
 from .hydra import HydraReward
-from .switches import Switches
 
 
 class PackedRewardModel:
@@ -51,12 +51,13 @@ class PackedRewardModel:
 
 
 class RewardScoring:
-    """Scores reward models (and Hydra adapters) with each group's shared prefix once, on `device`; `switches`: the
-    config's `share_reward_prefix` and the fallbacks; `unwrap`: accelerate's unwrapping, looked up once per model
-    ([`packed.Unwrap`]); `counts`: `reward_forward_tokens` and `reward_shared_prefix_lengths` counted there."""
+    """Scores reward models (and Hydra adapters) with each group's shared prefix once, on `device`; `share`: the
+    reward prefix is shared (`share_reward_prefix`); `warn(message, key)`: says a fallback once; `unwrap`: accelerate's
+    unwrapping, looked up once per model ([`packed.Unwrap`]); `counts`: `reward_forward_tokens` and
+    `reward_shared_prefix_lengths` counted there."""
 
-    def __init__(self, switches: Switches, device, unwrap, counts):
-        self.switches, self.device, self.unwrap, self.counts = switches, device, unwrap, counts
+    def __init__(self, device, unwrap, counts, *, share: bool, warn: Callable):
+        self.device, self.unwrap, self.counts, self.share, self.warn = device, unwrap, counts, share, warn
 
     @contextlib.contextmanager
     def standing_in(self, reward_funcs: list, processing_classes: list, chat_template_kwargs: dict, prepare):
@@ -72,7 +73,7 @@ class RewardScoring:
             reward_funcs[:] = originals
 
     def _shares(self, reward_func) -> bool:
-        if not self.switches.settings.share_reward_prefix:
+        if not self.share:
             return False
         model = self.unwrap(reward_func)
         reason = reward_model_reason(model)
@@ -91,7 +92,7 @@ class RewardScoring:
             score = reward_func.score if hydra else None
             recurrent = has_recurrent_layers(inner)
             batch = (pack_reward_rows(rows, group_ids_for(prompts).tolist(), pad_token_id, self.device,
-                                      recurrent=recurrent) if self.switches.settings.share_reward_prefix
+                                      recurrent=recurrent) if self.share
                      else "share_reward_prefix=False")  # fmt: skip
             if isinstance(batch, str):
                 if not hydra:
@@ -106,5 +107,4 @@ class RewardScoring:
             return packed_scores(root, inner, score, batch)
 
     def _fall_back_to_padded(self, reason: str) -> None:
-        self.switches.warnings.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: "
-                                    f"{reason}.", key=reason, stacklevel=3)  # fmt: skip
+        self.warn(f"rloo_efficient: the reward model scores each row on its own, as stock TRL: {reason}.", key=reason)

@@ -3,20 +3,18 @@
 import trl
 
 from .config import RLOOConfig
-from .memory_profiling import MemoryProfilingMixin
 from .mixin import GroupSharingMixin
 
 
-class RLOOTrainer(MemoryProfilingMixin, GroupSharingMixin, trl.RLOOTrainer):
+class RLOOTrainer(GroupSharingMixin, trl.RLOOTrainer):
     """
     A drop-in replacement for [`trl.RLOOTrainer`] (same constructor, same results) that processes each prompt once
     per group in every phase, profiles memory per phase, and can release cached memory at phase boundaries. See
     [`RLOOConfig`] for the switches; with all of them off, training is stock TRL's.
 
     TRL methods wrapped: those of [`GroupSharingMixin`] (the group structure, the packed forwards, the shared prefill,
-    the reward phase, Hydra) and of [`MemoryProfilingMixin`] (`_generate`, `_calculate_rewards`,
-    `_get_per_token_logps_and_entropies`, `training_step`, `log`: phase boundaries and memory metrics). Each calls
-    `super()`; no TRL method is copied.
+    the reward phase, Hydra, and the phase boundaries and memory metrics of the profiling part it holds,
+    `trainer.memory_profiling`). Each calls `super()`; no TRL method is copied.
     """
 
     _config_class = RLOOConfig

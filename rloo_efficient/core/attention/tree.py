@@ -426,6 +426,101 @@ def _merge_history(out, lse, layout: TreeLayout, q, history, window: int | None,
         _merge(out, lse, part.queries, out_h, lse_h)
 
 
+def _folded_backward(ctx, saved: tuple, state, grad, q, k, v, flats: list, grad_sinks, work) -> tuple:
+    """[`TreeAttention.backward`] of the folded nodes' call ([`_varlen_nodes`]), a layer's only call: its keys'
+    gradients summed back to both the flat sequence's and each held slot's (`flats`, `(Ns, Hkv, D)`)."""
+    query, key, value, _, out, lse, *held = saved
+    fold, tokens = ctx.layout.held_nodes, query.shape[2]
+    keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
+    dq, dk, dv = varlen_attention_backward(state, grad, q, keys, values, out, lse.t(), True, ctx.scale)
+    grad_k, *slot_k = _scatter_held_keys(fold, tokens, flats[0::2], dk, work)
+    grad_v, *slot_v = _scatter_held_keys(fold, tokens, flats[1::2], dv, work)
+    held_grads = [g if needed else None for g, needed in zip(
+        (x for pair in zip(slot_k, slot_v, strict=True) for x in pair), ctx.needs_input_grad[9:])]  # fmt: skip
+    return (_token_major(dq, query), _token_major(grad_k, key), _token_major(grad_v, value), grad_sinks, None,
+            None, None, None, None, *(None if g is None else _token_major(g, x)
+                                      for g, x in zip(held_grads, held, strict=True)))  # fmt: skip
+
+
+def _scored(blocks: Blocks, grad, q, out, lse) -> tuple:
+    """The queries' side of a backward call at `blocks`, token-major: `(q, grad, out, lse)`, with no output gradient
+    at the padding slots."""
+    grad_blocks = _gather(grad, blocks, zero_padding=True)
+    return _gather(q, blocks), grad_blocks, _gather(out, blocks), _gather(lse, blocks)
+
+
+def _add_blocks(target: torch.Tensor, blocks: Blocks, value: torch.Tensor) -> None:
+    """Adds a kernel's token-major gradient `(n, h, L, D)` of `blocks` into the flat `target` `(N + 1, h, D)`."""
+    _add(target, blocks, _rows(value).to(target.dtype))
+
+
+def _own_tokens_backward(ctx, states, packed_nodes: bool, grad, q, k, v, out, lse, grads: tuple, dtype) -> None:
+    """[`_own_tokens`]'s backward: adds the gradients of every node's own tokens (the nodes' variable-length call,
+    else one call per length bucket) into `grads`, the flat `(N + 1, h, D)` `(grad_q, grad_k, grad_v)`."""
+    if packed_nodes:  # the nodes' one causal call: the flat sequence itself
+        tokens = q.shape[0]
+        lse_heads = lse.t()  # (H, N), as flash's
+        node_grads = varlen_attention_backward(next(states), grad, q, k, v, out, lse_heads, True, ctx.scale)
+        for target, value in zip(grads, node_grads, strict=True):
+            target[:tokens].add_(value)
+        return
+    for index, blocks, images in _buckets(ctx.layout):
+        qb, gb, ob, lb = _scored(blocks, grad, q, out, lse)
+        kb, vb = _gather(k, blocks), _gather(v, blocks)
+        state = next(states)
+        bias = _image_bias(ctx.layout, index, blocks, ctx.window, ctx.sliding, dtype) if images else None
+        if bias is None:
+            bucket_grads = band_backward(state, gb, qb, kb, vb, ob, lb, ctx.window, ctx.scale)
+        else:
+            bucket_grads = attention_backward(state, gb, qb, kb, vb, bias, ob, lb, False, ctx.scale)
+        for target, value in zip(grads, bucket_grads, strict=True):
+            _add_blocks(target, blocks, value)
+
+
+def _packed_parts_backward(ctx, states, packed_depths: set, grad, q, k, v, out, lse, grads: tuple) -> None:
+    """[`_merge_packed_parts`]'s backward: adds the gradients of each level's variable-length call into `grads`."""
+    grad_q, grad_k, grad_v = grads
+    for call in (call for call in ctx.layout.packed_parts if call.depth in packed_depths):
+        rows = lambda x: _read(x, call.queries)  # noqa: E731
+        keys, values = _read(k, call.keys), _read(v, call.keys)
+        dq, dk, dv = varlen_attention_backward(next(states), rows(grad), rows(q), keys, values, rows(out),
+                                               rows(lse).t(), False, ctx.scale)  # fmt: skip
+        _add(grad_q, call.queries, dq.to(grad_q.dtype))
+        _add(grad_k, call.keys, dk.to(grad_k.dtype))
+        _add(grad_v, call.keys, dv.to(grad_v.dtype))
+
+
+def _parts_backward(ctx, states, packed_depths: set, grad, q, k, v, out, lse, grads: tuple, dtype) -> None:
+    """[`_merge_parts`]'s backward: adds the gradients of each level's part in its padded buckets into `grads`."""
+    layout, grad_q, grad_k, grad_v = ctx.layout, *grads
+    for index, part in enumerate(layout.parts):
+        if part.depth in packed_depths:
+            continue
+        keys, bias = _keys_of(layout, index, part, ctx.window, dtype)
+        qp, gp, op, lp = _scored(part.queries, grad, q, out, lse)
+        dq, dk, dv = attention_backward(next(states), gp, qp, _gather(k, keys), _gather(v, keys), bias, op, lp,
+                                        False, ctx.scale)  # fmt: skip
+        _add_blocks(grad_q, part.queries, dq)
+        _add_blocks(grad_k, keys, dk)
+        _add_blocks(grad_v, keys, dv)
+
+
+def _held_parts_backward(ctx, states, grad, q, out, lse, flats: list, grad_q, grad_held: list, dtype) -> None:
+    """[`_merge_held_parts`]'s backward: adds the held parts' query gradients into `grad_q` and their keys' into
+    their slot's `grad_held` (those that need one)."""
+    layout = ctx.layout
+    for index, part in enumerate(layout.held_parts):
+        held_key, held_value = flats[2 * part.slot], flats[2 * part.slot + 1]
+        keys, bias = _keys_of(layout, ("held", index), part, ctx.window, dtype)
+        qp, gp, op, lp = _scored(part.queries, grad, q, out, lse)
+        dq, dk, dv = attention_backward(next(states), gp, qp, _gather(held_key, keys), _gather(held_value, keys),
+                                        bias, op, lp, False, ctx.scale)  # fmt: skip
+        _add_blocks(grad_q, part.queries, dq)
+        for target, grad_part in ((grad_held[2 * part.slot], dk), (grad_held[2 * part.slot + 1], dv)):
+            if target is not None:
+                _add_blocks(target, keys, grad_part)
+
+
 class TreeAttention(torch.autograd.Function):
     """
     Attention of the packed flat sequence (see the module docstring): `query` (1, H, N, D), `key`/`value`
@@ -478,7 +573,7 @@ class TreeAttention(torch.autograd.Function):
             return _chain_backward(ctx, grad_out)
         saved = ctx.saved_tensors  # (unpacked once: gradient checkpointing's recomputation allows no second)
         query, key, value, sinks, out, lse, *held = saved
-        layout, window, scale = ctx.layout, ctx.window, ctx.scale
+        layout, scale = ctx.layout, ctx.scale
         tokens, heads, dim = query.shape[2], query.shape[1], query.shape[3]
         q, k, v, grad = _flat(query), _flat(key), _flat(value), grad_out[0]
         work = _work_dtype(query.dtype)
@@ -489,17 +584,8 @@ class TreeAttention(torch.autograd.Function):
         states = iter(ctx.states)
         packed_nodes, packed_depths, folded = ctx.packed
         flats = [_flat(x) for x in held]
-        if folded:  # the nodes' call over [held keys | own keys], the only call: its keys' gradients to both
-            fold = layout.held_nodes
-            keys, values = _held_keys(fold, k, held[0::2]), _held_keys(fold, v, held[1::2])
-            dq, dk, dv = varlen_attention_backward(next(states), grad, q, keys, values, out, lse.t(), True, scale)
-            grad_k, *slot_k = _scatter_held_keys(fold, tokens, flats[0::2], dk, work)
-            grad_v, *slot_v = _scatter_held_keys(fold, tokens, flats[1::2], dv, work)
-            held_grads = [g if needed else None for g, needed in zip(
-                (x for pair in zip(slot_k, slot_v, strict=True) for x in pair), ctx.needs_input_grad[9:])]  # fmt: skip
-            return (_token_major(dq, query), _token_major(grad_k, key), _token_major(grad_v, value), grad_sinks, None,
-                    None, None, None, None, *(None if g is None else _token_major(g, x)
-                                              for g, x in zip(held_grads, held, strict=True)))  # fmt: skip
+        if folded:  # the nodes' call over [held keys | own keys], the only call
+            return _folded_backward(ctx, saved, next(states), grad, q, k, v, flats, grad_sinks, work)
         if packed_nodes and _nodes_alone(layout, held):  # the nodes' call alone, over the flat sequence itself
             dq, dk, dv = varlen_attention_backward(next(states), grad, q, k, v, out, lse.t(), True, scale)
             return _token_major(dq, query), _token_major(dk, key), _token_major(dv, value), grad_sinks, *(None,) * 5
@@ -508,60 +594,12 @@ class TreeAttention(torch.autograd.Function):
         grad_v = v.new_zeros(tokens + 1, *v.shape[1:], dtype=work)
         grad_held = [x.new_zeros(x.shape[0] + 1, *x.shape[1:], dtype=work) if ctx.needs_input_grad[9 + i] else None
                      for i, x in enumerate(flats)]  # fmt: skip
-
-        def scored(blocks: Blocks):  # the queries' side of a call: no output gradient at the padding slots
-            grad_blocks = _gather(grad, blocks, zero_padding=True)
-            return _gather(q, blocks), grad_blocks, _gather(out, blocks), _gather(lse, blocks)
-
-        def add(target, blocks: Blocks, value):
-            _add(target, blocks, _rows(value).to(target.dtype))
-
-        if packed_nodes:  # the nodes' one causal call: the flat sequence itself
-            lse_heads = lse.t()  # (H, N), as flash's
-            grads = varlen_attention_backward(next(states), grad, q, k, v, out, lse_heads, True, scale)
-            for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
-                target[:tokens].add_(value)
-        for index, blocks, images in () if packed_nodes else _buckets(layout):
-            qb, gb, ob, lb = scored(blocks)
-            kb, vb = _gather(k, blocks), _gather(v, blocks)
-            state = next(states)
-            bias = _image_bias(layout, index, blocks, window, ctx.sliding, query.dtype) if images else None
-            if bias is None:
-                grads = band_backward(state, gb, qb, kb, vb, ob, lb, window, scale)
-            else:
-                grads = attention_backward(state, gb, qb, kb, vb, bias, ob, lb, False, scale)
-            for target, value in zip((grad_q, grad_k, grad_v), grads, strict=True):
-                add(target, blocks, value)
-        for call in (call for call in layout.packed_parts if call.depth in packed_depths):
-            rows = lambda x: _read(x, call.queries)  # noqa: E731
-            keys, values = _read(k, call.keys), _read(v, call.keys)
-            dq, dk, dv = varlen_attention_backward(next(states), rows(grad), rows(q), keys, values, rows(out),
-                                                   rows(lse).t(), False, scale)  # fmt: skip
-            _add(grad_q, call.queries, dq.to(grad_q.dtype))
-            _add(grad_k, call.keys, dk.to(grad_k.dtype))
-            _add(grad_v, call.keys, dv.to(grad_v.dtype))
-        for index, part in enumerate(layout.parts):
-            if part.depth in packed_depths:
-                continue
-            keys, bias = _keys_of(layout, index, part, window, query.dtype)
-            qp, gp, op, lp = scored(part.queries)
-            dq, dk, dv = attention_backward(next(states), gp, qp, _gather(k, keys), _gather(v, keys), bias, op, lp,
-                                            False, scale)  # fmt: skip
-            add(grad_q, part.queries, dq)
-            add(grad_k, keys, dk)
-            add(grad_v, keys, dv)
-        for index, part in enumerate(() if folded else layout.held_parts):
-            held_key, held_value = flats[2 * part.slot], flats[2 * part.slot + 1]
-            keys, bias = _keys_of(layout, ("held", index), part, window, query.dtype)
-            qp, gp, op, lp = scored(part.queries)
-            dq, dk, dv = attention_backward(next(states), gp, qp, _gather(held_key, keys), _gather(held_value, keys),
-                                            bias, op, lp, False, scale)  # fmt: skip
-            add(grad_q, part.queries, dq)
-            for target, grad_part in ((grad_held[2 * part.slot], dk), (grad_held[2 * part.slot + 1], dv)):
-                if target is not None:
-                    add(target, keys, grad_part)
+        grads = (grad_q, grad_k, grad_v)
+        _own_tokens_backward(ctx, states, packed_nodes, grad, q, k, v, out, lse, grads, query.dtype)
+        _packed_parts_backward(ctx, states, packed_depths, grad, q, k, v, out, lse, grads)
+        _parts_backward(ctx, states, packed_depths, grad, q, k, v, out, lse, grads, query.dtype)
+        _held_parts_backward(ctx, states, grad, q, out, lse, flats, grad_q, grad_held, query.dtype)
         token_major = lambda x, like: _token_major(x[: like.shape[2]], like)  # noqa: E731 (less the dump row)
-        query, key, value = saved[:3]  # (the loops above name their gradients `value`)
         return (token_major(grad_q, query), token_major(grad_k, key), token_major(grad_v, value), grad_sinks, None,
                 None, None, None, None,
                 *(None if g is None else token_major(g, x) for g, x in zip(grad_held, held, strict=True)))  # fmt: skip

@@ -126,6 +126,48 @@ def _crosses_period(position_ids: np.ndarray, columns: np.ndarray, period: int |
     return period is not None and width > period and bool((position_ids // period != columns // period).any())
 
 
+def _row_tree(sequences: list, group: np.ndarray, plen: np.ndarray, members: np.ndarray, full: bool, images: bool,
+              chunk: ChunkHold | None, min_saved: int) -> tuple[Tree, np.ndarray, np.ndarray]:  # fmt: skip
+    """`(tree, skip, position_plen)`: the prefix tree of the `members` rows' inputs ([`tree.radix.build_tree`]); under
+    a `chunk`'s held nodes each row's own inputs start after the `skip` they cover (at their positions), hung from its
+    deepest held node. `position_plen`: the prompt lengths the position ids count from."""
+    skip = np.zeros(len(plen), dtype=np.int64)
+    keys = group[members] if images else None
+    position_plen = plen
+    if chunk is not None:  # each row's own inputs start after its held nodes', hung from its deepest held node
+        skip, keys, position_plen = chunk.skip, chunk.key[members], chunk.position_plen
+        if images:  # ordered by held node still (the readers' runs), the rows of other groups apart where none is held
+            keys = keys * (int(group.max()) + 1) + group[members]
+    tree = build_tree([sequences[row][skip[row] :] for row in members], keys=keys, ends=full, min_saved=min_saved,
+                      keep_roots=images)  # fmt: skip
+    if chunk is not None:
+        tree = replace(tree, position=tree.position + skip[members[tree.row]])
+    return tree, skip, position_plen
+
+
+def _packed_batch(input_ids: torch.Tensor, logits_to_keep: int, tree: Tree, layout: TreeLayout, on_device: list,
+                  reads, token_weights: bool, group_sources: bool, first_rows: np.ndarray | None,
+                  image_rows: np.ndarray | None) -> PackedBatch:  # fmt: skip
+    """The [`PackedBatch`] of [`pack_rows`]'s parts sent with its `layout` (`on_device`: the token, label, position and
+    unpacking indices, then the group sources, token weights and held weights asked for), its tokens and labels
+    gathered from stock's `input_ids` in one `index_select`."""
+    total = tree.num_tokens
+    held_weights = ()
+    if reads is not None and token_weights:
+        held_weights = tuple(reversed([on_device.pop() for _ in reads.sources]))
+    weights = on_device.pop().view(1, total) if token_weights else None
+    group_source = on_device.pop() if group_sources else None
+    index, label_index, position_ids, unpack_index = on_device
+    ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
+    gathered = ids.index_select(0, torch.cat([index, label_index]))
+    return PackedBatch(input_ids=gathered[:total].view(1, total), position_ids=position_ids.view(1, total),
+                       shift_labels=gathered[total:].view(1, total), unpack_index=unpack_index, layout=layout,
+                       tree=tree, num_rows=input_ids.shape[0], num_cols=logits_to_keep, token_weights=weights,
+                       source_index=index, first_rows=first_rows, image_rows=image_rows,
+                       group_source_index=group_source, held_sources=tuple(reads.sources) if reads is not None else (),
+                       held_weights=held_weights)  # fmt: skip
+
+
 def pack_rows(input_ids: torch.Tensor, logits_to_keep: int, rows: torch.Tensor, token_weights: bool = False,
               group_sources: bool = False, image_tokens: set[int] | None = None, min_saved: int = MIN_SAVED_TOKENS,
               recurrent: bool = True, hold: tuple[HoldPlan, ChunkHold] | None = None,
@@ -163,19 +205,8 @@ def pack_rows(input_ids: torch.Tensor, logits_to_keep: int, rows: torch.Tensor, 
     full = token_weights or not scored.any()  # every token stock's mask holds is an input
     members = np.arange(num_rows) if full else np.flatnonzero(scored > 0)
     images = image_tokens is not None
-    skip = np.zeros(num_rows, dtype=np.int64)
-    keys = group[members] if images else None
-    position_plen = plen
-    if hold is not None:  # each row's own inputs start after its held nodes', hung from its deepest held node
-        plan, chunk = hold
-        skip, keys, position_plen = chunk.skip, chunk.key[members], chunk.position_plen
-        if images:  # ordered by held node still (the readers' runs), the rows of other groups apart where none is held
-            keys = keys * (int(group.max()) + 1) + group[members]
-    tree = build_tree([sequences[row][skip[row] :] for row in members], keys=keys, ends=full, min_saved=min_saved,
-                      keep_roots=images)  # fmt: skip
-    if hold is not None:
-        tree = replace(tree, position=tree.position + skip[members[tree.row]])
-    total = tree.num_tokens
+    plan, chunk = hold if hold is not None else (None, None)
+    tree, skip, position_plen = _row_tree(sequences, group, plen, members, full, images, chunk, min_saved)
     member_rows = members[tree.token_row]  # (N,) a stock row holding each token
     positions = tree.token_position
     offset = prompt_width - plen  # a row's token at position j sits in column offset + j of stock's row
@@ -212,20 +243,8 @@ def pack_rows(input_ids: torch.Tensor, logits_to_keep: int, rows: torch.Tensor, 
     held_args = {} if reads is None else dict(held_reads=reads.held_reads, held_roots=reads.held_roots,
                                               held_states=reads.states)  # fmt: skip
     layout, on_device = tree_layout(tree, device, image_nodes, parts=parts, recurrent=recurrent, **held_args)
-    held_weights = ()
-    if reads is not None and token_weights:
-        held_weights = tuple(reversed([on_device.pop() for _ in reads.sources]))
-    weights = on_device.pop().view(1, total) if token_weights else None
-    group_source = on_device.pop() if images and group_sources else None
-    index, label_index, position_ids, unpack_index = on_device
-    ids = torch.cat([input_ids.view(-1), input_ids.new_full((1,), -100)])
-    gathered = ids.index_select(0, torch.cat([index, label_index]))
-    return PackedBatch(input_ids=gathered[:total].view(1, total), position_ids=position_ids.view(1, total),
-                       shift_labels=gathered[total:].view(1, total), unpack_index=unpack_index, layout=layout,
-                       tree=tree, num_rows=num_rows, num_cols=logits_to_keep, token_weights=weights, source_index=index,
-                       first_rows=first_rows, image_rows=image_rows, group_source_index=group_source,
-                       held_sources=tuple(reads.sources) if reads is not None else (),
-                       held_weights=held_weights)  # fmt: skip
+    return _packed_batch(input_ids, logits_to_keep, tree, layout, on_device, reads, token_weights,
+                         images and group_sources, first_rows, image_rows)  # fmt: skip
 
 
 @dataclass

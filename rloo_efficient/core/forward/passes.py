@@ -60,7 +60,7 @@ class ChunkPlan:
 
 
 class Holds(Protocol):
-    """What a pass asks of the prompts held across its chunks (a trainer's: `trainers.held_prefix.HeldPrefixes`)."""
+    """What a pass asks of the prompts held across its chunks ([`hold_planner.HoldPlanner`])."""
 
     def pass_plan(self, rows: torch.Tensor, chunks: list, compute_aux_loss: bool, images: np.ndarray | None,
                   width: int) -> ChunkPlan: ...  # fmt: skip

@@ -238,12 +238,7 @@ def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, atte
         config.cache_implementation = None
     longest = width + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
     decoding = _static_decoding(model, input_ids.device, config, synced, kwargs, static)
-    held = turns.take() if turns is not None else None  # the previous call's: released once copied from
-    if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
-        turns = held = None
-    if turns is not None and windows_over_budget(model, len(prompt_ids), longest, turns.budget):
-        turns.over_budget += 1  # its windows' whole histories would not be held: the model's own windowed cache
-        turns = held = None
+    turns, held = _turns_kept(model, turns, prompt_ids, images, synced, width, longest)
     if held is not None and (continuation := plan_continuation(held, prompt_ids)) is not None:
         cache, tokens = continue_prefill(model, held, continuation, prompt_ids, width)
         del held
@@ -258,33 +253,18 @@ def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, atte
     # row again: a prefill of a batch that wide would be thrown away
     dropped = limit is not None and width == limit + 1
     first, inverse = unique_rows(prompt_ids, images)
-    # The prompts' prefix tree (a system prompt once per call, no padding), text only; not where every forward gathers
-    # sharded parameters: a rank's decoder-only forward and another's padded one would gather different modules
-    plan = None
-    if tree and images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
-        plan = plan_tree_prefill(prompt_ids, first, width)
+    plan = _tree_plan(model, prompt_ids, first, width, tree, images, synced)
     if synced:  # every rank shares, or none
         share = on_every_rank(width >= 2 and not dropped, input_ids.device)
     else:
         share = width >= 2 and not dropped and (len(first) < len(inverse) or plan is not None)  # rows or openings alike
     if not share:
-        if turns is None:
-            return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs), 0
-        cache = turn_cache(model)  # generate fills it: then it is held
-        output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
-        _hold(turns, cache, prompt_ids, output, width, config)
-        return output, 0
-    padded = any(len(ids) < width for ids in prompt_ids)
+        return _generate_unshared(model, generate, input_ids, attention_mask, turns, prompt_ids, config, kwargs), 0
     prefill_images = None
     if images is not None:
         prefill_images, kwargs = image_inputs(model, kwargs, [len(row or []) for row in images], first, width,
                                               prompt_ids)  # fmt: skip
-    empty = turn_cache(model) if turns is not None else None  # held: windows kept whole
-    if plan is not None:
-        prefilled, tokens = tree_prefill(model, plan, empty), plan.tree.num_tokens
-    else:
-        prefilled = prefill_prompts(model, input_ids, attention_mask, first, padded, prefill_images, empty)
-        tokens = len(first) * (width - 1)
+    prefilled, tokens = _prefill(model, input_ids, attention_mask, prompt_ids, first, plan, prefill_images, turns)
     cache, attention = _decoding_cache(model, prefilled, prompt_ids, first, inverse, width, prompt_cache_once,
                                        bool(decoding), limit is None or longest <= limit, input_ids.device)  # fmt: skip
     del prefilled  # `cache` alone holds the prompt's keys and values now
@@ -294,6 +274,55 @@ def generate_with_shared_prefill(model: nn.Module, input_ids: torch.Tensor, atte
                           **kwargs)  # fmt: skip
     _hold(turns, cache, prompt_ids, output, width, config)
     return output, tokens
+
+
+def _turns_kept(model: nn.Module, turns: TurnCaches | None, prompt_ids: list, images: list | None, synced: bool,
+                width: int, longest: int) -> tuple:  # fmt: skip
+    """`(turns, held)`: a tool loop's caches and the previous call's keys and values they held (taken from `turns`:
+    released once copied from), or `(None, None)` where this call neither continues nor holds any (images, `synced`,
+    a cache that does not continue, or windows whose whole histories pass the budget: counted in `over_budget`)."""
+    held = turns.take() if turns is not None else None  # the previous call's: released once copied from
+    if turns is not None and (images is not None or synced or not continuable(model, width, longest)):
+        return None, None
+    if turns is not None and windows_over_budget(model, len(prompt_ids), longest, turns.budget):
+        turns.over_budget += 1  # its windows' whole histories would not be held: the model's own windowed cache
+        return None, None
+    return turns, held
+
+
+def _tree_plan(model: nn.Module, prompt_ids: list, first: list[int], width: int, tree: bool, images: list | None,
+               synced: bool):  # fmt: skip
+    """The distinct prompts' prefix tree ([`plan_tree_prefill`]: a system prompt once per call, no padding), or None:
+    text only, and not where every forward gathers sharded parameters (`synced`: a rank's decoder-only forward and
+    another's padded one would gather different modules)."""
+    if tree and images is None and not synced and width >= 2 and tree_prefill_reason(model) is None:
+        return plan_tree_prefill(prompt_ids, first, width)
+    return None
+
+
+def _generate_unshared(model: nn.Module, generate, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       turns: TurnCaches | None, prompt_ids: list, config: GenerationConfig, kwargs: dict):  # fmt: skip
+    """`generate`'s output for a batch with nothing to share: stock's call, into a cache held for a tool loop's next
+    call where `turns` are kept."""
+    if turns is None:
+        return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    cache = turn_cache(model)  # generate fills it: then it is held
+    output = generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **kwargs)
+    _hold(turns, cache, prompt_ids, output, input_ids.size(1), config)
+    return output
+
+
+def _prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_ids: list,
+             first: list[int], plan, images: dict | None, turns: TurnCaches | None) -> tuple:  # fmt: skip
+    """`(prefilled, tokens)`: the distinct prompts' cache, prefilled as their prefix tree (`plan`) or as the rows
+    `first` ([`prefill_prompts`], with their image inputs `images`), into a cache then held where `turns` are kept
+    (windows kept whole), and the prompt tokens it forwarded."""
+    width = input_ids.size(1)
+    empty = turn_cache(model) if turns is not None else None  # held: windows kept whole
+    if plan is not None:
+        return tree_prefill(model, plan, empty), plan.tree.num_tokens
+    padded = any(len(ids) < width for ids in prompt_ids)
+    return prefill_prompts(model, input_ids, attention_mask, first, padded, images, empty), len(first) * (width - 1)
 
 
 def on_every_rank(value: bool, device) -> bool:

@@ -184,6 +184,64 @@ def plan_continuation(held: HeldCache, prompt_ids: list[list[int]]) -> Continuat
     return Continuation(source, reused) if reused.any() else None
 
 
+def _held_token_places(held: HeldCache, plan: Continuation, lengths: np.ndarray, width: int) -> list[tuple]:
+    """Where each held token `plan` reuses goes and where it is held, on the host: `(destination, row, column)` for
+    those in the prompts kept once, then for those in their row's own keys and values; `destination` its place in the
+    new cache, flat (`B * (width - 1)`; token `p` of row `b` at column `width - n_b + p`), `(row, column)` its place in
+    the held `(R, T)` rows."""
+    columns, reused = width - 1, plan.reused
+    has = np.flatnonzero(reused > 0)
+    token_row = np.repeat(has, reused[has])
+    position = ranges(np.zeros(len(has)), reused[has])
+    held_row = plan.source[token_row]
+    in_prefix = position < held.prefix_count[held_row]
+    destination = token_row * columns + width - lengths[token_row] + position
+    return [(destination[select], rows_of[select], columns_of[select]) for select, rows_of, columns_of in (
+        (in_prefix, held.prefix_row[held_row], held.prefix_start[held_row] + position),
+        (~in_prefix, held_row, held.own_start[held_row] + position - held.prefix_count[held_row]))]  # fmt: skip
+
+
+def _history_parts(buckets: list, sent: list, continuing: np.ndarray, first: np.ndarray, reused_n: np.ndarray,
+                   count: int) -> tuple[HistoryPart, ...]:  # fmt: skip
+    """The continued prefill's [`HistoryPart`]s, one per length bucket of the nodes that reuse something: its blocks,
+    rows, first columns and held counts as `sent` (five tensors per bucket), and the columns its rows' held keys span
+    (from the host's `first` and `reused_n`, per node)."""
+    history = []
+    for (run, gather, _), index in zip(buckets, range(0, len(sent), 5), strict=True):
+        gather_t, scatter_t, rows_t, first_t, count_t = sent[index : index + 5]
+        picked = continuing[run]
+        ends = first[picked] + reused_n[picked]
+        span = (int(first[picked].min()), int(ends.max()))
+        scatter_t = scatter_t.view(gather.shape)
+        blocks = Blocks(gather_t.view(gather.shape), scatter_t, scatter_t == count)
+        history.append(HistoryPart(blocks, rows_t, first_t, count_t, span, int(ends.min())))
+    return tuple(history)
+
+
+def _copy_held(cache: DynamicCache, held: HeldCache, places: list, rows: int, columns: int) -> dict:
+    """Per layer of `cache` storing keys and values, `(keys, values)` token-major `(B * columns, Hkv, D)`: zeros, but
+    the held tokens copied from `held` to their `places` (the prompts kept once, then the rows' own). `held` is
+    emptied: each layer's keys released as soon as copied, the rest dropped after."""
+    storage = {}
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DummyLayer):
+            continue
+        if held.own[index] is None:
+            raise RuntimeError(f"No keys and values were held for cache layer {index}.")
+        keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in held.own[index])
+        for part, place in zip((held.prefix[index], held.own[index]), places, strict=True):
+            if place is not None:
+                where, rows_of, columns_of = place
+                if part is None:
+                    raise RuntimeError(f"A held row's prompt kept once is missing for cache layer {index}.")
+                for target, x in zip((keys, values), part, strict=True):  # (R, T, Hkv, D) views: (n, Hkv, D) picked
+                    target.index_copy_(0, where, x.transpose(1, 2)[rows_of, columns_of])
+        storage[index] = (keys, values)
+        held.own[index] = held.prefix[index] = None  # this layer's held keys: released as soon as copied
+    held.drop()  # the rest (layers storing nothing): the caller's holder keeps only the token lists
+    return storage
+
+
 @torch.no_grad()
 def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prompt_ids: list[list[int]],
                      width: int) -> tuple[DynamicCache, int]:  # fmt: skip
@@ -197,17 +255,7 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     lengths = np.array([len(ids) for ids in prompt_ids], dtype=np.int64)
     rows, columns, reused = len(prompt_ids), width - 1, plan.reused
     fresh = lengths - 1 - reused  # each row's tokens to forward (its last is generate's)
-    # Each held token: where it goes in the new cache, flat (B * columns; token p of row b at column width - n_b + p),
-    # and where it is held: in the prompts kept once, or in its row's own keys and values
-    has = np.flatnonzero(reused > 0)
-    token_row = np.repeat(has, reused[has])
-    position = ranges(np.zeros(len(has)), reused[has])
-    held_row = plan.source[token_row]
-    in_prefix = position < held.prefix_count[held_row]
-    destination = token_row * columns + width - lengths[token_row] + position
-    sources = [(destination[select], rows_of[select], columns_of[select]) for select, rows_of, columns_of in (
-        (in_prefix, held.prefix_row[held_row], held.prefix_start[held_row] + position),
-        (~in_prefix, held_row, held.own_start[held_row] + position - held.prefix_count[held_row]))]  # fmt: skip
+    sources = _held_token_places(held, plan, lengths, width)
     # The new tokens: a forest of one node per row, at the positions after its held tokens
     nodes = np.flatnonzero(fresh > 0)
     lengths_n, reused_n = fresh[nodes], reused[nodes]
@@ -230,36 +278,11 @@ def continue_prefill(model: nn.Module, held: HeldCache, plan: Continuation, prom
     layout, sent = tree_layout(tree, device, parts=host, recurrent=False)  # one copy to the device for all of these
     places = [tuple(sent[i : i + 3]) if len(sources[i // 3][0]) else None for i in (0, 3)]
     tokens_t, slots_t, sent = sent[6], sent[7], sent[8:]
-    history = []
-    for (run, gather, _), index in zip(buckets, range(0, len(sent), 5), strict=True):
-        gather_t, scatter_t, rows_t, first_t, count_t = sent[index : index + 5]
-        picked = continuing[run]
-        ends = first[picked] + reused_n[picked]
-        span = (int(first[picked].min()), int(ends.max()))
-        scatter_t = scatter_t.view(gather.shape)
-        blocks = Blocks(gather_t.view(gather.shape), scatter_t, scatter_t == count)
-        history.append(HistoryPart(blocks, rows_t, first_t, count_t, span, int(ends.min())))
-    layout = replace(layout, history=tuple(history))
+    layout = replace(layout, history=_history_parts(buckets, sent, continuing, first, reused_n, count))
 
     cache = turn_cache(model)
     source_layer = kv_sources(model.config.get_text_config(decoder=True))  # Gemma 4: a layer reading another's keys
-    storage = {}  # per layer storing keys and values, token-major (B * columns, Hkv, D)
-    for index, layer in enumerate(cache.layers):
-        if isinstance(layer, DummyLayer):
-            continue
-        if held.own[index] is None:
-            raise RuntimeError(f"No keys and values were held for cache layer {index}.")
-        keys, values = (x.new_zeros(rows * columns, x.shape[1], x.shape[3]) for x in held.own[index])
-        for part, place in zip((held.prefix[index], held.own[index]), places, strict=True):
-            if place is not None:
-                where, rows_of, columns_of = place
-                if part is None:
-                    raise RuntimeError(f"A held row's prompt kept once is missing for cache layer {index}.")
-                for target, x in zip((keys, values), part, strict=True):  # (R, T, Hkv, D) views: (n, Hkv, D) picked
-                    target.index_copy_(0, where, x.transpose(1, 2)[rows_of, columns_of])
-        storage[index] = (keys, values)
-        held.own[index] = held.prefix[index] = None  # this layer's held keys: released as soon as copied
-    held.drop()  # the rest (layers storing nothing): the caller's holder keeps only the token lists
+    storage = _copy_held(cache, held, places, rows, columns)
 
     def padded(index: int) -> tuple[torch.Tensor, torch.Tensor]:  # (B, Hkv, columns, D) views
         return tuple(x.view(rows, columns, *x.shape[1:]).transpose(1, 2) for x in storage[source_layer[index]])

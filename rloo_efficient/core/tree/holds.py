@@ -373,6 +373,42 @@ def held_image_bytes(vision_config, element_size: int, checkpointing: bool) -> i
     return hidden * layers * per_layer * patches * element_size
 
 
+def _node_costs(kept: list[tuple], chunk_of: np.ndarray, sequences: list[np.ndarray], token_bytes: int,
+                image_cost: tuple[set[int], int] | None) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """`(first, last, length, cost)` of each searched node ([`_search`]): the first and last chunk reading it, its
+    tokens, and the bytes holding it costs (`token_bytes` per token, and `image_cost`'s bytes per image placeholder
+    token it holds)."""
+    first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
+    last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
+    length = np.array([end - begin for begin, end, _, _ in kept])
+    cost = length * token_bytes
+    if image_cost is not None:
+        placeholders = np.fromiter(image_cost[0], dtype=np.int64)
+        cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
+                                                for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
+    return first, last, length, cost
+
+
+def _held_tree(kept: list[tuple], keep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(parent, subtree_end, top, depth)` of the held nodes `keep` (indices of the searched `kept`, depth-first): each
+    one's nearest held ancestor (-1 for none), the end of its subtree (it and its held descendants are
+    `[x, subtree_end[x])`), its topmost held ancestor (itself at the top), and its depth among the held nodes."""
+    rank = np.full(len(kept), -1)
+    rank[keep] = np.arange(len(keep))
+    parent = np.array([rank[kept[x][3]] if kept[x][3] >= 0 else -1 for x in keep], dtype=np.int64)
+    subtree_end = np.arange(len(keep)) + 1
+    for x in range(len(keep) - 1, -1, -1):
+        if parent[x] >= 0:
+            subtree_end[parent[x]] = max(subtree_end[parent[x]], subtree_end[x])
+    top = np.arange(len(keep))
+    depth = np.zeros(len(keep), dtype=np.int64)
+    for x in range(len(keep)):  # depth-first: a node's parent comes before it
+        if parent[x] >= 0:
+            top[x] = top[parent[x]]
+            depth[x] = depth[parent[x]] + 1
+    return parent, subtree_end, top, depth
+
+
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
                token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
                by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
@@ -406,32 +442,15 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     kept = _search(root, chunk_of, plens, min_saved)
     if not kept:
         return None
-    first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
-    last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
-    length = np.array([end - begin for begin, end, _, _ in kept])
-    cost = length * token_bytes
-    if image_cost is not None:
-        placeholders = np.fromiter(image_cost[0], dtype=np.int64)
-        cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
-                                                for begin, end, rows, _ in kept], dtype=np.int64)  # fmt: skip
+    first, last, length, cost = _node_costs(kept, chunk_of, sequences, token_bytes, image_cost)
     held = _budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
                      len(chunks), training)  # fmt: skip
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)
-    rank = np.full(len(kept), -1)
-    rank[keep] = np.arange(len(keep))
-    parent = np.array([rank[kept[x][3]] if kept[x][3] >= 0 else -1 for x in keep], dtype=np.int64)
-    subtree_end = np.arange(len(keep)) + 1
-    for x in range(len(keep) - 1, -1, -1):
-        if parent[x] >= 0:
-            subtree_end[parent[x]] = max(subtree_end[parent[x]], subtree_end[x])
+    parent, subtree_end, top, depth = _held_tree(kept, keep)
     position = np.array([kept[x][0] for x in keep], dtype=np.int64)
     length, first, last = length[keep], first[keep], last[keep]
-    top = np.arange(len(keep))
-    for x in range(len(keep)):
-        if parent[x] >= 0:
-            top[x] = top[parent[x]]
     member_of = [kept[x][2] for x in keep]  # scope member rows through each node
     top_plen = np.array([plens[member_of[top[x]][0]] for x in range(len(keep))], dtype=np.int64)
     tokens = [sequences[member_of[x][0]][position[x] : position[x] + length[x]] for x in range(len(keep))]
@@ -450,10 +469,6 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     for s in range(len(source_chunk)):
         nodes = np.flatnonzero(source == s)
         offset[nodes] = np.cumsum(length[nodes]) - length[nodes]
-    depth = np.zeros(len(keep), dtype=np.int64)
-    for x in range(len(keep)):
-        if parent[x] >= 0:
-            depth[x] = depth[parent[x]] + 1
     nodes = HeldNodes(position, length, parent, depth, subtree_end, first, last, source, offset, top_plen, tokens,
                       first_row)  # fmt: skip
     # Each member's path of held nodes, deepest last
