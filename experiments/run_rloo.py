@@ -24,7 +24,7 @@ import torch
 import trl
 from trl import TrlParser
 
-from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from rloo_efficient import GroupSharingMixin, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, profiled
 from rloo_efficient.demo.workload import (
     WorkloadConfig,
     build_dataset,
@@ -35,7 +35,7 @@ from rloo_efficient.demo.workload import (
     vowel_reward,
 )
 from rloo_efficient.profiling.phase_profiler import PhaseProfiler
-from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin, environment_info, write_json_atomic
+from rloo_efficient.profiling.results import environment_info, write_json_atomic
 
 
 # The settings that make two runs the same workload, beside the WorkloadConfig
@@ -44,11 +44,11 @@ SAME_RUN_KEYS = ("num_generations", "max_completion_length", "max_steps", "per_d
                  "gradient_checkpointing", "bf16")  # fmt: skip
 
 
-class ProfiledStockRLOOTrainer(MemoryProfilingMixin, trl.RLOOTrainer):
+class ProfiledStockRLOOTrainer(profiled(trl.RLOOTrainer)):
     """Stock TRL's trainer with the same per-phase profiling as ours, and nothing else."""
 
 
-class ProfiledStockGRPOTrainer(MemoryProfilingMixin, trl.GRPOTrainer):
+class ProfiledStockGRPOTrainer(profiled(trl.GRPOTrainer)):
     """Stock TRL's GRPO trainer with the same per-phase profiling as ours, and nothing else."""
 
 
@@ -121,7 +121,7 @@ def count_forwards(trainer) -> dict:
     counts = {"language_model_tokens": {}, "images_encoded": {}, "packed_tokens": {}, "tree_tokens": {}}
 
     def add(kind: str, number: int) -> None:
-        phase = trainer._profiler.current_phase if trainer._profiler is not None else None
+        phase = trainer.memory_profiling.current_phase
         counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
 
     if isinstance(trainer, GroupSharingMixin):  # ours: each packed forward's tokens, and its prefix tree's real ones
@@ -264,9 +264,9 @@ def main(argv=None) -> dict:
     if not trainer.accelerator.is_main_process:
         return {}  # one process writes the results; its report holds every process's peaks (their maximum)
     if trainer.accelerator.num_processes > 1:
-        report = json.loads((Path(config.output_dir) / trainer.memory_report_name).read_text())
+        report = json.loads(trainer.memory_profiling.report_path.read_text())
     else:
-        report = trainer.memory_report()
+        report = trainer.memory_profiling.report()
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     summary = report["summary"]
     results = {
@@ -293,7 +293,7 @@ def main(argv=None) -> dict:
         "median_step_time_s": statistics.median(step_times[1:] or step_times) if step_times else None,
         "train_wall_s": wall,
         **forwarded,  # language-model tokens and images the policy and reference forwarded, over the whole run
-        "steps": trainer.memory_step_records(),  # every step (of the main process): these runs are short
+        "steps": trainer.memory_profiling.step_records(),  # every step (of the main process): these runs are short
         "timeline": report["timeline"],
         "config": {key: value for key, value in args.to_dict().items() if key in type(config).__dataclass_fields__},
     }

@@ -17,7 +17,7 @@ from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.live_bytes import LiveBytes, PhasePeaks
-from rloo_efficient.trainers.memory_profiling import MemoryProfilingMixin
+from rloo_efficient.trainers.memory_profiling import profiled
 
 from .conftest import run, tiny_workload, training_args
 from .helpers import HEADS, KV_HEADS, VOCAB, left_pad, prompts_for
@@ -207,8 +207,7 @@ def test_caches_store_keys_in_the_dtype_attention_reads(monkeypatch, once, stati
         assert torch.equal(a, b)
 
 
-class _ProfiledStock(MemoryProfilingMixin, trl.RLOOTrainer):
-    """Stock TRL with the same phase profiler as ours."""
+_ProfiledStock = profiled(trl.RLOOTrainer)  # stock TRL with the same phase profiler as ours
 
 
 @pytest.mark.parametrize("rows", [4, 1])
@@ -231,7 +230,7 @@ def test_no_phase_holds_more_than_stocks(model_cache, tmp_path, rows):
         trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
                                 args=training_args(tmp_path / name, config_class=config_class, **settings),
                                 processing_class=build_tokenizer())  # fmt: skip
-        peaks_of_step_two = PhasePeaks(trainer._profiler)
+        peaks_of_step_two = PhasePeaks(trainer.memory_profiling.profiler)
         trainer.add_callback(_During(peaks_of_step_two, step=2))
         trainer.train()
         peaks[name] = {phase: record["peak_bytes"] for phase, record in peaks_of_step_two.phases.items()

@@ -43,7 +43,7 @@ def compare(path, dataset, tmp_path, reward=vowel_reward, run_kwargs=None, stock
 
 
 def phases_run(trainer) -> set[str]:
-    return {phase for step in trainer.memory_step_records() for phase in step["phases"]}
+    return {phase for step in trainer.memory_profiling.step_records() for phase in step["phases"]}
 
 
 # Each GRPO feature on its own; beta 0 and aligned steps mean no scoring pass at all, only the training forward

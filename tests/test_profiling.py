@@ -15,7 +15,9 @@ import rloo_efficient.profiling.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.once import WarnOnce
 from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
-from rloo_efficient.trainers.memory_profiling import PHASES, PhaseProfiler, git_commit
+from rloo_efficient.profiling.phase_profiler import PHASES, PhaseProfiler
+from rloo_efficient.profiling.results import git_commit
+from rloo_efficient.profiling.trainer_profiling import SHARING_COUNTERS
 
 from .conftest import run, training_args
 
@@ -72,7 +74,7 @@ def test_every_phase_reaches_the_logs(profiled_run):
 
 def test_every_step_is_appended_to_the_steps_file_as_it_ends(profiled_run):
     assert profiled_run.watcher.lines_at_step_end == [1, 2]
-    records = profiled_run.memory_step_records()
+    records = profiled_run.memory_profiling.step_records()
     assert [entry["step"] for entry in records] == [1, 2]
     assert set(records[0]["phases"]) == set(PHASES)
 
@@ -84,10 +86,13 @@ def test_memory_report_is_written_at_checkpoints_and_at_the_end_not_at_logs(prof
     assert watcher.report_steps_at_save == [1, 2]
     report = json.loads(watcher.report_file.read_text())
     assert report["num_steps"] == 2 and report["steps_file"] == "memory_steps.jsonl"
-    assert report["first_steps"] == profiled_run.memory_step_records()
+    assert report["first_steps"] == profiled_run.memory_profiling.step_records()
     assert report["environment"]["torch"] == torch.__version__ and report["environment"]["trl"]
     assert report["environment"]["rloo_efficient"] == rloo_efficient.__version__
     assert report["config"]["num_generations"] == 4 and report["config"]["share_prompt_prefix"] is True
+    assert report["trainer"] == "rloo_efficient.trainers.rloo.RLOOTrainer"
+    assert set(report["sharing_tokens"]) == set(SHARING_COUNTERS)
+    assert report["sharing_tokens"]["packed_forward_tokens"] == profiled_run.packed_forward_tokens > 0
     summary = report["summary"]
     every_peak = [record["peak_rss_gib"] for entry in report["first_steps"] for record in entry["phases"].values()]
     assert summary["peak_stat"] == "peak_rss_gib" and summary["peak_gib"] == max(every_peak)
@@ -97,9 +102,9 @@ def test_memory_report_is_written_at_checkpoints_and_at_the_end_not_at_logs(prof
 def test_evaluation_stays_out_of_the_training_steps(profiled_run):
     # Step 2 reuses step 1's buffered generation: the evaluation run between them generated and scored, yet step 2
     # holds only its own phases
-    step_2 = profiled_run.memory_step_records()[1]
+    step_2 = profiled_run.memory_profiling.step_records()[1]
     assert set(step_2["phases"]) == {"train", "optimizer"}
-    assert [segment["phase"] for segment in profiled_run.memory_report()["timeline"] if segment["step"] == 2] == [
+    assert [segment["phase"] for segment in profiled_run.memory_profiling.report()["timeline"] if segment["step"] == 2] == [
         "train", "optimizer"]  # fmt: skip
     evaluations = [entry for entry in profiled_run.state.log_history if "eval_loss" in entry]
     assert len(evaluations) == 2
@@ -124,7 +129,7 @@ def test_cache_release_boundaries(workload, tmp_path, monkeypatch, policy, expec
     released = []
     monkeypatch.setattr(phase_profiler, "release_cached_memory", lambda device: released.append(device))
     trainer = run(RLOOTrainer, path, training_args(tmp_path, max_steps=2, empty_cache_policy=policy), dataset)
-    assert trainer._profiler.release_boundaries == expected
+    assert trainer.memory_profiling.profiler.release_boundaries == expected
     assert len(released) == len(expected)  # the release itself ran once per boundary
     release_logged = [entry.get("time/cache_release_s") for entry in trainer.state.log_history if "loss" in entry]
     assert (release_logged[0] is not None) == bool(expected)
@@ -235,15 +240,15 @@ def test_settings_json_cannot_hold_train_to_the_end_as_stock_with_checkpoints(wo
 
 def test_a_report_that_cannot_be_written_warns_once_and_training_goes_on(workload, tmp_path, monkeypatch):
     """A write that fails (a full disk, say) loses the report, not the run: one warning, no temporary file."""
-    import rloo_efficient.trainers.memory_profiling as memory_profiling
+    from rloo_efficient.profiling import trainer_profiling
 
     def full_disk(self, text, *args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(memory_profiling, "_warnings", WarnOnce())
+    monkeypatch.setattr(trainer_profiling, "_warnings", WarnOnce())
     cfg, path, dataset = workload
     with monkeypatch.context() as patch, pytest.warns(UserWarning) as caught:
-        patch.setattr(memory_profiling.Path, "write_text", full_disk)
+        patch.setattr(trainer_profiling.Path, "write_text", full_disk)
         trainer = run(RLOOTrainer, path, training_args(tmp_path, save_strategy="steps", save_steps=1), dataset)
     messages = [str(w.message) for w in caught if "could not be written" in str(w.message)]
     assert trainer.state.global_step == 3
@@ -252,7 +257,7 @@ def test_a_report_that_cannot_be_written_warns_once_and_training_goes_on(workloa
 
 
 def test_json_ready_writes_what_json_cannot_hold(tmp_path):
-    from rloo_efficient.trainers.memory_profiling import json_ready, write_json_atomic
+    from rloo_efficient.profiling.results import json_ready, write_json_atomic
 
     assert json_ready({(1, 2): [torch.float32, (3, 4)], None: {frozenset(): 1}}) == {
         "(1, 2)": ["torch.float32", [3, 4]], None: {"frozenset()": 1}}
@@ -261,3 +266,62 @@ def test_json_ready_writes_what_json_cannot_hold(tmp_path):
     with pytest.raises(OSError):
         write_json_atomic(target, {"a": 1})
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_profiled_stock_trainer_logs_and_writes_what_ours_does(workload, tmp_path):
+    """`profiled(trl.RLOOTrainer)`: the benchmarks' baseline, profiled by the same part as ours (no sharing counters)."""
+    import trl
+
+    from rloo_efficient import profiled
+
+    _, path, dataset = workload
+    args = training_args(tmp_path, config_class=trl.RLOOConfig, max_steps=2)
+    stock = run(profiled(trl.RLOOTrainer), path, args, dataset)
+    first = next(entry for entry in stock.state.log_history if "loss" in entry)
+    for phase in PHASES:
+        assert first[f"memory/{phase}/peak_rss_gib"] > 0 and f"time/{phase}_s" in first, phase
+    assert first["memory/rss_after_load_gib"] > 0
+    assert [entry["step"] for entry in stock.memory_profiling.step_records()] == [1, 2]
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["num_steps"] == 2 and report["sharing_tokens"] == {}
+    assert report["trainer"] == "rloo_efficient.trainers.memory_profiling.ProfiledRLOOTrainer"
+    with pytest.raises(TypeError, match="profiled already"):
+        profiled(RLOOTrainer)
+
+
+def test_profile_memory_off_adds_no_callback_no_metric_and_no_file(workload, tmp_path):
+    from rloo_efficient.profiling.trainer_profiling import PROFILING_OFF, StepBoundaries
+
+    _, path, dataset = workload
+    trainer = run(RLOOTrainer, path, training_args(tmp_path, max_steps=1, profile_memory=False), dataset)
+    assert trainer.memory_profiling is PROFILING_OFF
+    assert not any(isinstance(callback, StepBoundaries) for callback in trainer.callback_handler.callbacks)
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and not any(key.startswith(("memory/", "time/")) for entry in logged for key in entry)
+    assert not (tmp_path / "memory_report.json").exists() and not (tmp_path / "memory_steps.jsonl").exists()
+
+
+def test_the_mixin_and_its_moved_names_import_for_one_release_with_a_deprecation_warning():
+    """`MemoryProfilingMixin` warns where a class subclasses it, and refuses our trainers (they profile themselves);
+    the helpers that moved out of its module still import from it, each with one warning naming its new module."""
+    import trl
+
+    from rloo_efficient.profiling import results
+    from rloo_efficient.trainers import memory_profiling
+
+    with pytest.warns(DeprecationWarning, match="profiled") as caught:
+
+        class Profiled(rloo_efficient.MemoryProfilingMixin, trl.RLOOTrainer):
+            pass
+
+    assert caught[0].filename == __file__
+    assert Profiled.memory_report_name == "memory_report.json" and Profiled.memory_steps_name == "memory_steps.jsonl"
+    with pytest.raises(TypeError, match="profiled already"):
+
+        class Twice(rloo_efficient.MemoryProfilingMixin, RLOOTrainer):
+            pass
+
+    with pytest.warns(DeprecationWarning, match="rloo_efficient.profiling.results"):
+        assert memory_profiling.write_json_atomic is results.write_json_atomic
+    with pytest.warns(DeprecationWarning, match="rloo_efficient.profiling.phase_profiler"):
+        assert memory_profiling.PHASES == PHASES

@@ -112,7 +112,7 @@ class PhasePeaks:
     largest peak over its segments (`peak_bytes`, above what was alive when the block began) and the `top` largest
     tensors alive then (`largest`). Time outside every phase counts as `"outside"`.
 
-        with PhasePeaks(trainer._profiler) as peaks:
+        with PhasePeaks(trainer.memory_profiling.profiler) as peaks:
             trainer.train()
         peaks.phases["train"]["peak_bytes"]
     """

@@ -338,7 +338,7 @@ class GroupSharingMixin:
             return trl_forward(self, model, ids, mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                                **chunk_images)  # fmt: skip
 
-        # TRL's timer, as its own method has
+        # The profiling phase, then TRL's timer (as TRL's own method has)
         with self.memory_profiling.scoring_pass(model), profiling_context(self, "_get_per_token_logps_and_entropies"):
             return passes.run(model, input_ids, attention_mask, logits_to_keep, rows, batch_size, compute_entropy,
                               compute_aux_loss, images, stock)  # fmt: skip
@@ -348,7 +348,6 @@ class GroupSharingMixin:
         if self._rewards is None:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         prepare = functools.partial(Trainer._prepare_inputs, self)  # to the device, as TRL's reward-model branch does
-        with self.memory_profiling.phase("reward"):
-            with self._rewards.standing_in(self.reward_funcs, self.reward_processing_classes,
-                                           self.chat_template_kwargs, prepare):  # fmt: skip
-                return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with self.memory_profiling.phase("reward"), self._rewards.standing_in(
+                self.reward_funcs, self.reward_processing_classes, self.chat_template_kwargs, prepare):  # fmt: skip
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -177,6 +177,7 @@ class PackedPass:
                                       width - batch.logits_to_keep, batch.input_ids.device, self._recurrent, routers,
                                       images, (start, end), self.unwrapped if self.sharded else None,
                                       parameters_of=self.model)  # fmt: skip
+        tokens = int(tokens)  # (numpy's: a report's JSON takes an int)
         self.counts.packed_forward_tokens += tokens
         self.counts.tree_tokens += tokens
         self.counts.held_forward_tokens += tokens
@@ -206,7 +207,7 @@ class PackedPass:
         if images is not None:
             packed, chunk_images = images.packed(packed, start)
         self.counts.packed_forward_tokens += packed.num_tokens
-        self.counts.tree_tokens += packed.tree.real_tokens
+        self.counts.tree_tokens += int(packed.tree.real_tokens)  # (numpy's: a report's JSON takes an int)
         if graphed is not None:
             log_probs, entropy = graphed.forward(packed)
             return packed.unpack(log_probs), packed.unpack(entropy) if self.compute_entropy else None, None
