@@ -28,6 +28,7 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from rloo_efficient import RLOOTrainer  # noqa: E402
+from rloo_efficient.trainers.ranks import Ranks  # noqa: E402
 from rloo_efficient.demo.workload import (  # noqa: E402  # noqa: E402
     build_dataset,
     build_model_dir,
@@ -72,6 +73,15 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
     if not stock and "held_prefix_budget_gib" in run:
         settings["held_prefix_budget_gib"] = run["held_prefix_budget_gib"]
     args = training_args(out / run["name"], **settings)
+    # Whether the processes' plans of held prompts agreed, per plan: [training (else a no-grad pass), agreed]. Ours'
+    # every agreement across processes goes through Ranks.agree, wrapped before the trainer binds it in its parts
+    agreed, agree = [], Ranks.agree
+
+    def recorded_agree(ranks, values):
+        agreed.append([torch.is_grad_enabled(), agree(ranks, values)])
+        return agreed[-1][1]
+
+    Ranks.agree = recorded_agree
     trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
     trainer = trainer_class(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
                             processing_class=build_processing_class(cfg) if images else build_tokenizer(),
@@ -97,16 +107,6 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         return generate(prompt_ids, images, multimodal_fields)
 
     trainer._generate_single_turn = recorded
-    agreed = []  # whether the processes' plans of held prompts agreed, per plan: [training (else a no-grad pass), agreed]
-    ranks = getattr(trainer, "_ranks", None)  # ours: every agreement across processes goes through it
-    if ranks is not None:
-        agree = ranks.agree
-
-        def recorded_agree(values):
-            agreed.append([torch.is_grad_enabled(), agree(values)])
-            return agreed[-1][1]
-
-        ranks.agree = recorded_agree
     scoring_chunks = []  # the chunks stock's no-grad log-prob passes forward (TRL's, by its batch size)
     forward = trainer._get_per_token_logps_and_entropies
 
@@ -117,7 +117,10 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         return forward(model, input_ids, *args, **kwargs)
 
     trainer._get_per_token_logps_and_entropies = recorded_forward
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        Ranks.agree = agree
     return {
         "generations": generations,
         "images_encoded": encoded,
