@@ -73,13 +73,16 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
     if not stock and "held_prefix_budget_gib" in run:
         settings["held_prefix_budget_gib"] = run["held_prefix_budget_gib"]
     args = training_args(out / run["name"], **settings)
-    # Whether the processes' plans of held prompts agreed, per plan: [training (else a no-grad pass), agreed]. Ours'
-    # every agreement across processes goes through Ranks.agree, wrapped before the trainer binds it in its parts
+    # Whether the processes' plans of held prompts agreed, per plan where they must (forwards are collective):
+    # [training (else a no-grad pass), agreed]. Ours' every agreement across processes goes through Ranks.agree,
+    # wrapped before the trainer binds it in its parts
     agreed, agree = [], Ranks.agree
 
     def recorded_agree(ranks, values):
-        agreed.append([torch.is_grad_enabled(), agree(ranks, values)])
-        return agreed[-1][1]
+        outcome = agree(ranks, values)
+        if ranks.collective():  # (elsewhere each process plans alone: True, however many plans it makes)
+            agreed.append([torch.is_grad_enabled(), outcome])
+        return outcome
 
     Ranks.agree = recorded_agree
     trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
