@@ -301,6 +301,20 @@ def test_profile_memory_off_adds_no_callback_no_metric_and_no_file(workload, tmp
     assert not (tmp_path / "memory_report.json").exists() and not (tmp_path / "memory_steps.jsonl").exists()
 
 
+def test_the_trainers_former_profiling_methods_are_the_parts_for_one_release(workload, tmp_path):
+    """Our trainers' methods of the former profiling mixin (`memory_report()` and the others) still answer, each the
+    part's own, with one deprecation warning naming the part's method."""
+    _, path, dataset = workload
+    trainer = run(RLOOTrainer, path, training_args(tmp_path, max_steps=1), dataset)
+    part = trainer.memory_profiling
+    with pytest.warns(DeprecationWarning, match=r"trainer.memory_profiling.report\(\)"):
+        assert trainer.memory_report() == part.report()
+    with pytest.warns(DeprecationWarning, match=r"memory_profiling.step_records\(\)"):
+        assert trainer.memory_step_records() == part.step_records() and part.step_records()
+    with pytest.warns(DeprecationWarning, match="memory_profiling.steps_path"):
+        assert trainer.memory_steps_path == part.steps_path
+
+
 def test_the_mixin_and_its_moved_names_import_for_one_release_with_a_deprecation_warning():
     """`MemoryProfilingMixin` warns where a class subclasses it, and refuses our trainers (they profile themselves);
     the helpers that moved out of its module still import from it, each with one warning naming its new module."""

@@ -222,15 +222,15 @@ def test_torch_compile_shares_and_matches_stock(workload, tmp_path, exact_head):
 
 @pytest.mark.parametrize("base", [trl.RLOOTrainer, trl.GRPOTrainer])
 def test_the_mixin_names_every_trl_method_it_wraps(base):
-    """The mixin is the one place that overrides TRL's methods: its docstring lists each (a reader upgrading TRL looks
-    there), and each part it delegates to is its own object, none of them a mixin of the trainer."""
-    from rloo_efficient.trainers import generation, held_prefix, packed, ranks, rewards, switches
+    """The mixin is the one place that overrides TRL's methods: its module's docstring lists each (a reader upgrading
+    TRL looks there), and each part it delegates to is its own object, none of them a mixin of the trainer."""
+    from rloo_efficient.trainers import generation, held_prefix, mixin, packed, parts, ranks, rewards, switches
 
     wrapped = [name for name in vars(rloo_efficient.GroupSharingMixin) if callable(getattr(base, name, None))]
     assert {"__init__", "training_step", "_prepare_inputs", "_get_per_token_logps_and_entropies"} <= set(wrapped)
-    missing = [name for name in wrapped if f"`{name}`" not in rloo_efficient.GroupSharingMixin.__doc__]
+    missing = [name for name in wrapped if f"- `{name}`" not in mixin.__doc__]
     assert not missing, missing
     parts = (switches.Switches, ranks.Ranks, generation.SharedGeneration, packed.PackedPasses,
-             held_prefix.HeldPrefixes, rewards.RewardScoring)  # fmt: skip
+             held_prefix.HeldPrefixes, rewards.RewardScoring, parts.Parts)  # fmt: skip
     assert not any(issubclass(trainer_class, part) for trainer_class in (RLOOTrainer, rloo_efficient.GRPOTrainer)
                    for part in parts)  # fmt: skip

@@ -2,12 +2,13 @@
 Generation's trainer side ([`SharedGeneration`]): each distinct prompt tokenized once ([`distinct_prompts`]), and
 while TRL's `_generate_single_turn` runs, the model's `generate` prefilling each distinct prompt once
 ([`core.generation.generate`]), its images encoded once; a tool loop's caches held from turn to turn. vLLM and
-continuous batching go to TRL untouched.
+continuous batching go to TRL untouched (the trainer's backend: [`core.generation.backends`]).
 """
 
 import contextlib
 from collections.abc import Callable
 
+from ..core.generation.backends import GenerationBackend
 from ..core.generation.generate import generate_with_shared_prefill, row_tiles, text_only
 from ..core.generation.turn_cache import TurnCaches
 from ..core.layers.vision import IMAGE_KWARGS, TOKEN_TYPE_FIELDS, ModelVision, layout_reason
@@ -28,20 +29,37 @@ def distinct_prompts(prompts: list, environments: list | None) -> tuple[list[int
     return first, [position[key] for key in keys]
 
 
+def tokenized_once(tokenize: Callable, prompts: list, environments: list | None):
+    """TRL's `_tokenize_prompts` output for `prompts` with each distinct prompt tokenized once: `tokenize(rows)`, or
+    with `environments` (each row's, part of the key) `tokenize(rows, rows_environments)`. Each row gets its own copy
+    of its prompt's tokens (a list later code may edit in place). Every row tokenized where all are distinct, or where
+    the processor returns per-prompt fields (they would need the same fan-out)."""
+    every_row = (prompts,) if environments is None else (prompts, environments)
+    first, index = distinct_prompts(prompts, environments)
+    if len(first) == len(prompts):
+        return tokenize(*every_row)
+    distinct = [prompts[row] for row in first]
+    unique_ids, images, fields = tokenize(distinct) if environments is None else tokenize(
+        distinct, [environments[row] for row in first])  # fmt: skip
+    if fields:
+        return tokenize(*every_row)
+    return [list(unique_ids[prompt]) for prompt in index], images, fields
+
+
 class SharedGeneration:
     """
     The shared prefill of one trainer: `ranks` (where every process must take it or none), the policy's `vision`,
     `counts` (`shared_prefill_tokens` counted there); its decisions: `cache_once` (the prompt's cache kept once while
-    decoding: True, False, or None: by its cost), `tree` (the prompts' prefix tree), `static` (decoding from static
-    buffers: None, where graphs replay), `turn_budget` (a tool loop's held caches: bytes, or None), `fall_back(reason)`
+    decoding: True, False, or None: by its cost), `tree` (the prompts' prefix tree), `backend` (the way generation
+    runs: [`core.generation.backends`]), `turn_budget` (a tool loop's held caches: bytes, or None), `fall_back(reason)`
     (says once why a call runs stock's generate) and `warn(message)` (says a message once).
     """
 
     def __init__(self, ranks: Ranks, vision: ModelVision, counts, *, cache_once: bool | None, tree: bool,
-                 static: bool | None, turn_budget: int | None, fall_back: Callable[[str], None],
+                 backend: GenerationBackend, turn_budget: int | None, fall_back: Callable[[str], None],
                  warn: Callable[[str], None]):  # fmt: skip
         self.ranks, self.vision, self.counts = ranks, vision, counts
-        self.cache_once, self.tree, self.static, self.turn_budget = cache_once, tree, static, turn_budget
+        self.cache_once, self.tree, self.backend, self.turn_budget = cache_once, tree, backend, turn_budget
         self.fall_back, self.warn = fall_back, warn
         self.turns: TurnCaches | None = None  # a tool loop's held caches, while TRL's `_generate` runs
 
@@ -97,7 +115,7 @@ class SharedGeneration:
     @contextlib.contextmanager
     def prefilling(self, model, prompt_ids: list[list[int]], images: list | None = None):
         """
-        While TRL's generation runs (its regular transformers path: vLLM and continuous batching never call `generate`),
+        While TRL's generation runs (through `generate`: the backends whose calls we prefill),
         `model`'s `generate` is [`generate_with_shared_prefill`] for these prompts' token lists (and their images):
         each distinct prompt prefilled once, its images encoded once, decoding continued from that cache, sampling
         exactly as the stock call.
@@ -109,7 +127,7 @@ class SharedGeneration:
             output, tokens = generate_with_shared_prefill(
                 model, input_ids, attention_mask, prompt_ids=prompt_ids, prompt_cache_once=self.cache_once,
                 tree=self.tree, synced=self.ranks.collective(model), generate=stock_generate, images=images,
-                turns=self.turns, static=self.static,
+                turns=self.turns, static=self.backend.static,
                 **kwargs,
             )  # fmt: skip
             counts.shared_prefill_tokens += tokens

@@ -70,6 +70,19 @@ def warn_hold(reason: str) -> None:
                   f"across micro-batches): {reason}.", stacklevel=3)  # fmt: skip
 
 
+def upcoming_micro_batches(buffered: list | None, inputs, step: int, per_generation: int, num_iterations: int,
+                           remaining: int) -> list | None:  # fmt: skip
+    """The micro-batches TRL will serve from `inputs` on: its buffered generation's (`buffered`, `per_generation` of
+    them, each served `num_iterations` times) in the order TRL serves them from its micro-batch counter `step`, for the
+    `remaining` micro-batches of the optimizer step or to the end of the generation, whichever comes first; None where
+    `inputs` is not TRL's next buffered one."""
+    generate_every = per_generation * num_iterations
+    count = min(remaining, generate_every - step % generate_every)
+    if not buffered or count < 2 or buffered[step % per_generation] is not inputs:
+        return None
+    return [buffered[(step + t) % per_generation] for t in range(count)]
+
+
 class HeldPrefixes:
     """
     The training window of prompts held across a step's micro-batches: the trainer tells it where each optimizer

@@ -73,15 +73,42 @@ def _check_not_profiled(trainer_class: type) -> None:
                         f"`memory_profiling`): use it as it is.")  # fmt: skip
 
 
-class MemoryProfilingMixin(_ProfiledStock):
-    """
-    Deprecated: `class Profiled(MemoryProfilingMixin, trl.RLOOTrainer)` is `profiled(trl.RLOOTrainer)`, whose part
-    is `trainer.memory_profiling` ([`TrainerProfiling`]). The trainer's methods of the mixin, kept for one release,
-    are the part's.
-    """
+def _moved_to_part(old: str, new: str) -> None:
+    warnings.warn(f"trainer.{old} is deprecated: it is trainer.memory_profiling.{new} (trainer.{old} goes in the next "
+                  f"release).", DeprecationWarning, stacklevel=3)  # fmt: skip
+
+
+class ProfilingAccessors:
+    """The trainer's methods of the former profiling mixin, each now its part's (`trainer.memory_profiling`,
+    [`TrainerProfiling`]): kept on our trainers and the deprecated mixin for one release, each with a warning."""
 
     memory_report_name = TrainerProfiling.report_name
     memory_steps_name = TrainerProfiling.steps_name
+
+    @property
+    def memory_steps_path(self):
+        _moved_to_part("memory_steps_path", "steps_path")
+        return self.memory_profiling.steps_path
+
+    def memory_step_records(self) -> list[dict]:
+        _moved_to_part("memory_step_records()", "step_records()")
+        return self.memory_profiling.step_records()
+
+    def memory_report(self) -> dict:
+        _moved_to_part("memory_report()", "report()")
+        return self.memory_profiling.report()
+
+    def write_memory_report(self) -> None:
+        _moved_to_part("write_memory_report()", "write_report()")
+        self.memory_profiling.write_report()
+
+
+class MemoryProfilingMixin(ProfilingAccessors, _ProfiledStock):
+    """
+    Deprecated: `class Profiled(MemoryProfilingMixin, trl.RLOOTrainer)` is `profiled(trl.RLOOTrainer)`, whose part
+    is `trainer.memory_profiling` ([`TrainerProfiling`]). The trainer's methods of the mixin, kept for one release,
+    are the part's ([`ProfilingAccessors`]).
+    """
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -89,19 +116,6 @@ class MemoryProfilingMixin(_ProfiledStock):
         warnings.warn("rloo_efficient.MemoryProfilingMixin is deprecated: profile a stock trainer with "
                       "rloo_efficient.profiled(trl.RLOOTrainer) (the part is `trainer.memory_profiling`); the mixin "
                       "goes in the next release.", DeprecationWarning, stacklevel=2)  # fmt: skip
-
-    @property
-    def memory_steps_path(self):
-        return self.memory_profiling.steps_path
-
-    def memory_step_records(self) -> list[dict]:
-        return self.memory_profiling.step_records()
-
-    def memory_report(self) -> dict:
-        return self.memory_profiling.report()
-
-    def write_memory_report(self) -> None:
-        self.memory_profiling.write_report()
 
 
 # The names this module held before they moved, importable from here for one release

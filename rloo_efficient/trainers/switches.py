@@ -7,6 +7,7 @@ part is handed its own decisions. The fallbacks decided later, per batch, are sa
 import dataclasses
 import warnings
 
+from ..core.generation.backends import GenerateLoop, GenerationBackend
 from ..core.generation.generate import generation_unsupported_reason
 from ..core.generation.prompt_cache import prefix_cache_unsupported_reason
 from ..core.generation.turn_cache import continue_reason
@@ -31,7 +32,7 @@ class Setup:
     generation_config: object  # None under vLLM (TRL sets none)
     device: object
     aux_loss: bool  # the MoE load-balancing loss is on
-    other_backend: str | None  # "vLLM" or "transformers' continuous batching": TRL's generation backend, else None
+    backend: GenerationBackend  # the way generation runs ([`core.generation.backends.choose`])
     tools: bool  # a tool loop (GRPO's tools or environments)
     several_micro_batches: bool  # a generation feeds more than one micro-batch
 
@@ -57,8 +58,9 @@ class Switches:
     """
     The paths a run takes, decided once. `prefix`: the packed forwards; `distinct_prompts`: each distinct prompt
     tokenized once; `prefill`: the shared generation prefill; `tree`: its prompts' prefix tree; `prompt_cache_once`: the
-    prompt's cache kept once while decoding (True, or None: chosen per call by its cost); `static_decoding`: decoding
-    from static buffers (None: where the device can replay graphs); `graphed_passes`: the no-grad passes' small chunks
+    prompt's cache kept once while decoding (True, or None: chosen per call by its cost); `backend`: the way generation
+    runs ([`core.generation.backends`]: TRL's vLLM or continuous batching, static decoding, `generate`'s loop);
+    `graphed_passes`: the no-grad passes' small chunks
     replayed from graphs; `reward_prefix`: reward models scored from packed rows; `hold_budget`: the bytes prompts may
     be held in across a pass's chunks and a step's micro-batches (0: none held); `keep_groups`: micro-batches keep each
     group's rows together; `turn_budget`: the bytes a tool loop's held caches may take (None: not held). [`STOCK`]:
@@ -70,7 +72,7 @@ class Switches:
     prefill: bool = False
     tree: bool = False
     prompt_cache_once: bool | None = False
-    static_decoding: bool | None = False
+    backend: GenerationBackend = dataclasses.field(default_factory=GenerateLoop)
     graphed_passes: bool = False
     reward_prefix: bool = False
     hold_budget: int = 0
@@ -106,7 +108,7 @@ class Switches:
             hold_budget = default_budget(setup.device) if budget is None else int(budget * 1024**3)
         return cls(prefix=prefix, distinct_prompts=settings.share_prompt_prefix, prefill=prefill,
                    tree=settings.share_prefill_tree, prompt_cache_once=keep_once if can_keep_once else False,
-                   static_decoding=settings.static_decoding, graphed_passes=settings.graph_scoring_passes,
+                   backend=setup.backend, graphed_passes=settings.graph_scoring_passes,
                    reward_prefix=settings.share_reward_prefix, hold_budget=hold_budget,
                    keep_groups=cls._keep_groups(settings, setup, prefix, shuffle_reason),
                    turn_budget=cls._turn_budget(settings, setup, prefill))  # fmt: skip
@@ -114,13 +116,14 @@ class Switches:
     @staticmethod
     def _prefill(settings: SharingArguments, setup: Setup) -> bool:
         """Whether generation prefills each distinct prompt once."""
-        if setup.other_backend and settings.share_generation_prefill:
-            warnings.warn(f"rloo_efficient: generation runs stock TRL's {setup.other_backend} backend (it shares "
-                          f"prompts in its own cache), so our shared prefill is off; the log-prob, training and reward "
+        backend = setup.backend
+        if not backend.prefills and settings.share_generation_prefill:
+            warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend.name} backend (it shares "
+                          f"{backend.own_sharing}), so our shared prefill is off; the log-prob, training and reward "
                           f"passes are still ours.", stacklevel=4)  # fmt: skip
         return (
             settings.share_generation_prefill
-            and not setup.other_backend
+            and backend.prefills
             and _supported(generation_unsupported_reason(setup.policy, setup.generation_config,
                                                          settings.share_under_dropout),
                            "the shared generation prefill is off, using stock TRL's generate")

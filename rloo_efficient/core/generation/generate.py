@@ -340,8 +340,7 @@ def _static_decoding(model: nn.Module, device, config: GenerationConfig, synced:
     (None: where steps are captured, the model on one device: a capture runs on one stream) and the call allows it
     (else one warning naming why not); `{}` for `generate`'s own loop."""
     if static is None:
-        static = device.type in static_decode.CAPTURE_DEVICES and len(
-            set((getattr(model, "hf_device_map", None) or {"": 0}).values())) == 1  # fmt: skip
+        static = static_decode.captures(model, device)
     if not static:
         return {}
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -550,6 +550,13 @@ CAPTURE_DEVICES = ("cuda",)
 CHECKED_STEPS = 3
 
 
+def captures(model: nn.Module, device) -> bool:
+    """Whether `model`'s decoding steps on `device` are captured as graphs: a [`CAPTURE_DEVICES`] device, the model
+    on one device (a capture runs on one stream). Where `static_decoding=None` turns static decoding on."""
+    device_map = getattr(model, "hf_device_map", None) or {"": 0}
+    return torch.device(device).type in CAPTURE_DEVICES and len(set(device_map.values())) == 1
+
+
 class GraphedStep:
     """
     A [`StaticStep`] captured once as a CUDA graph and replayed: one launch for the whole forward. The first call is

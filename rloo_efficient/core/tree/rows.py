@@ -92,3 +92,11 @@ def group_shuffle_order(group_ids: torch.Tensor, permutation: torch.Tensor) -> n
     first = np.full(int(group_ids.max()) + 1, len(permutation))
     np.minimum.at(first, group_ids, rank)  # each group's first place in the shuffle
     return np.lexsort((rank, first[group_ids]))
+
+
+def scored_lengths(completion_ids: list[list[int]], ends: set | None) -> list[int]:
+    """Completion tokens stock TRL scores per row: all of them, or with `ends` (TRL's `mask_truncated_completions`:
+    its end and padding tokens) none for a completion that does not end in one of them (truncated)."""
+    if ends is None:
+        return [len(ids) for ids in completion_ids]
+    return [len(ids) if ids and ids[-1] in ends else 0 for ids in completion_ids]
