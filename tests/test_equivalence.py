@@ -14,6 +14,7 @@ import trl
 
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
+from rloo_efficient.core.tree.rows import table_of
 from rloo_efficient.trainers.config import ROWS_KEY
 
 from .conftest import METRICS, step_metrics, training_args
@@ -114,7 +115,7 @@ def test_one_step_matches_stock_at_float64_resolution(workload, tmp_path, exact_
         assert masks.sum() == 0 and 0 < ours.packed_forward_tokens < prompt_tokens
     assert ours.packed_forward_tokens > 0
     if layout == "every_prompt_different":
-        groups = [batch[ROWS_KEY][:, 0].tolist() for batch in ours._buffered_inputs]
+        groups = [table_of(batch[ROWS_KEY])[:, 0].tolist() for batch in ours._buffered_inputs]
         assert any(len(set(g)) == len(g) for g in groups), groups
 
 

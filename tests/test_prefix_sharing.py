@@ -17,7 +17,7 @@ from rloo_efficient.core.layers.families import forward_unsupported_reason as un
 from rloo_efficient.core.layers.families import position_period
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.rope import rope_length
-from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups
+from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups, table_of
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
 from rloo_efficient.trainers.config import ROWS_KEY
 from rloo_efficient.trainers.group_shuffle import ordered_for_group_shuffle
@@ -372,6 +372,33 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
         assert [rank[row] for row in run_rows] == sorted(rank[row] for row in run_rows)
 
 
+def test_the_rows_ride_trls_shuffle_and_split_without_a_tensor_copy():
+    """The batch carries the rows as a host array per row: TRL's shuffle and split take them in the order they take
+    every field, and make no tensor of them (a tensor field is copied by the shuffle: on a device's budget, or in the
+    CPU proxy's count of live bytes)."""
+    from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
+
+    from rloo_efficient.core.tree.rows import carried
+    from rloo_efficient.profiling.live_bytes import LiveBytes
+
+    prompts = [[1, 2, 3]] * 3 + [[4, 5]] * 3
+    rows = row_groups(prompts, [2, 1, 0, 2, 2, 1], completion_ids=[[7, 8]] * 6)
+    batch = {"prompt_ids": torch.arange(6 * 3).view(6, 3), "x": torch.arange(6) * 10}
+
+    def shuffled_and_split(fields: dict) -> tuple[list[dict], int]:
+        torch.manual_seed(0)
+        with LiveBytes(sites=False) as live:
+            chunks = split_tensor_dict(shuffle_sequence_dict(fields), 2)
+        return chunks, live.peak
+
+    stock, stock_bytes = shuffled_and_split(batch)
+    ours, ours_bytes = shuffled_and_split({**batch, ROWS_KEY: carried(rows)})
+    assert ours_bytes == stock_bytes  # no byte more than stock's fields
+    for stock_chunk, ours_chunk in zip(stock, ours, strict=True):
+        order = stock_chunk["x"] // 10
+        assert torch.equal(table_of(ours_chunk[ROWS_KEY]), rows[order])  # each row's own, in the batch's order
+
+
 def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(workload, tmp_path):
     """TRL's default (generation in step with the optimizer) with gradient accumulation: ours keeps each group in one
     micro-batch (its prompt packed once there), and the run is stock's up to the order of its sums; with
@@ -384,8 +411,9 @@ def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(wor
     rows = run(RLOOTrainer, path, training_args(tmp_path / "r", shuffle_groups=False, **common), dataset)
     assert ours._switches.keep_groups and not rows._switches.keep_groups
     for batch in ours._buffered_inputs:
-        assert (batch[ROWS_KEY][:, 0] == batch[ROWS_KEY][0, 0]).all()  # one whole group per micro-batch
-    assert any(len(set(batch[ROWS_KEY][:, 0].tolist())) > 1 for batch in rows._buffered_inputs)  # stock's: split
+        groups = table_of(batch[ROWS_KEY])[:, 0]
+        assert (groups == groups[0]).all()  # one whole group per micro-batch
+    assert any(len(set(table_of(batch[ROWS_KEY])[:, 0].tolist())) > 1 for batch in rows._buffered_inputs)  # stock's: split
     # Stock's row order splits each group over both micro-batches: its prompt is held across them, and no more tokens
     # are forwarded than with each group in one micro-batch
     assert ours.packed_forward_tokens == rows.packed_forward_tokens and rows.held_forward_tokens > 0

@@ -25,7 +25,7 @@ import torch
 from ..core.forward.hold_planner import HoldCosts, HoldPlanner
 from ..core.forward.sharded import nested_units
 from ..core.layers.vision import ModelVision
-from ..core.tree.rows import row_tokens
+from ..core.tree.rows import row_tokens, table_of
 from .config import ROWS_KEY
 
 
@@ -150,7 +150,7 @@ class HeldPrefixes:
         tables = None  # each micro-batch's rows, where the scope may hold
         if all(ROWS_KEY in batch for batch in batches) and self.planner.costs.within_period(width) and (
                 not images or self._images_packed(batches)):  # fmt: skip
-            tables = [row_tokens(batch[ROWS_KEY]) for batch in batches]
+            tables = [row_tokens(table_of(batch[ROWS_KEY])) for batch in batches]
         return self.planner.plan_training(batches, tables, width, self.vision.image_tokens if images else None)
 
     def _images_packed(self, batches: list) -> bool:

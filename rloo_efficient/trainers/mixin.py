@@ -48,7 +48,7 @@ from transformers import Trainer
 from trl.extras.profiling import profiling_context
 
 from ..core.layers.install import install
-from ..core.tree.rows import prompt_images, row_groups, scored_lengths
+from ..core.tree.rows import carried, prompt_images, row_groups, scored_lengths, table_of
 from ..profiling.trainer_profiling import PROFILING_OFF, TrainerProfiling
 from .config import ROWS_KEY, sharing_settings
 from .counters import Counted, Counts
@@ -188,7 +188,7 @@ class GroupSharingMixin(Counted, ProfilingAccessors):
             self._active_rows = None
         if rows is None:
             return output
-        output[ROWS_KEY] = rows  # a (B, 3 + W) CPU tensor: TRL's shuffle and split carry it with the batch
+        output[ROWS_KEY] = carried(rows)  # a host array per row: TRL's shuffle and split carry them with the batch
         if self._switches.keep_groups and self.model.training:
             output = ordered_for_group_shuffle(output, rows[:, 0])
         return output
@@ -220,7 +220,8 @@ class GroupSharingMixin(Counted, ProfilingAccessors):
         return inputs
 
     def _compute_loss(self, model, inputs):
-        previous, self._active_rows = self._active_rows, inputs.get(ROWS_KEY)
+        rows = inputs.get(ROWS_KEY)
+        previous, self._active_rows = self._active_rows, table_of(rows) if rows is not None else None
         try:
             return super()._compute_loss(model, inputs)
         finally:

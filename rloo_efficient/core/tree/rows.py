@@ -73,6 +73,18 @@ def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: l
     return torch.from_numpy(table)
 
 
+def carried(rows: torch.Tensor) -> list[np.ndarray]:
+    """A [`row_groups`] tensor as the batch carries it: a list of host arrays, one per row, which TRL's shuffle and
+    split take row by row as they take any list (no copy of the table as a tensor, on the host as on a device: a
+    tensor field would be copied by each shuffle). [`table_of`] gives the tensor back."""
+    return list(rows.numpy())
+
+
+def table_of(rows: list[np.ndarray]) -> torch.Tensor:
+    """The [`row_groups`] tensor of rows a batch carried ([`carried`]), in their order."""
+    return torch.from_numpy(np.stack(rows)) if len(rows) else torch.empty(0, 3, dtype=torch.int64)
+
+
 def row_tokens(rows: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
     """`(group, prompt length, scored length, each row's tokens)` of a [`row_groups`] tensor, on the host."""
     table = rows.numpy()
