@@ -374,26 +374,27 @@ def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
 
 def test_the_rows_ride_trls_shuffle_and_split_without_a_tensor_copy():
     """The batch carries the rows as a host array per row: TRL's shuffle and split take them in the order they take
-    every field, and make no tensor of them (a tensor field is copied by the shuffle: on a device's budget, or in the
-    CPU proxy's count of live bytes)."""
+    every field, make no tensor of them (a tensor field is copied by the shuffle: in the CPU proxy's count of live
+    bytes) and read no tensor's item (a list's shuffle would read each entry of the permutation)."""
     from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
     from rloo_efficient.core.tree.rows import carried
     from rloo_efficient.profiling.live_bytes import LiveBytes
+    from rloo_efficient.profiling.op_count import OpCounter
 
     prompts = [[1, 2, 3]] * 3 + [[4, 5]] * 3
     rows = row_groups(prompts, [2, 1, 0, 2, 2, 1], completion_ids=[[7, 8]] * 6)
     batch = {"prompt_ids": torch.arange(6 * 3).view(6, 3), "x": torch.arange(6) * 10}
 
-    def shuffled_and_split(fields: dict) -> tuple[list[dict], int]:
+    def shuffled_and_split(fields: dict) -> tuple[list[dict], int, int]:
         torch.manual_seed(0)
-        with LiveBytes(sites=False) as live:
+        with LiveBytes(sites=False) as live, OpCounter() as ops:
             chunks = split_tensor_dict(shuffle_sequence_dict(fields), 2)
-        return chunks, live.peak
+        return chunks, live.peak, ops.host_syncs
 
-    stock, stock_bytes = shuffled_and_split(batch)
-    ours, ours_bytes = shuffled_and_split({**batch, ROWS_KEY: carried(rows)})
-    assert ours_bytes == stock_bytes  # no byte more than stock's fields
+    stock, stock_bytes, stock_syncs = shuffled_and_split(batch)
+    ours, ours_bytes, ours_syncs = shuffled_and_split({**batch, ROWS_KEY: carried(rows)})
+    assert ours_bytes == stock_bytes and ours_syncs == stock_syncs == 0  # no byte, and no read, more than stock's
     for stock_chunk, ours_chunk in zip(stock, ours, strict=True):
         order = stock_chunk["x"] // 10
         assert torch.equal(table_of(ours_chunk[ROWS_KEY]), rows[order])  # each row's own, in the batch's order

@@ -8,8 +8,8 @@ import trl
 
 
 EMPTY_CACHE_POLICIES = ("auto", "none", "after_generation", "every_phase")
-# The batch key of the (B, 3 + W) CPU tensor of each row's [group id, prompt length, scored length, tokens]
-# ([`core.tree.rows.row_groups`]) that the trainer adds to TRL's batch: its shuffle and split carry it with the rows
+# The batch key of each row's [group id, prompt length, scored length, tokens] ([`core.tree.rows.row_groups`]), a host
+# array per row ([`core.tree.rows.carried`]) that the trainer adds to TRL's batch: its shuffle and split carry them
 ROWS_KEY = "rloo_rows"
 # A quarter of the device's memory, the default of the budgets `tool_cache_budget_gib` and `held_prefix_budget_gib`:
 # the caches held across a tool call are at most the previous call's final cache, which that call held at its end; the

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
-from ..core.tree.rows import group_shuffle_order
+from ..core.tree.rows import CarriedRows, group_shuffle_order
 
 
 # The modules of the losses `group_shuffle_reason` reads
@@ -61,7 +61,8 @@ def ordered_for_group_shuffle(batch: dict, group_ids: torch.Tensor) -> dict:
             return value
         if isinstance(value, torch.Tensor):
             return value[index.to(value.device)]
-        return [value[i] for i in before]
+        taken = [value[i] for i in before]
+        return CarriedRows(taken) if isinstance(value, CarriedRows) else taken  # ours: read by TRL's shuffle next
 
     # Images by row first, as TRL's own shuffle takes them (a row may hold several images, or none)
     return unsplit_pixel_values_by_grid({key: take(value) for key, value in split_pixel_values_by_grid(

@@ -1,7 +1,7 @@
 """
 The batch's rows, as the packed forwards read them: each row's group, prompt length, scored completion length and
-tokens, in one small CPU tensor built once per generation batch from the token lists TRL holds (`rloo_rows`), which
-TRL's shuffle and split carry with the batch; and what tells prompts apart (their tokens, their images' pixels).
+tokens, in one small CPU tensor built once per generation batch from the token lists TRL holds, which TRL's shuffle
+and split carry with the batch as a host array per row (`rloo_rows`: [`carried`]); and what tells prompts apart (their tokens, their images' pixels).
 """
 
 import hashlib
@@ -73,11 +73,24 @@ def row_groups(prompt_ids: list[list[int]], scored_lengths: list[int], images: l
     return torch.from_numpy(table)
 
 
-def carried(rows: torch.Tensor) -> list[np.ndarray]:
-    """A [`row_groups`] tensor as the batch carries it: a list of host arrays, one per row, which TRL's shuffle and
-    split take row by row as they take any list (no copy of the table as a tensor, on the host as on a device: a
-    tensor field would be copied by each shuffle). [`table_of`] gives the tensor back."""
-    return list(rows.numpy())
+class CarriedRows(list):
+    """
+    The rows of a [`row_groups`] tensor as the batch carries them: a list of host arrays, one per row, which TRL's
+    shuffle and split take row by row as they take any list (a tensor field would be copied by each shuffle). TRL's
+    shuffle indexes it with each entry of its permutation, a host tensor: read through NumPy, a host read with no
+    operator (a tensor's `item()` would count as a device read in the operator counts); a device's entry is read as
+    any list reads it.
+    """
+
+    def __getitem__(self, key):
+        if isinstance(key, torch.Tensor) and key.ndim == 0 and key.device.type == "cpu":
+            key = int(key.numpy())
+        return super().__getitem__(key)
+
+
+def carried(rows: torch.Tensor) -> CarriedRows:
+    """A [`row_groups`] tensor as the batch carries it ([`CarriedRows`]); [`table_of`] gives the tensor back."""
+    return CarriedRows(rows.numpy())
 
 
 def table_of(rows: list[np.ndarray]) -> torch.Tensor:
