@@ -85,42 +85,42 @@ def train(run: dict, out: Path, model_cache: str) -> dict:
         return outcome
 
     Ranks.agree = recorded_agree
-    trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
-    trainer = trainer_class(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
-                            processing_class=build_processing_class(cfg) if images else build_tokenizer(),
-                            **extra)  # fmt: skip
-    encoded = []  # images through the vision tower, per call
-    if images:
-        language_model = trainer.accelerator.unwrap_model(trainer.model).model
-        encode = language_model.get_image_features
-
-        @functools.wraps(encode)  # generate reads its signature
-        def recorded_encode(pixel_values, image_grid_thw=None, *args, **kwargs):
-            encoded.append(len(image_grid_thw))
-            return encode(pixel_values, image_grid_thw, *args, **kwargs)
-
-        language_model.get_image_features = recorded_encode
-    # Each call of generation on this rank: how many distinct prompts among how many rows
-    generations = []
-    generate = trainer._generate_single_turn
-
-    def recorded(prompt_ids, images, multimodal_fields):
-        prompts = sorted({hashlib.sha1(str(ids).encode()).hexdigest()[:12] for ids in prompt_ids})
-        generations.append({"rows": len(prompt_ids), "prompts": prompts})
-        return generate(prompt_ids, images, multimodal_fields)
-
-    trainer._generate_single_turn = recorded
-    scoring_chunks = []  # the chunks stock's no-grad log-prob passes forward (TRL's, by its batch size)
-    forward = trainer._get_per_token_logps_and_entropies
-
-    def recorded_forward(model, input_ids, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or input_ids.size(0)
-            scoring_chunks.append(-(-input_ids.size(0) // batch_size))
-        return forward(model, input_ids, *args, **kwargs)
-
-    trainer._get_per_token_logps_and_entropies = recorded_forward
     try:
+        trainer_class = trl.RLOOTrainer if stock else RLOOTrainer
+        trainer = trainer_class(model=path, reward_funcs=reward, args=args, train_dataset=dataset,
+                                processing_class=build_processing_class(cfg) if images else build_tokenizer(),
+                                **extra)  # fmt: skip
+        encoded = []  # images through the vision tower, per call
+        if images:
+            language_model = trainer.accelerator.unwrap_model(trainer.model).model
+            encode = language_model.get_image_features
+
+            @functools.wraps(encode)  # generate reads its signature
+            def recorded_encode(pixel_values, image_grid_thw=None, *args, **kwargs):
+                encoded.append(len(image_grid_thw))
+                return encode(pixel_values, image_grid_thw, *args, **kwargs)
+
+            language_model.get_image_features = recorded_encode
+        # Each call of generation on this rank: how many distinct prompts among how many rows
+        generations = []
+        generate = trainer._generate_single_turn
+
+        def recorded(prompt_ids, images, multimodal_fields):
+            prompts = sorted({hashlib.sha1(str(ids).encode()).hexdigest()[:12] for ids in prompt_ids})
+            generations.append({"rows": len(prompt_ids), "prompts": prompts})
+            return generate(prompt_ids, images, multimodal_fields)
+
+        trainer._generate_single_turn = recorded
+        scoring_chunks = []  # the chunks stock's no-grad log-prob passes forward (TRL's, by its batch size)
+        forward = trainer._get_per_token_logps_and_entropies
+
+        def recorded_forward(model, input_ids, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                batch_size = (args[2] if len(args) > 2 else kwargs.get("batch_size")) or input_ids.size(0)
+                scoring_chunks.append(-(-input_ids.size(0) // batch_size))
+            return forward(model, input_ids, *args, **kwargs)
+
+        trainer._get_per_token_logps_and_entropies = recorded_forward
         trainer.train()
     finally:
         Ranks.agree = agree

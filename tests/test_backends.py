@@ -43,7 +43,7 @@ def policy():
 def test_the_backend_is_the_first_registered_that_runs(policy, monkeypatch, flags, captured, chosen):
     monkeypatch.setattr(static_decode, "CAPTURE_DEVICES", ("cpu",) if captured else ("cuda",))
     backend = choose(facts(policy, **flags))
-    assert type(backend) is chosen
+    assert type(backend) is chosen and backend == chosen() and (backend == GenerateLoop()) == (chosen is GenerateLoop)
     assert backend.prefills == (chosen not in (VLLM, ContinuousBatching))  # TRL's share prompts in their own caches
     assert backend.static == (chosen is StaticDecoding)
 
@@ -57,18 +57,20 @@ def test_a_model_split_across_devices_decodes_in_generates_loop_by_default(polic
 
 
 class OwnCache(GenerationBackend):
-    """A backend that shares prompts by itself (say, a server with a prefix cache), where the config asks for it."""
+    """A backend that shares prompts by itself (say, a server with a prefix cache), where the config asks for it (here:
+    `static_decoding=True`, a flag a test can set)."""
 
     name, own_sharing = "own-cache server", "prompts in the server's cache"
 
     @classmethod
     def runs(cls, facts: BackendFacts) -> bool:
-        return facts.static_decoding is False
+        return facts.static_decoding is True
 
 
 def test_a_new_backend_is_one_class_and_one_registration(workload, tmp_path, monkeypatch):
-    """Registered, a backend is asked after those before it and before the fallback: the trainer that it runs for
-    takes it, its prefill off with one warning naming the backend and what it shares; the others keep theirs."""
+    """Registered, a backend is asked after those before it and before our own two: the trainer that it runs for
+    takes it (before static decoding, which would run there too), its prefill off with one warning naming the backend
+    and what it shares; the others keep theirs."""
     cfg, path, dataset = workload
     monkeypatch.setattr(backends, "_REGISTERED", list(backends.registered()))
     assert backends.register(OwnCache) is OwnCache and backends.registered()[-1] is OwnCache
@@ -78,13 +80,15 @@ def test_a_new_backend_is_one_class_and_one_registration(workload, tmp_path, mon
             warnings.simplefilter("always")
             built = RLOOTrainer(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
                                 args=training_args(tmp_path, **settings), processing_class=build_tokenizer())  # fmt: skip
-        return built, [str(w.message) for w in caught if "generation runs stock TRL's" in str(w.message)]
+        said = [w for w in caught if "generation runs stock TRL's" in str(w.message)]
+        assert all(w.filename == __file__ for w in said)  # pointing at the user's line that built the trainer
+        return built, [str(w.message) for w in said]
 
-    ours, said = trainer(static_decoding=False)
+    ours, said = trainer(static_decoding=True)
     assert type(ours._switches.backend) is OwnCache and not ours._switches.prefill
     assert said == ["rloo_efficient: generation runs stock TRL's own-cache server backend (it shares prompts in the "
                     "server's cache), so our shared prefill is off; the log-prob, training and reward passes are "
                     "still ours."]  # fmt: skip
-    ours, said = trainer(static_decoding=True)
-    assert type(ours._switches.backend) is StaticDecoding and ours._switches.prefill and not said
+    ours, said = trainer(static_decoding=False)
+    assert said == [] and type(ours._switches.backend) is GenerateLoop and ours._switches.prefill
     assert ours._generation.backend is ours._switches.backend  # the generation part decodes with the chosen one

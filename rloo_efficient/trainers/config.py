@@ -110,7 +110,8 @@ SHARING_DOC = r"""
             shared-key layers over a prompt kept once, flash attention), `generate` decodes, with one warning naming
             why. `None`: on where the step is captured as a graph (CUDA: on an H200 generation took 0.30x
             `generate`'s time at Qwen3-0.6B's shape), off elsewhere (on CPU the eager step is about `generate`'s
-            speed).
+            speed), decided once when the trainer is built (the accelerator's device, the policy on one device); the
+            generation backend it picks: `core/generation/backends.py`.
         graph_scoring_passes (`bool`, *optional*, defaults to `True`):
             With `share_prompt_prefix`, on CUDA, the no-grad log-prob passes (the old policy's, the reference's) at one
             or two rows per chunk replay their chunks from CUDA graphs: each row packed in full (its completion's
@@ -204,7 +205,7 @@ class SharingArguments:
         default=None,
         metadata={"help": "Decode from static buffers after the shared prefill (no growing cache, no host read per "
                           "token), each call's step captured as a CUDA graph on CUDA (with share_generation_prefill). "
-                          "None (default): on CUDA, off elsewhere."},
+                          "None (default): on CUDA, off elsewhere (decided when the trainer is built)."},
     )
     graph_scoring_passes: bool = field(
         default=True,

@@ -170,9 +170,10 @@ class GroupSharingMixin(Counted, ProfilingAccessors):
         prompt_ids, completion_ids = result[0], result[1]  # RLOO's and GRPO's both lead with the token lists
         images = prompt_images(prompts)
         tool_images = result[7] if len(result) > 7 and self._is_vlm else None  # GRPO: images a tool returned, per row
-        reason = self._passes.generated_rows_reason(prompt_ids, images, tool_images)
-        if reason is not None:
+        reasons = self._passes.generated_rows_reasons(prompt_ids, images, tool_images)
+        for reason in reasons:
             self._fallbacks.packed(reason)
+        if reasons:
             return result
         ends = {*self.eos_token_ids, self._tokenizer.pad_token_id} if self.mask_truncated_completions else None
         self._active_rows = row_groups(prompt_ids, scored_lengths(completion_ids, ends), images, completion_ids)

@@ -51,16 +51,17 @@ class PackedPasses:
         self.counts, self.prefix, self.graphs, self.fall_back = counts, prefix, graphs, fall_back
         self.fsdp, self.grads_in_place = fsdp, grads_in_place
 
-    def generated_rows_reason(self, prompt_ids: list, images: list | None, tool_images: list | None) -> str | None:
+    def generated_rows_reasons(self, prompt_ids: list, images: list | None, tool_images: list | None) -> list[str]:
         """Why a generation's rows (their `prompt_ids`, each row's prompt `images` and the `tool_images` its tools
-        returned, or None) cannot be packed, or None."""
+        returned, or None) cannot be packed: every reason that holds (none: they can)."""
+        reasons = []
         if images is not None and any(ids and ids[-1] in self.vision.image_tokens for ids in prompt_ids):
             # Each row's copy of its prompt's last token would be an image's: its features would be needed per row
-            return "a prompt ends with an image's token"
+            reasons.append("a prompt ends with an image's token")
         if tool_images and any(tool_images):
             # In the rows' completions, each row's own: the packed forward takes images from the prompts only
-            return "a tool returned images"
-        return None
+            reasons.append("a tool returned images")
+        return reasons
 
     def rows_for(self, rows: torch.Tensor | None, input_ids, logits_to_keep: int, images: dict) -> torch.Tensor | None:
         """`rows`, the active group structure, where a packed pass can serve this call (every process's, where the

@@ -20,7 +20,7 @@ from .config import STOCK_SETTINGS, SharingArguments, default_budget
 def _supported(reason: str | None, consequence: str) -> bool:
     """True when there is no `reason` against a feature; otherwise warns `consequence: reason` and returns False."""
     if reason is not None:
-        warnings.warn(f"rloo_efficient: {consequence}: {reason}.", stacklevel=4)
+        warnings.warn(f"rloo_efficient: {consequence}: {reason}.", stacklevel=5)
     return reason is None
 
 
@@ -92,7 +92,7 @@ class Switches:
             prefix = reason is None
             if reason is not None:
                 warnings.warn(f"rloo_efficient: prompt-prefix sharing is off, using stock TRL's forward: {reason}.",
-                              stacklevel=3)  # fmt: skip
+                              stacklevel=4)  # fmt: skip
         prefill = cls._prefill(settings, setup)
         keep_once = settings.share_prompt_kv_cache  # True, False, or None: chosen per call by its cost
         can_keep_once = (
@@ -120,7 +120,7 @@ class Switches:
         if not backend.prefills and settings.share_generation_prefill:
             warnings.warn(f"rloo_efficient: generation runs stock TRL's {backend.name} backend (it shares "
                           f"{backend.own_sharing}), so our shared prefill is off; the log-prob, training and reward "
-                          f"passes are still ours.", stacklevel=4)  # fmt: skip
+                          f"passes are still ours.", stacklevel=5)  # fmt: skip
         return (
             settings.share_generation_prefill
             and backend.prefills
@@ -152,7 +152,7 @@ class Switches:
             reason = shuffle_reason()  # by default, where keeping groups together only reorders a sum
             if reason is not None:
                 warnings.warn(f"rloo_efficient: micro-batches follow TRL's row shuffle, which splits groups "
-                              f"(shuffle_groups=True keeps them together anyway): {reason}.", stacklevel=4)  # fmt: skip
+                              f"(shuffle_groups=True keeps them together anyway): {reason}.", stacklevel=5)  # fmt: skip
             return reason is None
         return bool(settings.shuffle_groups) and several
 

@@ -1,13 +1,16 @@
 """
 Generation backends: the way TRL's generation runs in a trainer, chosen once ([`choose`]), and what of each
 generation we share in it. A backend is one class, registered with [`register`]; [`choose`] asks the registered
-classes in order and takes the first that runs for the trainer's [`BackendFacts`], else [`GenerateLoop`].
+classes in order and takes the first that runs for the trainer's [`BackendFacts`], else one of our own two. The seam
+decides our side of generation (whether our prefill runs in TRL's calls, and how they decode after it); which of its
+paths TRL takes is TRL's flags' doing.
 
-- [`VLLM`] and [`ContinuousBatching`]: TRL's own backends, which share prompts in their own caches; our prefill stays
-  out ([`GenerationBackend.own_sharing`]), and the log-prob, training and reward passes are still ours.
-- [`StaticDecoding`]: `generate` after our shared prefill, decoding from static buffers, each step replayed from a
-  graph where the device captures ([`static_decode`]).
-- [`GenerateLoop`]: `generate` after our shared prefill, decoding in its own loop: where no registered backend runs.
+- [`VLLM`] and [`ContinuousBatching`] (registered): TRL's own backends, which share prompts in their own caches; our
+  prefill stays out ([`GenerationBackend.own_sharing`]), and the log-prob, training and reward passes are still ours.
+- [`StaticDecoding`] (where no registered backend runs, and static decoding is asked for or the device captures):
+  `generate` after our shared prefill, decoding from static buffers, each step replayed from a graph where the device
+  captures ([`static_decode`]).
+- [`GenerateLoop`] (else): `generate` after our shared prefill, decoding in its own loop.
 """
 
 import dataclasses
@@ -47,6 +50,12 @@ class GenerationBackend:
         """Whether the trainer's generation runs through this backend."""
         raise NotImplementedError
 
+    def __eq__(self, other) -> bool:  # stateless: one backend per class
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
     @property
     def prefills(self) -> bool:
         """Whether our shared prefill runs in this backend's calls."""
@@ -71,8 +80,9 @@ def registered() -> tuple[type[GenerationBackend], ...]:
 
 
 def choose(facts: BackendFacts) -> GenerationBackend:
-    """The first registered backend that runs for `facts`, else [`GenerateLoop`]."""
-    return next((backend for backend in _REGISTERED if backend.runs(facts)), GenerateLoop)()
+    """The first registered backend that runs for `facts`, else [`StaticDecoding`] where it runs, else
+    [`GenerateLoop`]."""
+    return next((backend for backend in (*_REGISTERED, StaticDecoding) if backend.runs(facts)), GenerateLoop)()
 
 
 @register
@@ -93,8 +103,7 @@ class ContinuousBatching(GenerationBackend):
         return facts.continuous_batching
 
 
-@register
-class StaticDecoding(GenerationBackend):
+class StaticDecoding(GenerationBackend):  # not registered: ours, after every registered backend
     name, static = "static decoding", True
 
     @classmethod
@@ -104,7 +113,7 @@ class StaticDecoding(GenerationBackend):
         return facts.static_decoding
 
 
-class GenerateLoop(GenerationBackend):  # not registered: what every registered backend leaves
+class GenerateLoop(GenerationBackend):  # not registered: ours, what every other backend leaves
     name = "generate"
 
     @classmethod
