@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,17 +11,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def run_workload(method: str, arguments: list[str], directory: Path, name: str) -> dict:
+def run_workload(method: str, arguments: list[str], directory: Path, name: str, threads: int | None = None) -> dict:
     """Runs `run_rloo.py --method <method> <arguments>` in a fresh process (its peak resident set is the run's own),
     logging every step and saving nothing, and returns the results file it writes. A failed run stops the benchmark
-    with the end of its stderr."""
+    with the end of its stderr. `threads`: the process's compute threads (runs side by side must not oversubscribe
+    the cores: each would be several times slower)."""
     results = directory / f"{name}.json"
     command = [
         sys.executable, str(HERE / "run_rloo.py"), "--method", method, *arguments,
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
-        "--results_file", str(results), "--output_dir", str(directory / "out"),
+        "--results_file", str(results), "--output_dir", str(directory / "out" / name),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise SystemExit(f"{name} failed (exit {done.returncode})")

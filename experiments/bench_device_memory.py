@@ -16,11 +16,18 @@ states). The fixed state of a phase is what exists in it whatever the method: th
     python experiments/bench_device_memory.py --rows 8 1 --layers 4 2 --output results/device_memory.md
     python experiments/bench_device_memory.py --preset qwen3-4b --prompt_length 8192 --completion_length 1024 --rows 1
     python experiments/bench_device_memory.py --preset qwen3-8b --lora ...   # LoRA r 16 on every linear layer
+
+The large shapes take hours on a CPU: `--workdir DIR` keeps each run's records there and reuses a run whose records
+are there (an interrupted benchmark goes on where it stopped), and `--jobs 2` runs stock and ours side by side, the
+cores split between them.
 """
 
+import contextlib
 import json
+import os
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench_common import Report, parser_for, run_workload
@@ -32,9 +39,11 @@ GIB = 1024**3
 
 
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
-    """One run's live-bytes record and results file."""
+    """One run's live-bytes record and results file; a run whose both files are in `directory` is not run again."""
     name = f"{method}_rows{rows}_layers{layers}"
     live = directory / f"{name}_live.json"
+    if live.exists() and (directory / f"{name}.json").exists():
+        return {"live": json.loads(live.read_text()), "results": json.loads((directory / f"{name}.json").read_text())}
     k = args.k
     arguments = [
         "--preset", args.preset, "--preset_layers", str(layers), "--prompt_length", str(args.prompt_length),
@@ -46,7 +55,8 @@ def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
     ]  # fmt: skip
-    results = run_workload(method, arguments, directory, name)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    results = run_workload(method, arguments, directory, name, threads)
     return {"live": json.loads(live.read_text()), "results": results}
 
 
@@ -75,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=None, help="the model's own layers (default: the preset's)")
     parser.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (a LoRA run)")
     parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
+    parser.add_argument("--workdir", default=None, help="keep each run's records here; reuse those already here")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side (the cores split between them)")
     args = parser.parse_args(argv)
     from rloo_efficient.demo.workload import PRESETS
 
@@ -92,9 +104,13 @@ def main(argv=None) -> int:
     ], args.output)
     largest = []
     for rows in args.rows:
-        with tempfile.TemporaryDirectory() as tmp:
-            records = {(method, layers): run(method, args, rows, layers, Path(tmp))
-                       for layers in args.layers for method in ("stock", "ours")}  # fmt: skip
+        keys = [(method, layers) for layers in args.layers for method in ("stock", "ours")]
+        kept = Path(args.workdir) if args.workdir else None
+        with (contextlib.nullcontext(kept) if kept else tempfile.TemporaryDirectory()) as directory:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each run is its own process
+                futures = {key: pool.submit(run, key[0], args, rows, key[1], Path(directory)) for key in keys}
+                records = {key: future.result() for key, future in futures.items()}
         for phase in (*PHASES, "step"):
             def value(method, layers, phase=phase):
                 if phase != "step":

@@ -138,3 +138,59 @@ def test_no_graphs_where_every_forward_gathers_from_all_processes():
         ranks = SimpleNamespace(collective=lambda collective=collective: collective)
         passes = PackedPasses(None, None, ranks, None, None, None, prefix=True, graphs=setting, fall_back=print)
         assert passes._graphs is expected
+
+
+def test_every_warm_up_and_capture_on_a_device_runs_on_its_one_side_stream(monkeypatch):
+    """[`core.graphs`]: the caching allocator hands a freed block back only to work on the stream that freed it, and
+    each new `torch.cuda.Stream` is the next of a pool of 32; so each warm-up and capture on a device runs on one side
+    stream made once (CUDA's stream calls stubbed: their order and streams recorded)."""
+    from rloo_efficient.core import graphs
+
+    made, calls = [], []
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+            made.append(self)
+
+        def wait_stream(self, other):
+            calls.append(("wait", self, other))
+
+    class Graph:
+        def capture_begin(self, capture_error_mode):
+            calls.append(("capture", current_streams[-1]))
+
+        def capture_end(self):
+            pass
+
+    current = {index: Stream(index) for index in (0, 1)}
+    made.clear()
+    current_streams = [None]
+
+    class Using:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current_streams.append(self.stream)
+
+        def __exit__(self, *exc):
+            current_streams.pop()
+
+    monkeypatch.setattr(graphs, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "stream", Using)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current[1 if device.index is None else device.index])
+    ran = []
+    step = lambda: ran.append(current_streams[-1]) or torch.zeros(1)  # noqa: E731
+    for device in ("cuda:0", "cuda", "cuda:0", "cuda:1"):
+        graphs.warm_up(step, torch.device(device))
+        graphs.capture(step, torch.device(device))
+    assert [stream.device for stream in made] == [0, 1]  # one per device, "cuda" is the current one's
+    side = {0: made[0], 1: made[1]}
+    assert ran == [side[0], side[0], side[1], side[1], side[0], side[0], side[1], side[1]]
+    assert [call[1] for call in calls if call[0] == "capture"] == [side[0], side[1], side[0], side[1]]
+    # each side-stream run waits for the current stream's work first, and the current stream for it after
+    assert ("wait", side[0], current[0]) in calls and ("wait", current[0], side[0]) in calls

@@ -15,13 +15,33 @@ from torch.utils import _pytree as pytree
 # nondeterministic order
 REPLAY_RTOL, REPLAY_ATOL = 1e-3, 1e-3
 
+# Each device's side stream, made once ([`side_stream`])
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """
+    The one side stream on `device` on which every warm-up and capture runs. The caching allocator hands a freed block
+    only to later work on the stream that freed it, and a new `torch.cuda.Stream` is the next of a pool of 32: a
+    fresh side stream per warm-up would leave each warm-up's freed memory reserved for a stream that may not come
+    round again for 31 more (PyTorch's own `torch.cuda.graph` keeps one default capture stream too).
+    """
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def warm_up(step, device: torch.device, buffers: Callable[[], Iterable] | None = None) -> object:
-    """Runs `step()` once on a side stream (what capture needs first: lazily initialized kernels and workspaces), and
-    returns its output. The tensors the step allocated there that the current stream reads next (its output's, and
-    `buffers()`, read after the step: a kept-once cache's own keys, a layout's memoized bias) are marked as used by
-    the current stream, so that their memory is not handed to other work before it is done with them."""
+    """Runs `step()` once on the device's side stream ([`side_stream`]): what capture needs first (lazily initialized
+    kernels and workspaces). Returns its output. The tensors the step allocated there that the current stream reads
+    next (its output's, and `buffers()`, read after the step: a kept-once cache's own keys, a layout's memoized bias)
+    are marked as used by the current stream, so that their memory is not handed to other work before it is done
+    with them."""
     current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
+    stream = side_stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         output = step()
@@ -35,14 +55,14 @@ def warm_up(step, device: torch.device, buffers: Callable[[], Iterable] | None =
 
 def capture(step, device: torch.device) -> tuple["torch.cuda.CUDAGraph", object]:
     """
-    `step` captured as a CUDA graph on a side stream, not run: `(graph, its output)`; each `graph.replay()` runs the
-    step again over the same buffers and writes its output there. `CUDAGraph.capture_begin` and `capture_end`
-    directly: `torch.cuda.graph` would also synchronize and empty the allocator's cache at every capture (on an H200 a
-    `generate` right after `empty_cache()` took 1.13-1.16x the time). Errors only for this thread's unsafe calls
-    (`thread_local`): another thread's work does not fail the capture.
+    `step` captured as a CUDA graph on the device's side stream ([`side_stream`]), not run: `(graph, its output)`;
+    each `graph.replay()` runs the step again over the same buffers and writes its output there.
+    `CUDAGraph.capture_begin` and `capture_end` directly: `torch.cuda.graph` would also synchronize and empty the
+    allocator's cache at every capture (on an H200 a `generate` right after `empty_cache()` took 1.13-1.16x the time).
+    Errors only for this thread's unsafe calls (`thread_local`): another thread's work does not fail the capture.
     """
     current = torch.cuda.current_stream(device)
-    stream = torch.cuda.Stream(device)
+    stream = side_stream(device)
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
