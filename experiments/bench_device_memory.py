@@ -41,11 +41,17 @@ GIB = 1024**3
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
     """One run's live-bytes record and results file; a run whose both files are in `directory` is not run again."""
     name = f"{method}_rows{rows}_layers{layers}"
-    live = directory / f"{name}_live.json"
-    if live.exists() and (directory / f"{name}.json").exists():
-        return {"live": json.loads(live.read_text()), "results": json.loads((directory / f"{name}.json").read_text())}
+    live, results = directory / f"{name}_live.json", directory / f"{name}.json"
+    if not (live.exists() and results.exists()):
+        threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+        run_workload(method, arguments(method, args, rows, layers, live), directory, name, threads)
+    return {"live": json.loads(live.read_text()), "results": json.loads(results.read_text())}
+
+
+def arguments(method: str, args, rows: int, layers: int, live: Path) -> list[str]:
+    """`run_rloo.py`'s arguments for one run, its live-bytes record written to `live`."""
     k = args.k
-    arguments = [
+    return [
         "--preset", args.preset, "--preset_layers", str(layers), "--prompt_length", str(args.prompt_length),
         "--max_completion_length", str(args.completion_length), "--num_generations", str(k),
         "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(k // rows),
@@ -55,9 +61,6 @@ def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
     ]  # fmt: skip
-    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
-    results = run_workload(method, arguments, directory, name, threads)
-    return {"live": json.loads(live.read_text()), "results": results}
 
 
 def above_fixed(record: dict, phase: str) -> float | None:

@@ -13,8 +13,8 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
 from rloo_efficient.core.tree.rows import table_of
+from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
 from rloo_efficient.trainers.config import ROWS_KEY
 
 from .conftest import METRICS, step_metrics, training_args

@@ -182,9 +182,14 @@ def test_every_warm_up_and_capture_on_a_device_runs_on_its_one_side_stream(monke
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "stream", Using)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current[1 if device.index is None else device.index])
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device: current[1 if device.index is None else device.index])  # fmt: skip
     ran = []
-    step = lambda: ran.append(current_streams[-1]) or torch.zeros(1)  # noqa: E731
+
+    def step():
+        ran.append(current_streams[-1])
+        return torch.zeros(1)
+
     for device in ("cuda:0", "cuda", "cuda:0", "cuda:1"):
         graphs.warm_up(step, torch.device(device))
         graphs.capture(step, torch.device(device))

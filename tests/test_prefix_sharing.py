@@ -414,7 +414,8 @@ def test_micro_batches_keep_groups_by_default_where_that_only_reorders_a_sum(wor
     for batch in ours._buffered_inputs:
         groups = table_of(batch[ROWS_KEY])[:, 0]
         assert (groups == groups[0]).all()  # one whole group per micro-batch
-    assert any(len(set(table_of(batch[ROWS_KEY])[:, 0].tolist())) > 1 for batch in rows._buffered_inputs)  # stock's: split
+    # stock's order: split
+    assert any(len(set(table_of(batch[ROWS_KEY])[:, 0].tolist())) > 1 for batch in rows._buffered_inputs)
     # Stock's row order splits each group over both micro-batches: its prompt is held across them, and no more tokens
     # are forwarded than with each group in one micro-batch
     assert ours.packed_forward_tokens == rows.packed_forward_tokens and rows.held_forward_tokens > 0

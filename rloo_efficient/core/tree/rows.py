@@ -1,7 +1,8 @@
 """
 The batch's rows, as the packed forwards read them: each row's group, prompt length, scored completion length and
 tokens, in one small CPU tensor built once per generation batch from the token lists TRL holds, which TRL's shuffle
-and split carry with the batch as a host array per row (`rloo_rows`: [`carried`]); and what tells prompts apart (their tokens, their images' pixels).
+and split carry with the batch as a host array per row (`rloo_rows`: [`carried`]); and what tells prompts apart
+(their tokens, their images' pixels).
 """
 
 import hashlib
