@@ -1,6 +1,7 @@
 """The one-row no-grad log-prob passes replayed from CUDA graphs ([`core.forward.graphed`]), capture emulated on CPU:
 stock TRL's numbers in float64, the replays engaged, and a replay that differs caught at first use."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -140,62 +141,107 @@ def test_no_graphs_where_every_forward_gathers_from_all_processes():
         assert passes._graphs is expected
 
 
+class StubbedCuda:
+    """CUDA's stream, graph, pool and device calls stubbed for [`core.graphs`]: what each made and called, in order.
+    Devices 0 and 1, 1 current; `captures` lists each capture's (stream, pool id)."""
+
+    def __init__(self, monkeypatch):
+        from rloo_efficient.core import graphs
+
+        stubs = self
+        self.made, self.calls, self.captures, self.pools = [], [], [], []
+        self.streams, self.devices = [None], [1]
+
+        class Stream:
+            def __init__(self, device=None):
+                self.device = device
+                stubs.made.append(self)
+
+            def wait_stream(self, other):
+                stubs.calls.append(("wait", self, other))
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                stubs.captures.append((stubs.streams[-1], pool))
+
+            def capture_end(self):
+                pass
+
+        class MemPool:
+            def __init__(self):
+                self.id, self.device = (0, len(stubs.pools) + 1), stubs.devices[-1]
+                stubs.pools.append(self)
+
+        self.current = {index: Stream(index) for index in (0, 1)}
+        self.made.clear()
+        monkeypatch.setattr(graphs, "_SIDE_STREAMS", {})
+        monkeypatch.setattr(graphs, "_POOLS", {})
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "MemPool", MemPool, raising=False)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: self._entered(self.streams, stream))
+        monkeypatch.setattr(torch.cuda, "device", lambda index: self._entered(self.devices, index))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.devices[-1])
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda device: self.current[1 if device.index is None else device.index])  # fmt: skip
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _entered(stack: list, value):
+        stack.append(value)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+
 def test_every_warm_up_and_capture_on_a_device_runs_on_its_one_side_stream(monkeypatch):
     """[`core.graphs`]: the caching allocator hands a freed block back only to work on the stream that freed it, and
     each new `torch.cuda.Stream` is the next of a pool of 32; so each warm-up and capture on a device runs on one side
     stream made once (CUDA's stream calls stubbed: their order and streams recorded)."""
     from rloo_efficient.core import graphs
 
-    made, calls = [], []
-
-    class Stream:
-        def __init__(self, device=None):
-            self.device = device
-            made.append(self)
-
-        def wait_stream(self, other):
-            calls.append(("wait", self, other))
-
-    class Graph:
-        def capture_begin(self, capture_error_mode):
-            calls.append(("capture", current_streams[-1]))
-
-        def capture_end(self):
-            pass
-
-    current = {index: Stream(index) for index in (0, 1)}
-    made.clear()
-    current_streams = [None]
-
-    class Using:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            current_streams.append(self.stream)
-
-        def __exit__(self, *exc):
-            current_streams.pop()
-
-    monkeypatch.setattr(graphs, "_SIDE_STREAMS", {})
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "stream", Using)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device: current[1 if device.index is None else device.index])  # fmt: skip
+    cuda = StubbedCuda(monkeypatch)
     ran = []
 
     def step():
-        ran.append(current_streams[-1])
+        ran.append(cuda.streams[-1])
         return torch.zeros(1)
 
     for device in ("cuda:0", "cuda", "cuda:0", "cuda:1"):
         graphs.warm_up(step, torch.device(device))
         graphs.capture(step, torch.device(device))
-    assert [stream.device for stream in made] == [0, 1]  # one per device, "cuda" is the current one's
-    side = {0: made[0], 1: made[1]}
+    assert [stream.device for stream in cuda.made] == [0, 1]  # one per device, "cuda" is the current one's
+    side = {0: cuda.made[0], 1: cuda.made[1]}
     assert ran == [side[0], side[0], side[1], side[1], side[0], side[0], side[1], side[1]]
-    assert [call[1] for call in calls if call[0] == "capture"] == [side[0], side[1], side[0], side[1]]
+    assert [stream for stream, _ in cuda.captures] == [side[0], side[1], side[0], side[1]]
     # each side-stream run waits for the current stream's work first, and the current stream for it after
-    assert ("wait", side[0], current[0]) in calls and ("wait", current[0], side[0]) in calls
+    current = cuda.current
+    assert ("wait", side[0], current[0]) in cuda.calls and ("wait", current[0], side[0]) in cuda.calls
+
+
+def test_every_capture_on_a_device_allocates_from_its_one_pool_until_the_cache_is_released(monkeypatch):
+    """[`core.graphs.capture_pool`]: a capture given no pool gets a private one, whose blocks no later capture reuses
+    (reserved memory grew with every step's graphs); so every capture on a device shares one pool, made on that device
+    and kept between captures, until cached memory is released (`release_cached_memory`, the empty-cache policy's
+    boundaries), after which the next capture makes a new one. CUDA's calls stubbed."""
+    from rloo_efficient.core import graphs
+    from rloo_efficient.profiling import memory
+
+    cuda = StubbedCuda(monkeypatch)
+
+    def step():
+        return torch.zeros(1)
+
+    for device in ("cuda:0", "cuda", "cuda:0", "cuda:1"):
+        graphs.capture(step, torch.device(device))
+    assert [pool.device for pool in cuda.pools] == [0, 1]  # one per device, made there ("cuda": the current one)
+    ids = [pool.id for pool in cuda.pools]
+    assert [pool for _, pool in cuda.captures] == [ids[0], ids[1], ids[0], ids[1]]
+    emptied = []
+    monkeypatch.setattr(memory, "_device_memory_api", lambda device: type("Api", (), {
+        "empty_cache": staticmethod(lambda: emptied.append(set(graphs._POOLS)))}))  # fmt: skip
+    memory.release_cached_memory(torch.device("cuda:0"))
+    assert emptied == [set()]  # the pools let go of before the cache is emptied (each then freed with its graphs)
+    graphs.capture(step, torch.device("cuda:0"))
+    assert len(cuda.pools) == 3 and cuda.captures[-1][1] == cuda.pools[2].id and cuda.pools[2].device == 0

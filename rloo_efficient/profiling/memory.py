@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from ..core import graphs
+
 
 GIB = 1024**3
 CLEAR_REFS = "/proc/self/clear_refs"
@@ -138,11 +140,14 @@ def current_memory_stats(device: torch.device) -> dict[str, float]:
 
 def release_cached_memory(device: torch.device) -> None:
     """
-    Returns cached, unused memory to the system: `empty_cache()` on an accelerator; on CPU with glibc,
-    `malloc_trim(0)`, which hands the C heap's free pages back to the kernel. A no-op where neither exists.
+    Returns cached, unused memory to the system: `empty_cache()` on an accelerator, the CUDA graphs' pools too (let
+    go of first: [`core.graphs.release_pools`]); on CPU with glibc, `malloc_trim(0)`, which hands the C heap's free
+    pages back to the kernel. A no-op where neither exists.
     """
     global _libc
     if is_accelerator(device):
+        if device.type == "cuda":
+            graphs.release_pools()
         _device_memory_api(device).empty_cache()
         return
     if _libc is None:

@@ -28,8 +28,8 @@ from .packing import PackedBatch
 CAPTURE_DEVICES = ("cuda",)
 # The most rows a replayed chunk holds: more, and a chunk is rarely host-bound, its layouts rarely repeat
 MAX_ROWS = 2
-# Graphs a pass keeps at once (each holds its own memory pool): the oldest is dropped for a new one (with prompts held,
-# a graph is dropped as soon as its prompt is released)
+# Graphs a pass keeps at once (all in the device's one capture pool, [`graphs.capture_pool`]): the oldest is dropped
+# for a new one (with prompts held, a graph is dropped as soon as its prompt is released)
 MAX_LIVE_GRAPHS = 4
 # On a model's first captured pass, this many replays are checked against the eager forward
 CHECKED_REPLAYS = 2
