@@ -9,6 +9,7 @@ import torch
 import trl
 
 from rloo_efficient import RLOOTrainer
+from rloo_efficient.core import graphs as core_graphs
 from rloo_efficient.core.forward import graphed
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.once import WarnOnce
@@ -102,16 +103,20 @@ def run(trainer_class, path, args, dataset):
 
 @pytest.mark.parametrize("rows, fault", [(1, None), (2, None), pytest.param(1, "wrong", marks=pytest.mark.slow),
                                          pytest.param(1, "fails", marks=pytest.mark.slow)])  # fmt: skip
-def test_small_scoring_chunks_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, rows, fault):
+def test_small_scoring_chunks_replay_and_match_stock(workload, tmp_path, exact_head, emulated_graphs, monkeypatch, rows,
+                                                     fault):  # fmt: skip
     """One or two rows per micro-batch, completions longer than the prompts (so no chunks merge): the reference pass's
     chunks of each held prompt replay one captured forward, and the run is stock's. A replay that differs from the
-    eager forward, or a forward that cannot be captured, is caught at first use: eager from there on, one warning."""
+    eager forward, or a forward that cannot be captured, is caught at first use: eager from there on, one warning.
+    The capture pools are let go of once generation and scoring are done, before training (one generation: once)."""
     cfg, path, dataset = workload
     graphs, faults = emulated_graphs
     if fault is not None:
         faults[fault] = True
     settings = {"max_steps": 1, "optim": "sgd", "learning_rate": 1e-1, **SMALL_CHUNKS[rows]}
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "s", config_class=trl.RLOOConfig, **settings), dataset)
+    released = []  # the graphs captured when the capture pools were let go of
+    monkeypatch.setattr(core_graphs, "release_pools", lambda: released.append(len(graphs)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ours = run(RLOOTrainer, path, training_args(tmp_path / "o", shuffle_groups=False, **settings), dataset)
@@ -121,6 +126,7 @@ def test_small_scoring_chunks_replay_and_match_stock(workload, tmp_path, exact_h
     a, b = stock.state.log_history[0], ours.state.log_history[0]
     for key in ("loss", "kl", "grad_norm", "entropy"):
         assert b[key] == pytest.approx(a[key], rel=1e-9, abs=1e-12), (key, a[key], b[key])
+    assert released == [len(graphs)]
     if fault is None:
         assert not messages and graphs and ours.graph_replays > 0
     else:
@@ -245,3 +251,48 @@ def test_every_capture_on_a_device_allocates_from_its_one_pool_until_the_cache_i
     assert emptied == [set()]  # the pools let go of before the cache is emptied (each then freed with its graphs)
     graphs.capture(step, torch.device("cuda:0"))
     assert len(cuda.pools) == 3 and cuda.captures[-1][1] == cuda.pools[2].id and cuda.pools[2].device == 0
+
+
+def test_a_failed_capture_leaves_later_captures_a_new_pool(monkeypatch):
+    """Where `capture_end` fails, some torch releases leave the pool marked as being captured into, and every later
+    capture into it would fail: the next capture on that device gets a new pool (the other device's is kept)."""
+    from rloo_efficient.core import graphs
+
+    cuda = StubbedCuda(monkeypatch)
+    graphs.capture(lambda: torch.zeros(1), torch.device("cuda:1"))
+    graphs.capture(lambda: torch.zeros(1), torch.device("cuda:0"))
+
+    def failing():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        graphs.capture(failing, torch.device("cuda:0"))
+    graphs.capture(lambda: torch.zeros(1), torch.device("cuda:0"))
+    graphs.capture(lambda: torch.zeros(1), torch.device("cuda:1"))
+    first, second, failed, new, kept = (pool for _, pool in cuda.captures)
+    assert failed == second and new not in (first, second) and kept == first
+
+
+def test_the_graphs_of_a_pass_are_dropped_together(emulated_graphs, monkeypatch):
+    """[`graphed.GraphedForwards.drop`]: a dying graph frees the cuBLAS workspace of the stream it was captured on,
+    which every other graph captured on the device's one side stream writes; so no graph is dropped while another
+    lives: a released source, or one graph past the live limit, drops them all."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(graphed, "MAX_LIVE_GRAPHS", 2)
+
+    def call(**inputs):
+        return SimpleNamespace(log_probs=torch.zeros(3), entropy=None)
+
+    forwards = graphed.GraphedForwards(torch.nn.Linear(1, 1), torch.device("cpu"), call, entropy=False)
+    packed = SimpleNamespace(model_inputs=dict, layout=SimpleNamespace(memo={}))
+    forwards._capture(("a", ("p",)), packed)
+    forwards._capture(("b", ("q",)), packed)
+    forwards.release({"p", "q"})  # every source held: both kept
+    assert list(forwards.graphs) == [("a", ("p",)), ("b", ("q",))]
+    forwards.release({"q"})  # "p" released: "b" goes with "a"
+    assert forwards.graphs == {}
+    forwards._capture(("a", ("p",)), packed)
+    forwards._capture(("b", ("p",)), packed)
+    forwards._capture(("c", ("p",)), packed)  # past the limit: only the new one lives
+    assert list(forwards.graphs) == [("c", ("p",))]

@@ -43,16 +43,21 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 def capture_pool(device: torch.device) -> tuple[int, int] | None:
     """
     The id of the one memory pool on `device` that every capture there allocates from (static decoding's and the
-    scoring passes'); None where torch has no `torch.cuda.MemPool`.
+    scoring passes'), until [`release_pools`]; None where torch has no `torch.cuda.MemPool`.
 
-    A capture given no pool gets a private one, which outlives its graph as reserved memory until `empty_cache()`, and
-    no later capture reuses its blocks: each step's decoding graph and scoring graphs reserved memory anew (on an H200
-    at one row per micro-batch, ours reserved 1.38x stock's). In one pool, a capture reuses the blocks that dead
-    graphs freed and that live graphs freed after their own capture (their intermediates, which each replay writes
-    before it reads them). Safe because replays run one at a time on the current stream, and what a graph reads across
-    replays (its outputs, buffers made before its capture) stays allocated while it lives, so no capture is given it. The pool is held by a
-    `torch.cuda.MemPool`, so that it lives between captures: a pool whose graphs have all died cannot be captured into
-    again (c10's `use_count > 0` assert).
+    A capture given no pool gets a private one, whose blocks no later capture reuses: it stays reserved after its graph
+    dies, until `empty_cache()` or an allocation that would otherwise fail releases it, so each step's decoding and
+    scoring graphs reserved memory anew (on an H200 at one row per micro-batch, ours reserved 1.38x stock's). In one
+    pool a capture reuses the blocks dead graphs freed, and those a live graph freed after its own capture (its
+    intermediates, which each of its replays writes before it reads them). Safe for the graphs here, because:
+    - replays run one at a time, on the current stream;
+    - what a replay reads that it did not write itself was made outside the pool: its inputs, buffers, masks and cached
+      keys (before its capture, or in its warm-up);
+    - each replay's outputs (which may lie where a graph captured earlier keeps its intermediates) are copied before
+      another graph replays: static decoding clones its logits, a scoring chunk's log-probs are unpacked into new
+      tensors.
+    The pool is held by a `torch.cuda.MemPool`, so that it lives between the captures of a step: a pool whose graphs
+    have all died cannot be captured into again (c10's `use_count > 0` assert).
     """
     if not hasattr(torch.cuda, "MemPool"):
         return None
@@ -65,8 +70,12 @@ def capture_pool(device: torch.device) -> tuple[int, int] | None:
 
 
 def release_pools() -> None:
-    """Lets go of every device's capture pool: each is freed when its last graph dies, its blocks returned by the
-    next `empty_cache()` (where the trainer releases cached memory); the next capture makes a new one."""
+    """
+    Lets go of every device's capture pool; the next capture makes a new one. Where no graph in it is alive (the
+    trainer calls this once a step's generation and scoring passes are done, before training), `MemPool`'s destructor
+    returns its blocks to the device at once; otherwise they are released once its last graph dies, by the next
+    `empty_cache()` or an allocation that would otherwise fail.
+    """
     _POOLS.clear()
 
 
@@ -102,11 +111,17 @@ def capture(step, device: torch.device) -> tuple["torch.cuda.CUDAGraph", object]
     stream = side_stream(device)
     stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=capture_pool(device), capture_error_mode="thread_local")
-        try:
-            output = step()
-        finally:
-            graph.capture_end()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=capture_pool(device), capture_error_mode="thread_local")
+            try:
+                output = step()
+            finally:
+                graph.capture_end()
+    except BaseException:
+        # A failed capture may leave its pool marked as being captured into (some torch releases skip that cleanup
+        # when `capture_end` fails): later captures get a new pool
+        _POOLS.pop(_index(device), None)
+        raise
     current.wait_stream(stream)
     return graph, output

@@ -47,6 +47,7 @@ import torch
 from transformers import Trainer
 from trl.extras.profiling import profiling_context
 
+from ..core import graphs
 from ..core.layers.install import install
 from ..core.tree.rows import carried, prompt_images, row_groups, scored_lengths, table_of
 from ..profiling.trainer_profiling import PROFILING_OFF, TrainerProfiling
@@ -187,6 +188,7 @@ class GroupSharingMixin(Counted, ProfilingAccessors):
             rows = self._active_rows
         finally:
             self._active_rows = None
+            graphs.release_pools()  # the step's CUDA graphs are dead: their pool back to the device before training
         if rows is None:
             return output
         output[ROWS_KEY] = carried(rows)  # a host array per row: TRL's shuffle and split carry them with the batch

@@ -28,8 +28,8 @@ from .packing import PackedBatch
 CAPTURE_DEVICES = ("cuda",)
 # The most rows a replayed chunk holds: more, and a chunk is rarely host-bound, its layouts rarely repeat
 MAX_ROWS = 2
-# Graphs a pass keeps at once (all in the device's one capture pool, [`graphs.capture_pool`]): the oldest is dropped
-# for a new one (with prompts held, a graph is dropped as soon as its prompt is released)
+# Graphs a pass keeps at once (all in the device's one capture pool, [`graphs.capture_pool`]): past it, all are dropped
+# for a new one (with prompts held, all as soon as a prompt one reads is released: [`GraphedForwards.drop`])
 MAX_LIVE_GRAPHS = 4
 # On a model's first captured pass, this many replays are checked against the eager forward
 CHECKED_REPLAYS = 2
@@ -76,7 +76,9 @@ class GraphedForwards:
     """
     A pass's chunks replayed from CUDA graphs where their layouts repeat: `forward(packed)` returns
     `(log_probs, entropy)` of a packed chunk, from `call(**inputs)` (the model) or a replay of it (counted in
-    `counts.graph_replays`). Graphs live as long as the pass ([`release`] drops those reading released sources).
+    `counts.graph_replays`). A replay's outputs are the graph's own buffers, to be copied before the next `forward` (the
+    graphs share a pool: another graph's replay may write there). Graphs live as long as the pass ([`release`] and
+    the live limit drop them all at once: [`drop`]).
     """
 
     def __init__(self, model, device: torch.device, call: Callable, entropy: bool, counts=None):
@@ -111,9 +113,20 @@ class GraphedForwards:
         return captured.outputs
 
     def release(self, held: set) -> None:
-        """Drops the graphs reading a source no longer in `held` (their keys are freed: never replayed again)."""
-        for key in [key for key in self.graphs if not set(key[1]) <= held]:
-            del self.graphs[key]
+        """Once a graph reads a source no longer in `held` (its keys are freed: never replayed again), drops every
+        graph ([`drop`])."""
+        if any(not set(key[1]) <= held for key in self.graphs):
+            self.drop()
+
+    def drop(self) -> None:
+        """
+        Drops every graph: never one while others live. Recent torch releases' `CUDAGraph.reset` (run when a graph
+        dies) frees the cuBLAS workspace of the stream it was captured on (pytorch#193402), and every graph here was
+        captured on the device's one side stream ([`graphs.side_stream`]) with that workspace: a live graph's later
+        replays would write memory handed to other tensors. (A pass's graphs rarely outlive one another: a group's
+        chunks share one layout, so a prompt's release drops its graph alone.)
+        """
+        self.graphs.clear()
 
     def _eager(self, packed: PackedBatch) -> tuple:
         outputs = self.call(**packed.model_inputs())
@@ -129,7 +142,7 @@ class GraphedForwards:
             self._give_up("its forward cannot be captured", f" ({type(error).__name__}: {error})")
             return first
         if len(self.graphs) >= MAX_LIVE_GRAPHS:
-            del self.graphs[next(iter(self.graphs))]
+            self.drop()
         self.graphs[key] = _Captured(graph, packed, outputs)
         return first
 
