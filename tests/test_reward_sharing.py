@@ -101,7 +101,7 @@ def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path
     padded ones would round apart there (2e-6 relative in OLMo 3's grad_norm)."""
     cfg, path, dataset = workload
     # float32 scores: packed and padded rows sum in different orders (~1e-7 relative), carried into the advantages and
-    # grown over three optimizer steps (Gemma 2's third grad_norm 2.2e-5 apart on the 2026-12-05 machine, the same on the previous commit)
+    # grown over three optimizer steps (Gemma 2's third grad_norm: 2.2e-5 apart on the 2026-12-05 machine)
     tolerance = (1e-4, 1e-6) if REWARD_FAMILIES[arch].get("model_dtype") == "float32" else (F64_RTOL, F64_ATOL)
     stock, ours = compare(path, dataset, tmp_path, [reward_models[arch]], tolerance=tolerance)
     # Each group's prompt once: fewer tokens than stock's B padded rows
