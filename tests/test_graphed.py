@@ -184,7 +184,7 @@ class StubbedCuda:
         monkeypatch.setattr(graphs, "_POOLS", {})
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "MemPool", MemPool, raising=False)
+        monkeypatch.setattr(torch.cuda, "MemPool", MemPool)
         monkeypatch.setattr(torch.cuda, "stream", lambda stream: self._entered(self.streams, stream))
         monkeypatch.setattr(torch.cuda, "device", lambda index: self._entered(self.devices, index))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.devices[-1])

@@ -40,10 +40,10 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
-def capture_pool(device: torch.device) -> tuple[int, int] | None:
+def capture_pool(device: torch.device) -> tuple[int, int]:
     """
     The id of the one memory pool on `device` that every capture there allocates from (static decoding's and the
-    scoring passes'), until [`release_pools`]; None where torch has no `torch.cuda.MemPool`.
+    scoring passes'), until [`release_pools`] (`torch.cuda.MemPool`: in every torch release we support, 2.9 on).
 
     A capture given no pool gets a private one, whose blocks no later capture reuses: it stays reserved after its graph
     dies, until `empty_cache()` or an allocation that would otherwise fail releases it, so each step's decoding and
@@ -59,8 +59,6 @@ def capture_pool(device: torch.device) -> tuple[int, int] | None:
     The pool is held by a `torch.cuda.MemPool`, so that it lives between the captures of a step: a pool whose graphs
     have all died cannot be captured into again (c10's `use_count > 0` assert).
     """
-    if not hasattr(torch.cuda, "MemPool"):
-        return None
     index = _index(device)
     pool = _POOLS.get(index)
     if pool is None:
