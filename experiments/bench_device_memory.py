@@ -60,6 +60,7 @@ def arguments(method: str, args, rows: int, layers: int, live: Path) -> list[str
         "--bf16", "true", "--use_cpu", "true", "--emulate_device_path", "true", "--live_bytes", str(live),
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
+        *(["--tie_word_embeddings", "false"] if args.untied else []),
     ]  # fmt: skip
 
 
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4], help="layer counts run (two: scaled to --depth)")
     parser.add_argument("--depth", type=int, default=None, help="the model's own layers (default: the preset's)")
     parser.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (a LoRA run)")
+    parser.add_argument("--untied", action="store_true", help="the LM head untied from the input embedding (the preset "
+                        "models up to 4B tie them, as Qwen3's do; 8B does not)")
     parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
     parser.add_argument("--workdir", default=None, help="keep each run's records here; reuse those already here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (the cores split between them)")

@@ -14,10 +14,10 @@ import trl
 
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.tree.rows import table_of
-from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.trainers.config import ROWS_KEY
 
-from .conftest import METRICS, step_metrics, training_args
+from .conftest import METRICS, step_metrics, tiny_workload, training_args
 
 
 # Measured: 3e-13 (tensors, relative to their scale) and 2e-16 (metrics) at most, over the layouts below
@@ -172,3 +172,23 @@ def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp
         5 if "one_row" in layout else 1)  # fmt: skip
     scope = ours._held.planner.train_scope
     assert not scope or not scope.held or not scope.held.sources  # all released
+
+
+@pytest.fixture(scope="module")
+def tied_workload(model_cache):
+    """The workload's model with its LM head tied to its input embedding, as Qwen3 up to 4B, Llama 3.2 and Gemma."""
+    cfg = tiny_workload(model_cache, tie_word_embeddings=True)
+    return cfg, build_model_dir(cfg), build_dataset(cfg)
+
+
+@pytest.mark.parametrize("layout", ["one_row_stock_order", "two_rows_two_iterations"])
+def test_a_tied_embedding_matches_stock(tied_workload, tmp_path, exact_head, layout):
+    """One weight read by the input embedding and the LM head, with prompts held across micro-batches (their forward
+    reads the weight through one alias for both, [`param_alias`]): the same log-probs, update and metrics as stock's."""
+    cfg, path, dataset = tied_workload
+    overrides, ours_only, rtol = HELD_LAYOUTS[layout]
+    overrides = {"steps_per_generation": overrides["gradient_accumulation_steps"], **overrides}
+    stock, ours = compare(path, dataset, tmp_path, rtol=rtol, ours_only=ours_only, **overrides)
+    for trainer in (stock, ours):
+        assert trainer.model.get_output_embeddings().weight is trainer.model.get_input_embeddings().weight
+    assert ours.held_forward_tokens > 0

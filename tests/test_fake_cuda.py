@@ -765,3 +765,20 @@ def test_an_embeddings_gradient_is_added_on_cuda_without_host_reads():
         grad, rows = torch.zeros(40, 8, device=CUDA), torch.randn(150, 8, device=CUDA)
         _add_rows(grad, rows, torch.randint(12, (150,), device=CUDA), 3)
     assert grad.device == CUDA and safety.found == []
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_tied_weights_gradient_is_added_on_cuda_without_host_reads(fresh):
+    """A tied weight's head and lookup gradients added in place on CUDA ([`in_place_grads._Tied`]): the touched rows
+    kept and written with shapes fixed by the token count, on the first micro-batch (no `.grad` yet) and later ones."""
+    from rloo_efficient.core.forward.in_place_grads import _Tied
+
+    with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:
+        weight = torch.zeros(40, 8, device=CUDA, requires_grad=True)
+        weight.grad = None if fresh else torch.zeros(40, 8, device=CUDA)
+        tied = _Tied(torch.randint(12, (2, 75), device=CUDA), 3)
+        tied.hold(weight)
+        for start in range(0, 40, 16):
+            tied.take(torch.randn(min(16, 40 - start), 8, device=CUDA), start)
+        tied.add(weight, torch.randn(150, 8, device=CUDA))
+    assert weight.grad.device == CUDA and weight.grad.shape == (40, 8) and safety.found == []

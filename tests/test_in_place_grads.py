@@ -51,25 +51,26 @@ class _WholeGradients(LiveBytes):
         return out
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    """A tiny Qwen3 (untied embeddings, as Qwen3-8B's) saved in float32, and its prompts (48 tokens each)."""
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def qwen3(request, tmp_path_factory):
+    """A tiny Qwen3 saved in float32, its input embedding untied from the LM head (as Qwen3-8B's) or tied (as Qwen3-0.6B
+    to 4B's), and its prompts (48 tokens each)."""
     cfg = tiny_workload(tmp_path_factory.mktemp("models"), arch="qwen3", model_dtype="float32", prompt_length=48,
-                        prompt_length_min=None)  # fmt: skip
-    return build_model_dir(cfg), build_dataset(cfg)
+                        prompt_length_min=None, tie_word_embeddings=request.param == "tied")  # fmt: skip
+    return request.param == "tied", build_model_dir(cfg), build_dataset(cfg)
 
 
 @pytest.mark.parametrize("token_chunk", [None, 5])
-def test_the_heads_gradient_added_in_place_is_autograds(untied, tmp_path, monkeypatch, token_chunk):
+def test_the_heads_gradient_added_in_place_is_autograds(qwen3, tmp_path, monkeypatch, token_chunk):
     """
     TRL's defaults (float32 weights under bf16 autocast, gradient checkpointing), one row per micro-batch, four
-    micro-batches a step: from the second on, the head's gradient is added to `.grad` one vocabulary chunk at a time,
-    and the input embedding's on the rows its tokens touch: neither is made whole. Every parameter's gradient is, bit
-    for bit, the one autograd's addition gives (the same run with both left to autograd, which makes each whole every
-    time). With five-token chunks, each vocabulary chunk's gradient is first summed over several token chunks, as TRL
-    sums them.
+    micro-batches a step: from the second on (tied: from the first, where the two whole gradients would be alive at
+    once), the head's gradient is added to `.grad` one vocabulary chunk at a time, and the input embedding's on the rows
+    its tokens touch: neither is made whole. Every parameter's gradient is, bit for bit, the one autograd's addition
+    gives (the same run with both left to autograd, which makes each whole every time). With five-token chunks, each
+    vocabulary chunk's gradient is first summed over several token chunks, as TRL sums them.
     """
-    path, dataset = untied
+    tied, path, dataset = qwen3
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
     if token_chunk is not None:
         monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", token_chunk)
@@ -91,8 +92,11 @@ def test_the_heads_gradient_added_in_place_is_autograds(untied, tmp_path, monkey
         counts = trainer._counts
         runs[in_place] = gradients.steps, (counts.in_place_head_grads, counts.in_place_embedding_grads), whole.most
     (on, added, made_on), (off, none, made_off) = runs[True], runs[False]
-    # Three of each step's four micro-batches; the embedding's also in the held prompt's backward (through its alias)
-    assert added == (2 * 3, 2 * (3 + 1)) and none == (0, 0)
+    # Three of each step's four micro-batches (tied: four); the embedding's also in the held prompt's backward (through
+    # its alias)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    micro_batches = 4 if tied else 3
+    assert added == (2 * micro_batches, 2 * (micro_batches + 1)) and none == (0, 0)
     size = model.get_output_embeddings().weight.numel() * 4
     assert made_on == [0, 0] and made_off == [size, size]  # autograd's way: each whole, in float32, every time
     for step_on, step_off in zip(on, off, strict=True):
@@ -152,7 +156,7 @@ def test_a_head_is_added_in_place_only_alone_in_its_graph(heads):
 @pytest.mark.parametrize("padding_idx", [None, 3])
 def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
     """The input embedding's gradient added on the rows its tokens touch (repeated tokens, the padding token among
-    them): bit for bit autograd's addition of the dense gradient, which the tied embedding keeps."""
+    them): bit for bit autograd's addition of the dense gradient, tied to the head or not (no head read it here)."""
     torch.manual_seed(0)
     tokens = torch.randint(12, (3, 50))  # 12 of 40 rows touched, each many times (their sums' order matters)
     results = {}
@@ -165,13 +169,55 @@ def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
             out = model.embed(tokens)
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
         results[in_place, tied] = model.embed.weight.grad, counts.in_place_embedding_grads
-    assert results[True, False][1] == 1 and results[True, True][1] == 0  # a tied embedding: left to autograd
+        del out  # (its graph, and the lookup recorded in it)
+    assert results[True, False][1] == results[True, True][1] == 1
     assert torch.equal(results[True, False][0], results[False, False][0])
     assert torch.equal(results[True, True][0], results[False, False][0])
     if padding_idx is not None:
         assert torch.equal(results[True, False][0][padding_idx], torch.randn(40, 8, generator=torch.Generator(
             ).manual_seed(1))[padding_idx])  # fmt: skip
     assert not in_place_grads._pending
+
+
+def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: bool) -> tuple:
+    """A tied embedding's lookup, a layer, and TRL's fused head on the same weight (3 vocabulary chunks), in one
+    graph, backpropagated onto no `.grad` or one already there (its untouched rows with some -0.0): the weight's
+    gradient, and the in-place additions counted."""
+    generator = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    model = _Model(40, 8, tied=True)
+    model.embed.padding_idx = padding_idx
+    weight = model.head.weight
+    if grad == "some":
+        weight.grad = torch.randn(weight.shape, generator=generator)
+        weight.grad[[0, 2, 30]] = -0.0
+    # Repeated tokens in every vocabulary chunk (rows 0-15, 16-31, 32-39), the padding token 3 among them
+    tokens = torch.tensor([first, 5, 17, 20, 33, 39, 3])[torch.randint(7, (2, 30), generator=generator)]
+    mix = torch.randn(8, 8, generator=generator)
+    targets = torch.randint(weight.shape[0], (60,), generator=generator)
+    counts = PassCounts()
+    with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+        hidden = torch.tanh(model.embed(tokens) @ mix).reshape(60, 8)
+        logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.7, 16, None, 1.0,
+                                                                     ("entropy",))  # fmt: skip
+    (logps.sum() + 0.1 * entropy.sum()).backward()
+    return weight.grad, (counts.in_place_head_grads, counts.in_place_embedding_grads)
+
+
+@pytest.mark.parametrize("first", [0, 1])  # (row 0 touched or not: the spare slots write the first distinct row)
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("grad", ["none", "some"])
+def test_a_tied_weights_two_gradients_are_added_as_autograd_sums_them(grad, padding_idx, first):
+    """
+    A tied weight's head and lookup in one graph: autograd sums their gradients, then adds the sum to `.grad` (or takes
+    it as `.grad`). In place, the head adds its gradient to the rows no token touches as it makes them, and the lookup
+    writes the touched rows: bit for bit autograd's, the first micro-batch's (no `.grad` yet) and a later one's.
+    """
+    ours, added = _tied_backward(grad, padding_idx, first, in_place=True)
+    stock, none = _tied_backward(grad, padding_idx, first, in_place=False)
+    assert added == (1, 1) and none == (0, 0)
+    assert torch.equal(ours, stock) and torch.equal(torch.signbit(ours), torch.signbit(stock))
+    assert not in_place_grads._pending and not in_place_grads._unpaired
 
 
 def test_another_trls_backward_is_left_as_it_is(monkeypatch):

@@ -262,7 +262,7 @@ def model_config(cfg, tokenizer):
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
     if cfg.head_dim is not None:
         text["head_dim"] = head_dim

@@ -47,17 +47,18 @@ CHAT_TEMPLATE = (
 def chat_template(arch: str | None) -> str:
     return CHAT_TEMPLATE.replace("IMAGE", IMAGE_PLACEHOLDER.get(arch, ""))
 # Random-weight models shaped like real ones, for measurements on a GPU: the shapes of Qwen3-0.6B, 1.7B, 4B and 8B
-# (vocabulary padded to theirs, so the LM head costs what it costs there), untied embeddings, bf16
+# (vocabulary padded to theirs, so the LM head costs what it costs there), the input embedding tied to the LM head as
+# theirs are (up to 4B), bf16
 PRESETS = {
     "qwen3-0.6b": dict(arch="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                       max_position_embeddings=40960, model_dtype="bfloat16"),
+                       max_position_embeddings=40960, model_dtype="bfloat16", tie_word_embeddings=True),
     "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
-                       max_position_embeddings=40960, model_dtype="bfloat16"),
+                       max_position_embeddings=40960, model_dtype="bfloat16", tie_word_embeddings=True),
     "qwen3-4b": dict(arch="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-                     max_position_embeddings=40960, model_dtype="bfloat16"),
+                     max_position_embeddings=40960, model_dtype="bfloat16", tie_word_embeddings=True),
     "qwen3-8b": dict(arch="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
                      max_position_embeddings=40960, model_dtype="bfloat16"),
@@ -99,6 +100,11 @@ class WorkloadConfig:
         metadata={"help": "A sliding window for the architectures that have one: every other layer for gemma3 and "
                   "gpt_oss (default 512 and 128, as the real models), all layers for mistral and phi3 (default none)."},
     )
+    tie_word_embeddings: bool | None = field(
+        default=None,
+        metadata={"help": "The LM head's weight is the input embedding's, as in Qwen3 up to 4B, Llama 3.2 and Gemma "
+                  "(default: as the preset's model, else untied)."},
+    )
     vocab_size: int | None = field(
         default=None,
         metadata={"help": "Pad the byte tokenizer's vocabulary to this size with unused tokens (a real-size LM head)."},
@@ -123,9 +129,11 @@ class WorkloadConfig:
             if self.preset not in PRESETS:
                 raise ValueError(f"Unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
             for key, value in PRESETS[self.preset].items():
-                setattr(self, key, value)
+                if key != "tie_word_embeddings" or self.tie_word_embeddings is None:
+                    setattr(self, key, value)
             if self.preset_layers is not None:
                 self.num_hidden_layers = self.preset_layers
+        self.tie_word_embeddings = bool(self.tie_word_embeddings)
         if self.vocab_size is not None and self.vocab_size < BYTE_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte tokenizer's own tokens).")
         if self.arch not in ARCHITECTURES:
@@ -207,6 +215,8 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     settings = {key: getattr(cfg, key) for key in model_keys}
     settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size", "sliding_window")
                      if getattr(cfg, key) is not None})  # fmt: skip
+    if cfg.tie_word_embeddings:  # (untied models keep the names they had before the setting)
+        settings["tie_word_embeddings"] = True
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
 

@@ -18,10 +18,13 @@ one-row micro-batch's backward, stock's and ours alike.
 The same additions, elementwise, as autograd's: the same bits, with one chunk alive instead of the whole.
 
 Only where autograd would add that gradient alone, in one step: a leaf weight that already has a `.grad` of its own
-shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, untied (a tied embedding's
-two gradients are summed before they are added), and no other use of the weight pending in a graph. The caller decides
-the rest: one process and no torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL
-whose backward is not the one read here, torch's and TRL's own.
+shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, and no other use of the
+weight pending in a graph. A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read by one lookup and then one head in a
+graph, gets their sum as autograd makes it ([`_Tied`]): the head adds its gradient to the rows the lookup's tokens do
+not touch, and the lookup writes the touched rows as `grad + (head's + lookup's)`; from the first micro-batch on, as
+the two whole gradients would otherwise be alive at once. The caller decides the rest: one process and no
+torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL whose backward is not the one
+read here, torch's and TRL's own.
 """
 
 import contextlib
@@ -74,9 +77,11 @@ class _InPlaceHead(ChunkedLogProbFunction):
     @staticmethod
     def forward(ctx, hidden, weight, *args):
         outputs = ChunkedLogProbFunction.forward(ctx, hidden, weight, *args)
-        ctx.counts = _InPlaceHead.counts
+        ctx.counts, ctx.tied = _InPlaceHead.counts, None
         if ctx.needs_input_grad[1]:
             ctx.key = id(weight)
+            tied = _unpaired.pop(ctx.key, None)  # the tied embedding's lookup before it in this forward ...
+            ctx.tied = tied if _pending.get(ctx.key) == 1 else None  # ... and the weight's only other use in a graph
             _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
             weakref.finalize(ctx, _release, ctx.key)  # (the graph freed, backward run or not)
         return outputs
@@ -84,24 +89,39 @@ class _InPlaceHead(ChunkedLogProbFunction):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, *rest):
         weight = ctx.saved_tensors[1]
-        if not ctx.needs_input_grad[1] or not _adds_alone(ctx, weight):
+        tied = ctx.tied if ctx.needs_input_grad[1] and _adds_with(ctx, weight) else None
+        if tied is None and (not ctx.needs_input_grad[1] or not _adds_alone(ctx, weight)):
             return ChunkedLogProbFunction.backward(ctx, grad_logprobs, grad_entropy, *rest)
-        grad_hidden, grad_bias = _backward_adding(ctx, weight, grad_logprobs, grad_entropy)
+        grad_hidden, grad_bias = _backward_adding(ctx, weight, grad_logprobs, grad_entropy, tied)
         if ctx.counts is not None:
             ctx.counts.in_place_head_grads += 1
         return grad_hidden, None, grad_bias, *(None,) * 6
 
 
-def _adds_alone(ctx, weight: torch.Tensor) -> bool:
-    """Whether autograd would add this head's weight gradient, and only it, to `weight.grad` now, in place."""
-    grad = weight.grad
+def _accumulates(weight: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Whether autograd, in this backward, would accumulate into `weight.grad` (`grad`) as `grad += new`."""
     return (weight.grad_fn is None and grad is not None and grad.shape == weight.shape and grad.dtype == weight.dtype
-            and grad.layout == torch.strided and not torch.is_grad_enabled() and not watched(weight)
-            and _pending.get(ctx.key) == 1)  # fmt: skip
+            and grad.layout == torch.strided and not torch.is_grad_enabled() and not watched(weight))  # fmt: skip
+
+
+def _adds_alone(ctx, weight: torch.Tensor) -> bool:
+    """Whether autograd would add this head's (or lookup's) weight gradient, and only it, to `weight.grad` now, in
+    place."""
+    return _accumulates(weight, weight.grad) and _pending.get(ctx.key) == 1
+
+
+def _adds_with(ctx, weight: torch.Tensor) -> bool:
+    """Whether autograd would add this head's weight gradient and its tied embedding's, summed, and only them, to
+    `weight.grad`, or take their sum as `weight.grad` where it has none: the two are the only uses of the weight
+    pending in a graph, and the lookup (earlier in the forward) is still to be backpropagated."""
+    grad = weight.grad
+    return (ctx.tied is not None and ctx.tied.head_rows is None and _pending.get(ctx.key) == 2
+            and (grad is None and weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
+                 or _accumulates(weight, grad)))  # fmt: skip
 
 
 # Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
-def _backward_adding(ctx, weight, grad_logprobs, grad_entropy) -> tuple:
+def _backward_adding(ctx, weight, grad_logprobs, grad_entropy, tied: "_Tied | None" = None) -> tuple:
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
@@ -117,6 +137,8 @@ def _backward_adding(ctx, weight, grad_logprobs, grad_entropy) -> tuple:
         mm_buf = torch.empty((min(N, tokens), chunk_size), device=hidden.device, dtype=compute_dtype)
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
+        if tied is not None:  # in place: the rows the tied lookup touches wait for its gradient ([`_Tied`])
+            tied.hold(weight)
 
         # in place: the vocabulary chunks outside, each one's weight gradient summed over the token chunks (TRL's
         # `grad_weight[start:end]`), then added to `.grad`
@@ -159,8 +181,12 @@ def _backward_adding(ctx, weight, grad_logprobs, grad_entropy) -> tuple:
                 if grad_bias is not None:
                     grad_bias[start:end] += tile.sum(dim=0, dtype=torch.float32)
             # in place: autograd's `grad += new`, on this chunk's rows (TRL returns `grad_weight.to(weight.dtype)`)
-            weight.grad[start:end].add_(grad_weight.to(weight.dtype))
-            del grad_weight
+            part = grad_weight.to(weight.dtype)
+            if tied is None:
+                weight.grad[start:end].add_(part)
+            else:
+                tied.take(part, start)
+            del grad_weight, part
 
     return (
         grad_hidden.to(hidden.dtype) if grad_hidden is not None else None,
@@ -169,19 +195,21 @@ def _backward_adding(ctx, weight, grad_logprobs, grad_entropy) -> tuple:
 
 
 def _read_alone(model: torch.nn.Module, module) -> torch.Tensor | None:
-    """`module`'s weight where no other parameter of `model` shares its storage (an untied embedding), else None."""
+    """`module`'s weight where no other parameter of `model` shares its storage (it may be two modules' one
+    parameter: a tied head and embedding), else None."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or type(weight) is not torch.nn.Parameter:
         return None
     storage = weight.untyped_storage().data_ptr()
-    shared = sum(p.untyped_storage().data_ptr() == storage for _, p in model.named_parameters(remove_duplicate=False))
-    return weight if shared == 1 else None
+    sharing = {id(p) for _, p in model.named_parameters(remove_duplicate=False)
+               if p.untyped_storage().data_ptr() == storage}  # fmt: skip
+    return weight if sharing == {id(weight)} else None
 
 
 @contextlib.contextmanager
 def adding_in_place(model: torch.nn.Module, counts=None):
     """Inside the block, `model`'s LM head (TRL's fused head, `model(..., fused_lm_head=True)`) and input embedding
-    add their weight gradients to `.grad` as made, where [`_adds_alone`] and neither weight is tied (counted in
+    add their weight gradients to `.grad` as made, where [`_adds_alone`], or, tied, [`_adds_with`] (counted in
     `counts.in_place_head_grads` and `in_place_embedding_grads`, where given). A head patched in by someone else (a
     test's stand-in) is left as it is."""
     stock_head, stock_embedding = trl_utils._ChunkedLogProbFunction, torch.nn.functional.embedding
@@ -191,14 +219,17 @@ def adding_in_place(model: torch.nn.Module, counts=None):
     embedding = _read_alone(model, model.get_input_embeddings())
     if head is not None and stock_head is ChunkedLogProbFunction:
         trl_utils._ChunkedLogProbFunction = _InPlaceHead
-    if embedding is not None:
-        torch.nn.functional.embedding = _embedding_adding_in_place(embedding, stock_embedding)
+    tied = embedding is not None and embedding is getattr(model.get_output_embeddings(), "weight", None)
+    if embedding is not None and (not tied or trl_utils._ChunkedLogProbFunction is _InPlaceHead):
+        # (tied to a head left as it is: autograd sums the two, the lookup's left to autograd too)
+        torch.nn.functional.embedding = _embedding_adding_in_place(embedding, stock_embedding, tied)
     _InPlaceHead.counts = counts
     try:
         yield
     finally:
         trl_utils._ChunkedLogProbFunction, torch.nn.functional.embedding = stock_head, stock_embedding
         _InPlaceHead.counts = None
+        _unpaired.clear()
 
 
 class _InPlaceEmbedding(torch.autograd.Function):
@@ -207,10 +238,13 @@ class _InPlaceEmbedding(torch.autograd.Function):
     `parameter` ([`param_alias`]: its gradient is added to the parameter's as it arrives)."""
 
     @staticmethod
-    def forward(ctx, indices, weight, padding_idx: int, parameter):
+    def forward(ctx, indices, weight, padding_idx: int, parameter, tied: bool):
         ctx.save_for_backward(indices)
         ctx.parameter, ctx.padding_idx, ctx.counts = parameter, padding_idx, _InPlaceHead.counts
         ctx.key = id(weight)
+        ctx.tied = None
+        if tied:  # for the head that reads the weight next in this forward
+            ctx.tied = _unpaired[ctx.key] = _Tied(indices, padding_idx)
         _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
         weakref.finalize(ctx, _release, ctx.key)
         return torch.embedding(weight, indices, padding_idx)
@@ -219,36 +253,99 @@ class _InPlaceEmbedding(torch.autograd.Function):
     def backward(ctx, grad_output):
         (indices,) = ctx.saved_tensors
         parameter = ctx.parameter
+        if ctx.tied is not None and ctx.tied.head_rows is not None:  # (the head's backward held these rows for it)
+            ctx.tied.add(parameter, grad_output.reshape(-1, parameter.shape[1]))
+            if ctx.counts is not None:
+                ctx.counts.in_place_embedding_grads += 1
+            return None, None, None, None, None
         if not _adds_alone(ctx, parameter):
             return None, torch.ops.aten.embedding_backward(grad_output, indices, parameter.shape[0], ctx.padding_idx,
-                                                           False, False), None, None  # fmt: skip
+                                                           False, False), None, None, None  # fmt: skip
         _add_rows(parameter.grad, grad_output.reshape(-1, parameter.shape[1]), indices.reshape(-1), ctx.padding_idx)
         if ctx.counts is not None:
             ctx.counts.in_place_embedding_grads += 1
-        return None, None, None, None
+        return None, None, None, None, None
 
 
-def _add_rows(grad: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, padding_idx: int) -> None:
-    """`grad += embedding_dense_backward(rows, indices, V, padding_idx)`, made on the touched rows only.
-
-    Each index is renamed to its rank among the distinct indices (order kept: a stable sort orders the renamed indices
-    as the originals, so torch's kernels, CPU and CUDA, sum each row's tokens in the same order and groups), the dense
-    gradient is made over `n` rows (one per token: those past the distinct count stay zero), and added to `grad`'s rows
-    by the distinct indices (the spare slots add zeros to row 0). Shapes fixed by the token count: no host sync."""
-    n = indices.numel()
-    if padding_idx >= 0:  # the padding row gets nothing: its tokens' rows zeroed, added to its own slot as zeros
-        rows = torch.where((indices == padding_idx).unsqueeze(-1), 0, rows)
+def _distinct(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`indices` (flat) as `n` slots of distinct indices: `(distinct, renamed, last)`. `distinct[r]` is the index of
+    rank `r` among the distinct ones (ascending; the spare slots past the distinct count hold 0), `renamed` each token's
+    rank, `last` the highest rank (one element). Shapes fixed by the token count: no host sync."""
     ordered, order = torch.sort(indices, stable=True)
     starts = torch.diff(ordered, prepend=ordered.new_full((1,), -1)).ne(0)  # (indices are not negative)
     ranks = starts.cumsum(0) - 1  # each sorted token's index's rank among the distinct ones
     distinct = torch.zeros_like(indices).scatter_(0, ranks, ordered)
     renamed = torch.empty_like(ranks).scatter_(0, order, ranks)
-    dense = torch.ops.aten.embedding_dense_backward(rows, renamed, n, -1, False)
-    grad.index_put_((distinct,), dense.to(grad.dtype), accumulate=True)
+    return distinct, renamed, ranks.narrow(0, ranks.numel() - 1, 1)
 
 
-def _embedding_adding_in_place(weight: torch.Tensor, stock):
-    """`torch.nn.functional.embedding`, through [`_InPlaceEmbedding`] for `weight` while gradients are recorded."""
+def _dense_rows(rows: torch.Tensor, indices: torch.Tensor, renamed: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """`embedding_dense_backward(rows, indices, V, padding_idx)` on the touched rows only, one per slot of
+    [`_distinct`]: each index renamed to its rank among the distinct indices (order kept: a stable sort orders the
+    renamed indices as the originals, so torch's kernels, CPU and CUDA, sum each row's tokens in the same order and
+    groups); the spare slots' rows are zeros."""
+    if padding_idx >= 0:  # the padding row gets nothing: its tokens' rows zeroed, added to its own slot as zeros
+        rows = torch.where((indices == padding_idx).unsqueeze(-1), 0, rows)
+    return torch.ops.aten.embedding_dense_backward(rows, renamed, indices.numel(), -1, False)
+
+
+def _add_rows(grad: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, padding_idx: int) -> None:
+    """`grad += embedding_dense_backward(rows, indices, V, padding_idx)`, made on the touched rows only ([`_dense_rows`])
+    and added to `grad`'s rows by the distinct indices (the spare slots add zeros to row 0)."""
+    distinct, renamed, _ = _distinct(indices)
+    grad.index_put_((distinct,), _dense_rows(rows, indices, renamed, padding_idx).to(grad.dtype), accumulate=True)
+
+
+# Tied embeddings' lookups recorded in this forward and not yet read by a head, by their weight's id
+_unpaired: dict[int, "_Tied"] = {}
+
+
+class _Tied:
+    """
+    A tied weight's gradient as autograd adds it: the head's and the lookup's summed, then added to `.grad` (or taken as
+    `.grad`, where there is none). The head's backward runs first: it adds its gradient, one vocabulary chunk at a
+    time, to every row, having kept the rows the lookup's tokens touch as they were (`grad_rows`) and its own gradient
+    on them (`head_rows`); the lookup's backward then writes those rows as `grad_rows + (head_rows + its gradient)`.
+    One slot per token ([`_distinct`]): the spare slots write the first distinct row's value again. Autograd's order:
+    the head's backward runs before the lookup's (its input's gradient comes from the head's), and nothing else adds
+    to the weight's gradient between them ([`_adds_with`]).
+    """
+
+    def __init__(self, indices: torch.Tensor, padding_idx: int):
+        self.indices, self.padding_idx = indices.reshape(-1), padding_idx
+        self.head_rows = self.grad_rows = None
+
+    def hold(self, weight: torch.Tensor) -> None:
+        """Before the head's chunks: `.grad` made where there is none, and the touched rows kept."""
+        self.distinct, self.renamed, last = _distinct(self.indices)
+        slots = torch.arange(self.indices.numel(), device=self.indices.device)
+        self.slots = torch.where(slots > last, 0, slots)  # (a spare slot: the first's)
+        self.distinct = self.distinct.index_select(0, self.slots)
+        if weight.grad is None:
+            # Autograd would take the sum as `.grad`: zeros plus it are the same bits (none of these sums is -0.0: each
+            # starts from zeros)
+            weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+        self.weight, self.grad_rows = weight, weight.grad.index_select(0, self.distinct)
+        self.head_rows = weight.new_zeros((self.distinct.numel(), weight.shape[1]))
+
+    def take(self, part: torch.Tensor, start: int) -> None:
+        """The head's gradient on rows `start:start + len(part)`: its touched rows kept, every row added."""
+        local = self.distinct - start
+        inside = ((local >= 0) & (local < part.shape[0])).unsqueeze(-1)
+        self.head_rows = torch.where(inside, part.index_select(0, local.clamp(0, part.shape[0] - 1)), self.head_rows)
+        # (autograd adds an untouched row the lookup's zero too: a no-op, as TRL's sums start from zeros, never -0.0)
+        self.weight.grad.narrow(0, start, part.shape[0]).add_(part)
+
+    def add(self, weight: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """The lookup's backward: the touched rows written as autograd's addition of the summed gradients makes them."""
+        dense = _dense_rows(grad_output, self.indices, self.renamed, self.padding_idx).index_select(0, self.slots)
+        weight.grad.index_copy_(0, self.distinct, self.grad_rows + (self.head_rows + dense.to(weight.dtype)))
+        self.head_rows = self.grad_rows = self.weight = None
+
+
+def _embedding_adding_in_place(weight: torch.Tensor, stock, tied: bool):
+    """`torch.nn.functional.embedding`, through [`_InPlaceEmbedding`] for `weight` while gradients are recorded
+    (`tied`: `weight` is also the LM head's, read by [`_InPlaceHead`])."""
 
     def embedding(input, weight_, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                   sparse=False):  # fmt: skip
@@ -260,6 +357,6 @@ def _embedding_adding_in_place(weight: torch.Tensor, stock):
             padding_idx = -1
         elif padding_idx < 0:
             padding_idx += weight.size(0)
-        return _InPlaceEmbedding.apply(input, weight_, padding_idx, weight)
+        return _InPlaceEmbedding.apply(input, weight_, padding_idx, weight, tied and weight_ is weight)
 
     return embedding
