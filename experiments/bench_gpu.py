@@ -1,6 +1,6 @@
 """
 Stock TRL vs rloo_efficient on GPU-sized workloads: random-weight models shaped like Qwen3-0.6B and Qwen3-1.7B (their
-vocabulary size, untied), bf16, gradient checkpointing on, beta 0.05, one group per micro-batch, completions running
+vocabulary size, the LM head tied to the input embedding as theirs are; untied before 2026-12-07), bf16, gradient checkpointing on, beta 0.05, one group per micro-batch, completions running
 to their maximum length. Each run is its own process (`experiments/run_rloo.py`, so one run's memory cannot lower
 another's peak), 3 steps; the table gives the median of the steady steps (2 and 3) per phase: time (the profiler
 synchronizes the device at phase boundaries), peak allocated and peak reserved.

@@ -776,9 +776,9 @@ def test_a_tied_weights_gradient_is_added_on_cuda_without_host_reads(fresh):
     with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:
         weight = torch.zeros(40, 8, device=CUDA, requires_grad=True)
         weight.grad = None if fresh else torch.zeros(40, 8, device=CUDA)
-        tied = _Tied(torch.randint(12, (2, 75), device=CUDA), 3)
+        tied = _Tied(torch.randint(12, (2, 75), device=CUDA), 3, weight)
         tied.hold(weight)
         for start in range(0, 40, 16):
             tied.take(torch.randn(min(16, 40 - start), 8, device=CUDA), start)
-        tied.add(weight, torch.randn(150, 8, device=CUDA))
+        assert tied.add(torch.randn(150, 8, device=CUDA))
     assert weight.grad.device == CUDA and weight.grad.shape == (40, 8) and safety.found == []

@@ -179,19 +179,19 @@ def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
     assert not in_place_grads._pending
 
 
-def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: bool) -> tuple:
-    """A tied embedding's lookup, a layer, and TRL's fused head on the same weight (3 vocabulary chunks), in one
-    graph, backpropagated onto no `.grad` or one already there (its untouched rows with some -0.0): the weight's
-    gradient, and the in-place additions counted."""
+def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: bool, vocab: int = 256) -> tuple:
+    """A tied embedding's lookup of 60 tokens, a layer, and TRL's fused head on the same weight (vocabulary chunks of
+    16), in one graph, backpropagated onto no `.grad` or one already there (its untouched rows with some -0.0): the
+    weight's gradient, and the in-place additions counted."""
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
-    model = _Model(40, 8, tied=True)
+    model = _Model(vocab, 8, tied=True)
     model.embed.padding_idx = padding_idx
     weight = model.head.weight
     if grad == "some":
         weight.grad = torch.randn(weight.shape, generator=generator)
         weight.grad[[0, 2, 30]] = -0.0
-    # Repeated tokens in every vocabulary chunk (rows 0-15, 16-31, 32-39), the padding token 3 among them
+    # Repeated tokens in several vocabulary chunks (rows 0-15, 16-31, 32-47), the padding token 3 among them
     tokens = torch.tensor([first, 5, 17, 20, 33, 39, 3])[torch.randint(7, (2, 30), generator=generator)]
     mix = torch.randn(8, 8, generator=generator)
     targets = torch.randint(weight.shape[0], (60,), generator=generator)
@@ -218,6 +218,48 @@ def test_a_tied_weights_two_gradients_are_added_as_autograd_sums_them(grad, padd
     assert added == (1, 1) and none == (0, 0)
     assert torch.equal(ours, stock) and torch.equal(torch.signbit(ours), torch.signbit(stock))
     assert not in_place_grads._pending and not in_place_grads._unpaired
+
+
+def test_a_tied_lookup_of_many_tokens_is_left_to_autograd():
+    """More tokens than a quarter of the vocabulary: holding their rows would cost more than the two whole gradients
+    autograd makes. Left to autograd, the same bits."""
+    ours, added = _tied_backward("some", None, 1, in_place=True, vocab=200)
+    stock, _ = _tied_backward("some", None, 1, in_place=False, vocab=200)
+    assert added == (0, 0) and torch.equal(ours, stock)
+
+
+def test_a_gradient_added_between_a_tied_heads_and_lookups_backwards_is_refused():
+    """Another read of the tied weight's storage whose gradient reaches `.grad` between the head's backward and the
+    lookup's (an alias's, [`param_alias`], recorded after the lookup: autograd runs it first) would be overwritten by
+    the lookup's rows: an error, never a wrong gradient. (The trainer's held prompts are read before.)"""
+    from rloo_efficient.core.forward.param_alias import aliased_parameters
+
+    torch.manual_seed(0)
+    model = _Model(256, 8, tied=True)
+    weight = model.head.weight
+    weight.grad = torch.randn(weight.shape)
+    tokens, targets = torch.randint(10, (30,)), torch.randint(256, (30,))
+    with in_place_grads.adding_in_place(model, PassCounts()):
+        hidden = torch.tanh(model.embed(tokens))
+        with aliased_parameters(model):
+            held = model.embed(torch.randint(10, (30,)))
+        logps, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden + 0.1 * held.mean(0), weight, None, targets, 0.7,
+                                                            16, None, 1.0, ())  # fmt: skip
+    with pytest.raises(RuntimeError, match="changed between their backwards"):
+        logps.sum().backward()
+
+
+def test_a_lookup_of_no_tokens_adds_nothing():
+    """An empty lookup's gradient (a micro-batch with nothing to embed): nothing added, tied or not."""
+    grad = torch.randn(40, 8)
+    before = grad.clone()
+    in_place_grads._add_rows(grad, torch.zeros(0, 8), torch.zeros(0, dtype=torch.long), -1)
+    weight = torch.nn.Parameter(torch.zeros(40, 8))
+    weight.grad = grad
+    tied = in_place_grads._Tied(torch.zeros(0, dtype=torch.long), -1, weight)
+    tied.hold(weight)
+    tied.take(torch.zeros(40, 8), 0)
+    assert tied.add(torch.zeros(0, 8)) and torch.equal(grad, before)
 
 
 def test_another_trls_backward_is_left_as_it_is(monkeypatch):

@@ -113,9 +113,11 @@ def _adds_alone(ctx, weight: torch.Tensor) -> bool:
 def _adds_with(ctx, weight: torch.Tensor) -> bool:
     """Whether autograd would add this head's weight gradient and its tied embedding's, summed, and only them, to
     `weight.grad`, or take their sum as `weight.grad` where it has none: the two are the only uses of the weight
-    pending in a graph, and the lookup (earlier in the forward) is still to be backpropagated."""
-    grad = weight.grad
-    return (ctx.tied is not None and ctx.tied.head_rows is None and _pending.get(ctx.key) == 2
+    pending in a graph, the lookup (earlier in the forward) is still to be backpropagated, and its tokens are few
+    enough (a quarter of the vocabulary: the rows held per token cost less than the two whole gradients)."""
+    tied, grad = ctx.tied, weight.grad
+    return (tied is not None and tied.parameter is weight and tied.head_rows is None and _pending.get(ctx.key) == 2
+            and tied.indices.numel() * 4 <= weight.shape[0]  # (its rows held cost less than two whole gradients)
             and (grad is None and weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
                  or _accumulates(weight, grad)))  # fmt: skip
 
@@ -244,7 +246,7 @@ class _InPlaceEmbedding(torch.autograd.Function):
         ctx.key = id(weight)
         ctx.tied = None
         if tied:  # for the head that reads the weight next in this forward
-            ctx.tied = _unpaired[ctx.key] = _Tied(indices, padding_idx)
+            ctx.tied = _unpaired[ctx.key] = _Tied(indices, padding_idx, parameter)
         _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
         weakref.finalize(ctx, _release, ctx.key)
         return torch.embedding(weight, indices, padding_idx)
@@ -253,8 +255,8 @@ class _InPlaceEmbedding(torch.autograd.Function):
     def backward(ctx, grad_output):
         (indices,) = ctx.saved_tensors
         parameter = ctx.parameter
-        if ctx.tied is not None and ctx.tied.head_rows is not None:  # (the head's backward held these rows for it)
-            ctx.tied.add(parameter, grad_output.reshape(-1, parameter.shape[1]))
+        held = ctx.tied is not None and ctx.tied.head_rows is not None  # (the head's backward held rows for it)
+        if held and ctx.tied.add(grad_output.reshape(-1, parameter.shape[1])):
             if ctx.counts is not None:
                 ctx.counts.in_place_embedding_grads += 1
             return None, None, None, None, None
@@ -268,15 +270,15 @@ class _InPlaceEmbedding(torch.autograd.Function):
 
 
 def _distinct(indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`indices` (flat) as `n` slots of distinct indices: `(distinct, renamed, last)`. `distinct[r]` is the index of
+    """`indices` (flat) as `n` slots of distinct indices: `(distinct, renamed, ranks)`. `distinct[r]` is the index of
     rank `r` among the distinct ones (ascending; the spare slots past the distinct count hold 0), `renamed` each token's
-    rank, `last` the highest rank (one element). Shapes fixed by the token count: no host sync."""
+    rank, `ranks` the sorted tokens' ranks. Shapes fixed by the token count: no host sync."""
     ordered, order = torch.sort(indices, stable=True)
     starts = torch.diff(ordered, prepend=ordered.new_full((1,), -1)).ne(0)  # (indices are not negative)
     ranks = starts.cumsum(0) - 1  # each sorted token's index's rank among the distinct ones
     distinct = torch.zeros_like(indices).scatter_(0, ranks, ordered)
     renamed = torch.empty_like(ranks).scatter_(0, order, ranks)
-    return distinct, renamed, ranks.narrow(0, ranks.numel() - 1, 1)
+    return distinct, renamed, ranks
 
 
 def _dense_rows(rows: torch.Tensor, indices: torch.Tensor, renamed: torch.Tensor, padding_idx: int) -> torch.Tensor:
@@ -307,40 +309,57 @@ class _Tied:
     time, to every row, having kept the rows the lookup's tokens touch as they were (`grad_rows`) and its own gradient
     on them (`head_rows`); the lookup's backward then writes those rows as `grad_rows + (head_rows + its gradient)`.
     One slot per token ([`_distinct`]): the spare slots write the first distinct row's value again. Autograd's order:
-    the head's backward runs before the lookup's (its input's gradient comes from the head's), and nothing else adds
-    to the weight's gradient between them ([`_adds_with`]).
+    the head's backward runs before the lookup's (its input's gradient comes from the head's). Nothing may add to the
+    weight's gradient between them: checked (its version), as is that the lookup's backward is the same backward's (a
+    later one adds its gradient as an untied lookup's, as autograd would).
     """
 
-    def __init__(self, indices: torch.Tensor, padding_idx: int):
-        self.indices, self.padding_idx = indices.reshape(-1), padding_idx
+    def __init__(self, indices: torch.Tensor, padding_idx: int, parameter: torch.Tensor):
+        self.indices, self.padding_idx, self.parameter = indices.reshape(-1).long(), padding_idx, parameter
         self.head_rows = self.grad_rows = None
 
     def hold(self, weight: torch.Tensor) -> None:
         """Before the head's chunks: `.grad` made where there is none, and the touched rows kept."""
-        self.distinct, self.renamed, last = _distinct(self.indices)
-        slots = torch.arange(self.indices.numel(), device=self.indices.device)
-        self.slots = torch.where(slots > last, 0, slots)  # (a spare slot: the first's)
+        n = self.indices.numel()
+        self.distinct, self.renamed, ranks = _distinct(self.indices)
+        slots = torch.arange(n, device=self.indices.device)
+        self.slots = torch.where(slots > ranks.narrow(0, max(n - 1, 0), min(n, 1)), 0, slots)  # (spare: the first's)
         self.distinct = self.distinct.index_select(0, self.slots)
         if weight.grad is None:
-            # Autograd would take the sum as `.grad`: zeros plus it are the same bits (none of these sums is -0.0: each
-            # starts from zeros)
+            # Autograd would take the sum as `.grad`: zeros plus it are the same bits (the sum is never -0.0: the
+            # lookup's zeros are +0.0)
             weight.grad = torch.zeros_like(weight, memory_format=torch.contiguous_format)
-        self.weight, self.grad_rows = weight, weight.grad.index_select(0, self.distinct)
-        self.head_rows = weight.new_zeros((self.distinct.numel(), weight.shape[1]))
+        self.grad_rows = weight.grad.index_select(0, self.distinct)
+        self.head_rows = weight.new_zeros((n, weight.shape[1]))
+        self.task = torch._C._current_graph_task_id()
 
     def take(self, part: torch.Tensor, start: int) -> None:
         """The head's gradient on rows `start:start + len(part)`: its touched rows kept, every row added."""
         local = self.distinct - start
         inside = ((local >= 0) & (local < part.shape[0])).unsqueeze(-1)
-        self.head_rows = torch.where(inside, part.index_select(0, local.clamp(0, part.shape[0] - 1)), self.head_rows)
-        # (autograd adds an untouched row the lookup's zero too: a no-op, as TRL's sums start from zeros, never -0.0)
-        self.weight.grad.narrow(0, start, part.shape[0]).add_(part)
+        torch.where(inside, part.index_select(0, local.clamp(0, part.shape[0] - 1)), self.head_rows, out=self.head_rows)
+        if part.dtype in (torch.float16, torch.bfloat16):  # autograd adds an untouched row the lookup's +0.0: a
+            part.add_(0.0)  # no-op but on -0.0, which only rounding to half precision makes of TRL's float32 sums
+        grad = self.parameter.grad
+        grad.narrow(0, start, part.shape[0]).add_(part)
+        self.version = grad._version
 
-    def add(self, weight: torch.Tensor, grad_output: torch.Tensor) -> None:
-        """The lookup's backward: the touched rows written as autograd's addition of the summed gradients makes them."""
-        dense = _dense_rows(grad_output, self.indices, self.renamed, self.padding_idx).index_select(0, self.slots)
-        weight.grad.index_copy_(0, self.distinct, self.grad_rows + (self.head_rows + dense.to(weight.dtype)))
-        self.head_rows = self.grad_rows = self.weight = None
+    def add(self, grad_output: torch.Tensor) -> bool:
+        """The lookup's backward: the touched rows written as autograd's addition of the summed gradients makes them.
+        False where this is not the head's backward (the rows are then as autograd leaves them: the lookup's gradient
+        is still to be added)."""
+        head_rows, grad_rows, self.head_rows, self.grad_rows = self.head_rows, self.grad_rows, None, None
+        if self.task != torch._C._current_graph_task_id():
+            return False
+        grad = self.parameter.grad
+        if grad is None or grad._version != self.version:
+            raise RuntimeError("rloo_efficient: a tied LM head's and input embedding's gradient was changed between "
+                               "their backwards, which their sum added in place cannot follow")  # fmt: skip
+        total = _dense_rows(grad_output, self.indices, self.renamed, self.padding_idx).to(grad.dtype)
+        total = total.index_select(0, self.slots)
+        grad_rows.add_(total.add_(head_rows))  # (autograd's `grad + (head's + lookup's)`: the sums commute)
+        grad.index_copy_(0, self.distinct, grad_rows)
+        return True
 
 
 def _embedding_adding_in_place(weight: torch.Tensor, stock, tied: bool):
