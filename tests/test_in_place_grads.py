@@ -71,9 +71,26 @@ def test_the_heads_gradient_added_in_place_is_autograds(qwen3, tmp_path, monkeyp
     vocabulary chunk's gradient is first summed over several token chunks, as TRL sums them.
     """
     tied, path, dataset = qwen3
-    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
     if token_chunk is not None:
         monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", token_chunk)
+    _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied)
+
+
+# Families whose configs tie the LM head to the input embedding: the head's logit softcapping (Gemma 2), its logit
+# scale (Cohere 2), convolution layers beside attention (LFM2), experts and their load-balancing loss (ERNIE 4.5 MoE)
+TIED_FAMILIES = ["gemma2", "cohere2", "lfm2", "ernie4_5_moe"]
+
+
+@pytest.mark.parametrize("arch", TIED_FAMILIES)
+def test_a_tied_familys_gradients_added_in_place_are_autograds(arch, tmp_path, monkeypatch):
+    """The same, for each tied family's own modeling code."""
+    cfg = tiny_workload(tmp_path / "models", arch=arch, model_dtype="float32", prompt_length=48, prompt_length_min=None,
+                        tie_word_embeddings=True)  # fmt: skip
+    _assert_added_in_place_as_autograd(build_model_dir(cfg), build_dataset(cfg), tmp_path, monkeypatch, tied=True)
+
+
+def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool) -> None:
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
     settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=4,
                     steps_per_generation=4, max_steps=2, gradient_checkpointing=True)  # fmt: skip
     runs = {}
