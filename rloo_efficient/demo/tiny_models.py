@@ -6,6 +6,7 @@ families are built as their `*ForConditionalGeneration` checkpoints are (a tiny 
 model), with a processor made of the workload's byte tokenizer and the family's image processor.
 """
 
+import functools
 import types
 
 import torch
@@ -244,6 +245,15 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
     """What each family's real models set that reaches attention, the experts or the cache differently, shrunk."""
     families = {**_attention_kwargs(cfg, head_dim), **_expert_kwargs(cfg, head_dim), **_hybrid_kwargs(cfg, head_dim)}
     return families.get(cfg.arch, {})
+
+
+@functools.cache
+def ties_by_default(arch: str) -> bool:
+    """Whether the family's config ties the LM head to the input embedding unless told (Gemma's, Cohere's, LFM2's; a
+    multimodal arch's tiny checkpoint is untied)."""
+    import transformers
+
+    return arch not in MULTIMODAL and bool(getattr(transformers, ARCHITECTURES[arch])().tie_word_embeddings)
 
 
 def model_config(cfg, tokenizer):

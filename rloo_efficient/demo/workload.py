@@ -28,6 +28,7 @@ from .tiny_models import (
     image_tokens,
     model_config,
     model_from_config,
+    ties_by_default,
 )
 
 
@@ -103,7 +104,8 @@ class WorkloadConfig:
     tie_word_embeddings: bool | None = field(
         default=None,
         metadata={"help": "The LM head's weight is the input embedding's, as in Qwen3 up to 4B, Llama 3.2 and Gemma "
-                  "(default: as the preset's model, else untied)."},
+                  "(default: as the preset's model, else as the family's config: Gemma's, Cohere 2's, SmolLM3's, LFM2's and "
+                  "ERNIE 4.5 MoE's tie it; a multimodal arch's is untied)."},
     )
     vocab_size: int | None = field(
         default=None,
@@ -133,7 +135,8 @@ class WorkloadConfig:
                     setattr(self, key, value)
             if self.preset_layers is not None:
                 self.num_hidden_layers = self.preset_layers
-        self.tie_word_embeddings = bool(self.tie_word_embeddings)
+        if self.tie_word_embeddings is None and self.arch in ARCHITECTURES:
+            self.tie_word_embeddings = ties_by_default(self.arch)
         if self.vocab_size is not None and self.vocab_size < BYTE_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {BYTE_VOCAB_SIZE} (the byte tokenizer's own tokens).")
         if self.arch not in ARCHITECTURES:
