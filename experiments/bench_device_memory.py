@@ -40,7 +40,7 @@ GIB = 1024**3
 
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
     """One run's live-bytes record and results file; a run whose both files are in `directory` is not run again."""
-    name = f"{method}_rows{rows}_layers{layers}"
+    name = f"{method}_rows{rows}_layers{layers}" + ("_untied" if args.untied else "")
     live, results = directory / f"{name}_live.json", directory / f"{name}.json"
     if not (live.exists() and results.exists()):
         threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[4], help="layer counts run (two: scaled to --depth)")
     parser.add_argument("--depth", type=int, default=None, help="the model's own layers (default: the preset's)")
     parser.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (a LoRA run)")
-    parser.add_argument("--untied", action="store_true", help="the LM head untied from the input embedding (the preset "
-                        "models up to 4B tie them, as Qwen3's do; 8B does not)")
+    parser.add_argument("--untied", action="store_true",
+                        help="the LM head untied from the input embedding (Qwen3 up to 4B ties them; 8B does not)")
     parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
     parser.add_argument("--workdir", default=None, help="keep each run's records here; reuse those already here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (the cores split between them)")
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     scale = len(args.layers) >= 2
     report = Report([
         f"# {command}",
-        f"# {args.preset} widths, P={args.prompt_length} C={args.completion_length} k={args.k}, bf16 autocast on CPU, "
+        f"# {args.preset} widths ({'untied' if args.untied else 'the LM head tied as the model'}'s), "
+        f"P={args.prompt_length} C={args.completion_length} k={args.k}, bf16 autocast on CPU, "
         "device path emulated; peak live tensor bytes above each phase's fixed state (GiB), optimizer step 2 of 2",
         f"| rows per micro-batch | phase | stock, {layer_cells} | ours, {layer_cells} | ratio"
         + (f" | stock at {depth} | ours at {depth} | ratio at {depth} |" if scale else " |"),

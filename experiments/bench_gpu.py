@@ -1,6 +1,7 @@
 """
 Stock TRL vs rloo_efficient on GPU-sized workloads: random-weight models shaped like Qwen3-0.6B and Qwen3-1.7B (their
-vocabulary size, the LM head tied to the input embedding as theirs are; untied before 2026-12-07), bf16, gradient checkpointing on, beta 0.05, one group per micro-batch, completions running
+vocabulary size, the LM head tied to the input embedding as theirs are: `--untied` for the shape measured until
+2026-12-07), bf16, gradient checkpointing on, beta 0.05, one group per micro-batch, completions running
 to their maximum length. Each run is its own process (`experiments/run_rloo.py`, so one run's memory cannot lower
 another's peak), 3 steps; the table gives the median of the steady steps (2 and 3) per phase: time (the profiler
 synchronizes the device at phase boundaries), peak allocated and peak reserved.
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     parser.add_argument("--continuous_batching", action="store_true",
                         help="also stock with use_transformers_continuous_batching=True (its paged generation backend)")
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
+    parser.add_argument("--untied", action="store_true", help="the LM head untied from the input embedding")
     parser.add_argument("--memory_history", default=None, metavar="DIR",
                         help="on CUDA: each run's step-2 allocator history by phase and site, to DIR/history_*.md")
     args = parser.parse_args(argv)
@@ -176,12 +178,15 @@ def main(argv=None) -> int:
 
     on_gpu = torch.cuda.is_available()
     device_args = ["--bf16", "true"] if on_gpu else ["--bf16", "false"]
+    if args.untied:
+        device_args += ["--tie_word_embeddings", "false"]
     peak = "peak_allocated_gib" if on_gpu else "peak_rss_gib"
     reserved = "peak_reserved_gib" if on_gpu else None
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     report = Report([
         f"# python experiments/bench_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-        f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB",
+        f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB; the LM "
+        f"head {'untied' if args.untied else 'tied as the preset model'}",
         "# fixed state: weights of the policy and reference, gradients, optimizer states (the same for both methods); "
         "above fixed: the largest of the phases' peaks less the fixed state during that phase (gradients in training "
         "and the optimizer step alone); between steps: allocated after a step's optimizer step, less the fixed state "

@@ -249,8 +249,8 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
 
 @functools.cache
 def ties_by_default(arch: str) -> bool:
-    """Whether the family's config ties the LM head to the input embedding unless told (Gemma's, Cohere's, LFM2's; a
-    multimodal arch's tiny checkpoint is untied)."""
+    """Whether the family's config ties the LM head to the input embedding unless told (Gemma's, Cohere 2's, SmolLM3's,
+    LFM2's, ERNIE 4.5 MoE's; a multimodal arch's tiny checkpoint is untied)."""
     import transformers
 
     return arch not in MULTIMODAL and bool(getattr(transformers, ARCHITECTURES[arch])().tie_word_embeddings)
@@ -309,7 +309,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                       image_size=[8, 8], patch_size=[2, 2])  # fmt: skip
         return dict(text_config={**text, "model_type": "qwen2"}, vision_config=vision,
                     image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4, downsample_ratio=0.5,
-                    tie_word_embeddings=False)  # fmt: skip
+                    tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
     if cfg.arch in ("llava", "llava_next"):  # a CLIP tower, a projector and a Llama; LLaVA-Next: tiles per image
         vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, image_size=LLAVA_TILE, patch_size=2, projection_dim=16)  # fmt: skip
@@ -329,7 +329,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=2, image_size=16)  # fmt: skip
         return dict(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"], spatial_merge_size=2,
-                    tie_word_embeddings=False)  # fmt: skip
+                    tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
     if cfg.arch == "lfm2_vl":  # LFM2-VL: a SigLIP2 NaFlex tower (each image at its own size in patches of 2, padded to
         # 32 patches with a pixel mask, learned positions on a 4x4 grid resized to its shape), pixel-unshuffled by 2:
         # an 8x8 image is 4 tokens; LFM2's language model (gated short convolutions among attention layers)
@@ -337,7 +337,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         vision = dict(model_type="siglip2_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, patch_size=2, num_patches=16, vision_use_head=False)  # fmt: skip
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<image>"], downsample_factor=2,
-                    projector_hidden_size=32, tie_word_embeddings=False)  # fmt: skip
+                    projector_hidden_size=32, tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
     return _rope_index_kwargs(cfg, text, head_dim, ids)
 
 

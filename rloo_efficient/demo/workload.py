@@ -103,9 +103,9 @@ class WorkloadConfig:
     )
     tie_word_embeddings: bool | None = field(
         default=None,
-        metadata={"help": "The LM head's weight is the input embedding's, as in Qwen3 up to 4B, Llama 3.2 and Gemma "
-                  "(default: as the preset's model, else as the family's config: Gemma's, Cohere 2's, SmolLM3's, LFM2's and "
-                  "ERNIE 4.5 MoE's tie it; a multimodal arch's is untied)."},
+        metadata={"help": "true or false: the LM head's weight is the input embedding's, as in Qwen3 up to 4B, Llama "
+                  "3.2 and Gemma (default: as the preset's model, else as the family's config: Gemma's, Cohere 2's, "
+                  "SmolLM3's, LFM2's and ERNIE 4.5 MoE's tie it; a multimodal arch's is untied)."},
     )
     vocab_size: int | None = field(
         default=None,
@@ -130,9 +130,12 @@ class WorkloadConfig:
         if self.preset is not None:
             if self.preset not in PRESETS:
                 raise ValueError(f"Unknown preset {self.preset!r}: use one of {', '.join(PRESETS)}.")
-            for key, value in PRESETS[self.preset].items():
-                if key != "tie_word_embeddings" or self.tie_word_embeddings is None:
-                    setattr(self, key, value)
+            preset = dict(PRESETS[self.preset])
+            tied = preset.pop("tie_word_embeddings", None)
+            for key, value in preset.items():
+                setattr(self, key, value)
+            if self.tie_word_embeddings is None:
+                self.tie_word_embeddings = tied
             if self.preset_layers is not None:
                 self.num_hidden_layers = self.preset_layers
         if self.tie_word_embeddings is None and self.arch in ARCHITECTURES:
@@ -218,7 +221,7 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
     settings = {key: getattr(cfg, key) for key in model_keys}
     settings.update({key: getattr(cfg, key) for key in ("head_dim", "vocab_size", "sliding_window")
                      if getattr(cfg, key) is not None})  # fmt: skip
-    if cfg.tie_word_embeddings:  # (untied models keep the names they had before the setting)
+    if cfg.tie_word_embeddings:  # (absent when untied: an untied model's directory name does not depend on it)
         settings["tie_word_embeddings"] = True
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"

@@ -117,7 +117,7 @@ def _adds_with(ctx, weight: torch.Tensor) -> bool:
     enough (a quarter of the vocabulary: the rows held per token cost less than the two whole gradients)."""
     tied, grad = ctx.tied, weight.grad
     return (tied is not None and tied.parameter is weight and tied.head_rows is None and _pending.get(ctx.key) == 2
-            and tied.indices.numel() * 4 <= weight.shape[0]  # (its rows held cost less than two whole gradients)
+            and tied.indices.numel() * 4 <= weight.shape[0]
             and (grad is None and weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
                  or _accumulates(weight, grad)))  # fmt: skip
 
@@ -292,8 +292,8 @@ def _dense_rows(rows: torch.Tensor, indices: torch.Tensor, renamed: torch.Tensor
 
 
 def _add_rows(grad: torch.Tensor, rows: torch.Tensor, indices: torch.Tensor, padding_idx: int) -> None:
-    """`grad += embedding_dense_backward(rows, indices, V, padding_idx)`, made on the touched rows only ([`_dense_rows`])
-    and added to `grad`'s rows by the distinct indices (the spare slots add zeros to row 0)."""
+    """`grad += embedding_dense_backward(rows, indices, V, padding_idx)`, made on the touched rows only
+    ([`_dense_rows`]) and added to `grad`'s rows by the distinct indices (the spare slots add zeros to row 0)."""
     distinct, renamed, _ = _distinct(indices)
     grad.index_put_((distinct,), _dense_rows(rows, indices, renamed, padding_idx).to(grad.dtype), accumulate=True)
 
@@ -316,7 +316,9 @@ class _Tied:
 
     def __init__(self, indices: torch.Tensor, padding_idx: int, parameter: torch.Tensor):
         self.indices, self.padding_idx, self.parameter = indices.reshape(-1).long(), padding_idx, parameter
-        self.head_rows = self.grad_rows = None
+        self.head_rows = self.grad_rows = None  # the rows kept, from the head's backward to the lookup's
+        self.distinct = self.renamed = self.slots = None  # the slots ([`_distinct`]), made in the head's backward
+        self.task = self.version = None  # the head's backward's graph task, and `.grad`'s version after it
 
     def hold(self, weight: torch.Tensor) -> None:
         """Before the head's chunks: `.grad` made where there is none, and the touched rows kept."""
