@@ -74,11 +74,12 @@ def above_fixed(record: dict, phase: str) -> float | None:
 
 
 def scaled(values: dict[int, float | None], depth: int) -> float | None:
-    """A value at `depth` layers, linear in the layers through the two measured counts."""
+    """A value at `depth` layers, linear in the layers through the two measured counts; None where it falls with the
+    layers (a training peak before the layers' gradients exist: the fixed state counts them, more with more layers)."""
     if len(values) < 2 or any(value is None for value in values.values()):
         return None
     (l1, v1), (l2, v2) = sorted(values.items())[:2]
-    return v1 + (v2 - v1) / (l2 - l1) * (depth - l1)
+    return v1 + (v2 - v1) / (l2 - l1) * (depth - l1) if v2 >= v1 else None
 
 
 def main(argv=None) -> int:
@@ -118,6 +119,7 @@ def main(argv=None) -> int:
             with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each run is its own process
                 futures = {key: pool.submit(run, key[0], args, rows, key[1], Path(directory)) for key in keys}
                 records = {key: future.result() for key, future in futures.items()}
+        at_depth_by_phase = {}
         for phase in (*PHASES, "step"):
             def value(method, layers, phase=phase):
                 if phase != "step":
@@ -135,6 +137,11 @@ def main(argv=None) -> int:
             cells.append(f"{ours / base:.2f}x" if base and ours is not None else "")
             if scale:
                 at_depth = {m: scaled(measured[m], depth) for m in ("stock", "ours")}
+                if phase == "step":  # (the largest phase at depth, which may not be the largest at the counts run)
+                    at_depth = {m: None if None in (phases := [at_depth_by_phase[p][m] for p in at_depth_by_phase])
+                                else max(phases) for m in ("stock", "ours")}  # fmt: skip
+                else:
+                    at_depth_by_phase[phase] = at_depth
                 cells += [f"{at_depth[m]:.3f}" if at_depth[m] is not None else "" for m in ("stock", "ours")]
                 cells.append(f"{at_depth['ours'] / at_depth['stock']:.2f}x" if at_depth["stock"] and at_depth["ours"]
                              is not None else "")  # fmt: skip
