@@ -16,6 +16,7 @@ states). The fixed state of a phase is what exists in it whatever the method: th
     python experiments/bench_device_memory.py --rows 8 1 --layers 4 2 --output results/device_memory.md
     python experiments/bench_device_memory.py --preset qwen3-4b --prompt_length 8192 --completion_length 1024 --rows 1
     python experiments/bench_device_memory.py --preset qwen3-8b --lora ...   # LoRA r 16 on every linear layer
+    python experiments/bench_device_memory.py --rows 1 --ours held_prefix_budget_gib=0   # ours holding no prompt
 
 The large shapes take hours on a CPU: `--workdir DIR` keeps each run's records there and reuses a run whose records
 are there (an interrupted benchmark goes on where it stopped), and `--jobs 2` runs stock and ours side by side, the
@@ -41,6 +42,8 @@ GIB = 1024**3
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
     """One run's live-bytes record and results file; a run whose both files are in `directory` is not run again."""
     name = f"{method}_rows{rows}_layers{layers}" + ("_untied" if args.untied else "")
+    if method == "ours" and args.ours:
+        name += "_" + "_".join(setting.replace("=", "-") for setting in args.ours)
     live, results = directory / f"{name}_live.json", directory / f"{name}.json"
     if not (live.exists() and results.exists()):
         threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
@@ -61,6 +64,8 @@ def arguments(method: str, args, rows: int, layers: int, live: Path) -> list[str
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
         *(["--tie_word_embeddings", "false"] if args.untied else []),
+        *(f"--{part}" if i % 2 == 0 else part for setting in (args.ours if method == "ours" else [])
+          for i, part in enumerate(setting.split("=", 1))),
     ]  # fmt: skip
 
 
@@ -75,11 +80,12 @@ def above_fixed(record: dict, phase: str) -> float | None:
 
 def scaled(values: dict[int, float | None], depth: int) -> float | None:
     """A value at `depth` layers, linear in the layers through the two measured counts; None where it falls with the
-    layers (a training peak before the layers' gradients exist: the fixed state counts them, more with more layers)."""
+    layers by more than a MiB (a training peak before the layers' gradients exist: the fixed state counts them, more with
+    more layers)."""
     if len(values) < 2 or any(value is None for value in values.values()):
         return None
     (l1, v1), (l2, v2) = sorted(values.items())[:2]
-    return v1 + (v2 - v1) / (l2 - l1) * (depth - l1) if v2 >= v1 else None
+    return v1 + (v2 - v1) / (l2 - l1) * (depth - l1) if v2 >= v1 - 2**-10 else None
 
 
 def main(argv=None) -> int:
@@ -91,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (a LoRA run)")
     parser.add_argument("--untied", action="store_true",
                         help="the LM head untied from the input embedding (Qwen3 up to 4B ties them; 8B does not)")
+    parser.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="ours' settings beside the defaults (e.g. held_prefix_budget_gib=0: no prompt held)")
     parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
     parser.add_argument("--workdir", default=None, help="keep each run's records here; reuse those already here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (the cores split between them)")
