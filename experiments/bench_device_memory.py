@@ -64,8 +64,8 @@ def arguments(method: str, args, rows: int, layers: int, live: Path) -> list[str
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
         *(["--tie_word_embeddings", "false"] if args.untied else []),
-        *(f"--{part}" if i % 2 == 0 else part for setting in (args.ours if method == "ours" else [])
-          for i, part in enumerate(setting.split("=", 1))),
+        *(part for key, _, value in (setting.partition("=") for setting in args.ours if method == "ours")
+          for part in (f"--{key}", value)),
     ]  # fmt: skip
 
 

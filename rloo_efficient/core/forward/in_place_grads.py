@@ -98,16 +98,19 @@ class _InPlaceHead(ChunkedLogProbFunction):
         return grad_hidden, None, grad_bias, *(None,) * 6
 
 
-def _accumulates(weight: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Whether autograd, in this backward, would accumulate into `weight.grad` (`grad`) as `grad += new`."""
-    return (weight.grad_fn is None and grad is not None and grad.shape == weight.shape and grad.dtype == weight.dtype
-            and grad.layout == torch.strided and not torch.is_grad_enabled() and not watched(weight))  # fmt: skip
+def _accumulates(weight: torch.Tensor) -> bool:
+    """Whether autograd, in this backward, would add a new gradient to `weight.grad` in place (`grad += new`), or take
+    it as `weight.grad` where there is none."""
+    grad = weight.grad
+    return (weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
+            and (grad is None or grad.shape == weight.shape and grad.dtype == weight.dtype
+                 and grad.layout == torch.strided))  # fmt: skip
 
 
 def _adds_alone(ctx, weight: torch.Tensor) -> bool:
     """Whether autograd would add this head's (or lookup's) weight gradient, and only it, to `weight.grad` now, in
     place."""
-    return _accumulates(weight, weight.grad) and _pending.get(ctx.key) == 1
+    return weight.grad is not None and _accumulates(weight) and _pending.get(ctx.key) == 1
 
 
 def _adds_with(ctx, weight: torch.Tensor) -> bool:
@@ -115,11 +118,9 @@ def _adds_with(ctx, weight: torch.Tensor) -> bool:
     `weight.grad`, or take their sum as `weight.grad` where it has none: the two are the only uses of the weight
     pending in a graph, the lookup (earlier in the forward) is still to be backpropagated, and its tokens are few
     enough (a quarter of the vocabulary: the rows held per token cost less than the two whole gradients)."""
-    tied, grad = ctx.tied, weight.grad
+    tied = ctx.tied
     return (tied is not None and tied.parameter is weight and tied.head_rows is None and _pending.get(ctx.key) == 2
-            and tied.indices.numel() * 4 <= weight.shape[0]
-            and (grad is None and weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
-                 or _accumulates(weight, grad)))  # fmt: skip
+            and tied.indices.numel() * 4 <= weight.shape[0] and _accumulates(weight))  # fmt: skip
 
 
 # Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
