@@ -12,13 +12,14 @@ import trl.kernels.chunked_logprob as chunked_logprob
 import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
-from rloo_efficient import RLOOTrainer
+from rloo_efficient import GRPOTrainer, RLOOTrainer
 from rloo_efficient.core.forward import in_place_grads, passes
 from rloo_efficient.core.forward.passes import PassCounts
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.live_bytes import LiveBytes
 
 from .conftest import tiny_workload, training_args
+from .helpers import grpo_args
 
 
 class _Gradients(TrainerCallback):
@@ -89,18 +90,25 @@ def test_a_tied_familys_gradients_added_in_place_are_autograds(arch, tmp_path, m
     _assert_added_in_place_as_autograd(build_model_dir(cfg), build_dataset(cfg), tmp_path, monkeypatch, tied=True)
 
 
-def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool) -> None:
+def test_grpos_defaults_add_a_tied_weights_gradients_in_place_as_autograd(qwen3, tmp_path, monkeypatch):
+    """GRPO's own defaults (beta 0: no reference pass, the training forward the first through the model)."""
+    tied, path, dataset = qwen3
+    _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied, grpo=True)
+
+
+def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool, grpo: bool = False) -> None:
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
     settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=4,
                     steps_per_generation=4, max_steps=2, gradient_checkpointing=True)  # fmt: skip
+    trainer_class, arguments = (GRPOTrainer, grpo_args) if grpo else (RLOOTrainer, training_args)
     runs = {}
     for in_place in (True, False):
         if not in_place:
             monkeypatch.setattr(passes, "adding_in_place", lambda *args: contextlib.nullcontext())
         gradients = _Gradients()
-        trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
-                              args=training_args(tmp_path / str(in_place), **settings),
-                              processing_class=build_tokenizer(), callbacks=[gradients])  # fmt: skip
+        trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
+                                args=arguments(tmp_path / str(in_place), **settings),
+                                processing_class=build_tokenizer(), callbacks=[gradients])  # fmt: skip
         model = trainer.model
         whole = _WholeGradients((model.get_output_embeddings().weight, "zeros"),
                                 (model.get_input_embeddings().weight, "embedding_dense_backward"))  # fmt: skip
