@@ -15,7 +15,13 @@ from transformers import TrainerCallback
 from rloo_efficient import GRPOTrainer, RLOOTrainer
 from rloo_efficient.core.forward import in_place_grads, passes
 from rloo_efficient.core.forward.passes import PassCounts
-from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.demo.workload import (
+    build_dataset,
+    build_model_dir,
+    build_processing_class,
+    build_tokenizer,
+    vowel_reward,
+)
 from rloo_efficient.profiling.live_bytes import LiveBytes
 
 from .conftest import tiny_workload, training_args
@@ -90,13 +96,28 @@ def test_a_tied_familys_gradients_added_in_place_are_autograds(arch, tmp_path, m
     _assert_added_in_place_as_autograd(build_model_dir(cfg), build_dataset(cfg), tmp_path, monkeypatch, tied=True)
 
 
+# Multimodal checkpoints whose LM head is tied as the real small ones' (Gemma 3 4B, Qwen3-VL 2B and 4B, LFM2-VL): image
+# tokens in the lookup's ids, their embeddings replaced by the vision tower's features
+TIED_VLMS = ["gemma3_vlm", "qwen3_vl", "lfm2_vl"]
+
+
+@pytest.mark.parametrize("arch", TIED_VLMS)
+def test_a_tied_vlms_gradients_added_in_place_are_autograds(arch, tmp_path, monkeypatch):
+    """The same, for a tied multimodal checkpoint with an image in every prompt (TRL's vision path)."""
+    cfg = tiny_workload(tmp_path / "models", arch=arch, model_dtype="float32", image_size=8, num_prompts=8,
+                        tie_word_embeddings=True)  # fmt: skip
+    _assert_added_in_place_as_autograd(build_model_dir(cfg), build_dataset(cfg), tmp_path, monkeypatch, tied=True,
+                                       processing_class=lambda: build_processing_class(cfg))  # fmt: skip
+
+
 def test_grpos_defaults_add_a_tied_weights_gradients_in_place_as_autograd(qwen3, tmp_path, monkeypatch):
     """GRPO's own defaults (beta 0: no reference pass, the training forward the first through the model)."""
     tied, path, dataset = qwen3
     _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied, grpo=True)
 
 
-def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool, grpo: bool = False) -> None:
+def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool, grpo: bool = False,
+                                       processing_class=build_tokenizer) -> None:
     monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
     settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=4,
                     steps_per_generation=4, max_steps=2, gradient_checkpointing=True)  # fmt: skip
@@ -108,7 +129,7 @@ def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tie
         gradients = _Gradients()
         trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
                                 args=arguments(tmp_path / str(in_place), **settings),
-                                processing_class=build_tokenizer(), callbacks=[gradients])  # fmt: skip
+                                processing_class=processing_class(), callbacks=[gradients])  # fmt: skip
         model = trainer.model
         whole = _WholeGradients((model.get_output_embeddings().weight, "zeros"),
                                 (model.get_input_embeddings().weight, "embedding_dense_backward"))  # fmt: skip

@@ -250,10 +250,10 @@ def _family_kwargs(cfg, head_dim: int) -> dict:
 @functools.cache
 def ties_by_default(arch: str) -> bool:
     """Whether the family's config ties the LM head to the input embedding unless told (Gemma's, Cohere 2's, SmolLM3's,
-    LFM2's, ERNIE 4.5 MoE's; a multimodal arch's tiny checkpoint is untied)."""
+    LFM2's, ERNIE 4.5 MoE's; of the multimodal checkpoints Gemma 3's and 4's, InternVL's, Mistral 3's, LFM2-VL's)."""
     import transformers
 
-    return arch not in MULTIMODAL and bool(getattr(transformers, ARCHITECTURES[arch])().tie_word_embeddings)
+    return bool(getattr(transformers, ARCHITECTURES[arch])().tie_word_embeddings)
 
 
 def model_config(cfg, tokenizer):
@@ -279,7 +279,9 @@ def model_config(cfg, tokenizer):
     config_class = getattr(transformers, ARCHITECTURES[cfg.arch])
     if cfg.arch not in MULTIMODAL:
         return config_class(**{**text, **_family_kwargs(cfg, head_dim)})
-    return config_class(**_multimodal_kwargs(cfg, text, head_dim, tokenizer))
+    # (the checkpoint's own flag ties its head: a language model's config alone does not)
+    return config_class(**_multimodal_kwargs(cfg, text, head_dim, tokenizer),
+                        tie_word_embeddings=cfg.tie_word_embeddings)
 
 
 def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
@@ -308,8 +310,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                       image_size=[8, 8], patch_size=[2, 2])  # fmt: skip
         return dict(text_config={**text, "model_type": "qwen2"}, vision_config=vision,
-                    image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4, downsample_ratio=0.5,
-                    tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
+                    image_token_id=ids["<IMG_CONTEXT>"], image_seq_length=4, downsample_ratio=0.5)  # fmt: skip
     if cfg.arch in ("llava", "llava_next"):  # a CLIP tower, a projector and a Llama; LLaVA-Next: tiles per image
         vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, image_size=LLAVA_TILE, patch_size=2, projection_dim=16)  # fmt: skip
@@ -328,8 +329,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
                     **({"sliding_window": cfg.sliding_window} if cfg.sliding_window else {}))  # fmt: skip
         vision = dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, head_dim=8, patch_size=2, image_size=16)  # fmt: skip
-        return dict(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"], spatial_merge_size=2,
-                    tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
+        return dict(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"], spatial_merge_size=2)
     if cfg.arch == "lfm2_vl":  # LFM2-VL: a SigLIP2 NaFlex tower (each image at its own size in patches of 2, padded to
         # 32 patches with a pixel mask, learned positions on a 4x4 grid resized to its shape), pixel-unshuffled by 2:
         # an 8x8 image is 4 tokens; LFM2's language model (gated short convolutions among attention layers)
@@ -337,7 +337,7 @@ def _multimodal_kwargs(cfg, text: dict, head_dim: int, tokenizer) -> dict:
         vision = dict(model_type="siglip2_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, patch_size=2, num_patches=16, vision_use_head=False)  # fmt: skip
         return dict(text_config=text, vision_config=vision, image_token_id=ids["<image>"], downsample_factor=2,
-                    projector_hidden_size=32, tie_word_embeddings=cfg.tie_word_embeddings)  # fmt: skip
+                    projector_hidden_size=32)  # fmt: skip
     return _rope_index_kwargs(cfg, text, head_dim, ids)
 
 

@@ -105,7 +105,8 @@ class WorkloadConfig:
         default=None,
         metadata={"help": "true or false: the LM head's weight is the input embedding's, as in Qwen3 up to 4B, Llama "
                   "3.2 and Gemma (default: as the preset's model, else as the family's config: Gemma's, Cohere 2's, "
-                  "SmolLM3's, LFM2's and ERNIE 4.5 MoE's tie it; a multimodal arch's is untied)."},
+                  "SmolLM3's, LFM2's and ERNIE 4.5 MoE's tie it, and of the multimodal ones Gemma 3's and 4's, "
+                  "InternVL's, Mistral 3's and LFM2-VL's)."},
     )
     vocab_size: int | None = field(
         default=None,
