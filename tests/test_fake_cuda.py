@@ -759,24 +759,24 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
 def test_an_embeddings_gradient_is_added_on_cuda_without_host_reads():
     """[`core.forward.in_place_grads`] on CUDA: the embedding's gradient added on the rows its tokens touch, with shapes
     fixed by the token count: no host read, no host tensor handed in."""
-    from rloo_efficient.core.forward.in_place_grads import _add_rows
+    from rloo_efficient.core.forward.embedding_rows import add_rows
 
     with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:
         grad, rows = torch.zeros(40, 8, device=CUDA), torch.randn(150, 8, device=CUDA)
-        _add_rows(grad, rows, torch.randint(12, (150,), device=CUDA), 3)
+        add_rows(grad, rows, torch.randint(12, (150,), device=CUDA), 3)
     assert grad.device == CUDA and safety.found == []
 
 
 @pytest.mark.parametrize("fresh", [True, False])
 def test_a_tied_weights_gradient_is_added_on_cuda_without_host_reads(fresh):
-    """A tied weight's head and lookup gradients added in place on CUDA ([`in_place_grads._Tied`]): the touched rows
+    """A tied weight's head and lookup gradients added in place on CUDA ([`embedding_rows.Tied`]): the touched rows
     kept and written with shapes fixed by the token count, on the first micro-batch (no `.grad` yet) and later ones."""
-    from rloo_efficient.core.forward.in_place_grads import _Tied
+    from rloo_efficient.core.forward.embedding_rows import Tied
 
     with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:
         weight = torch.zeros(40, 8, device=CUDA, requires_grad=True)
         weight.grad = None if fresh else torch.zeros(40, 8, device=CUDA)
-        tied = _Tied(torch.randint(12, (2, 75), device=CUDA), 3, weight)
+        tied = Tied(torch.randint(12, (2, 75), device=CUDA), 3, weight)
         tied.hold(weight)
         for start in range(0, 40, 16):
             tied.take(torch.randn(min(16, 40 - start), 8, device=CUDA), start)

@@ -13,7 +13,7 @@ import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
 from rloo_efficient import GRPOTrainer, RLOOTrainer
-from rloo_efficient.core.forward import in_place_grads, passes
+from rloo_efficient.core.forward import embedding_rows, in_place_grads, passes
 from rloo_efficient.core.forward.passes import PassCounts
 from rloo_efficient.demo.workload import (
     build_dataset,
@@ -299,10 +299,10 @@ def test_a_lookup_of_no_tokens_adds_nothing():
     """An empty lookup's gradient (a micro-batch with nothing to embed): nothing added, tied or not."""
     grad = torch.randn(40, 8)
     before = grad.clone()
-    in_place_grads._add_rows(grad, torch.zeros(0, 8), torch.zeros(0, dtype=torch.long), -1)
+    embedding_rows.add_rows(grad, torch.zeros(0, 8), torch.zeros(0, dtype=torch.long), -1)
     weight = torch.nn.Parameter(torch.zeros(40, 8))
     weight.grad = grad
-    tied = in_place_grads._Tied(torch.zeros(0, dtype=torch.long), -1, weight)
+    tied = embedding_rows.Tied(torch.zeros(0, dtype=torch.long), -1, weight)
     tied.hold(weight)
     tied.take(torch.zeros(40, 8), 0)
     assert tied.add(torch.zeros(0, 8)) and torch.equal(grad, before)
