@@ -757,8 +757,8 @@ def test_static_decoding_steps_stay_on_cuda_in_place(monkeypatch, arch, once):
 
 
 def test_an_embeddings_gradient_is_added_on_cuda_without_host_reads():
-    """[`core.forward.in_place_grads`] on CUDA: the embedding's gradient added on the rows its tokens touch, with shapes
-    fixed by the token count: no host read, no host tensor handed in."""
+    """[`core.forward.embedding_rows.add_rows`] on CUDA: the embedding's gradient added on the rows its tokens touch,
+    with shapes fixed by the token count: no host read, no host tensor handed in."""
     from rloo_efficient.core.forward.embedding_rows import add_rows
 
     with FakeTensorMode(allow_non_fake_inputs=True), CaptureSafety() as safety:

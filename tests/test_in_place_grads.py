@@ -104,6 +104,7 @@ TIED_VLMS = ["gemma3_vlm", "qwen3_vl", "lfm2_vl"]
 @pytest.mark.parametrize("arch", TIED_VLMS)
 def test_a_tied_vlms_gradients_added_in_place_are_autograds(arch, tmp_path, monkeypatch):
     """The same, for a tied multimodal checkpoint with an image in every prompt (TRL's vision path)."""
+    # (8x8 images: a few image tokens each; 8 prompts: the two steps' groups)
     cfg = tiny_workload(tmp_path / "models", arch=arch, model_dtype="float32", image_size=8, num_prompts=8,
                         tie_word_embeddings=True)  # fmt: skip
     _assert_added_in_place_as_autograd(build_model_dir(cfg), build_dataset(cfg), tmp_path, monkeypatch, tied=True,
@@ -118,7 +119,8 @@ def test_grpos_defaults_add_a_tied_weights_gradients_in_place_as_autograd(qwen3,
 
 def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tied: bool, grpo: bool = False,
                                        processing_class=build_tokenizer) -> None:
-    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)  # 5 vocabulary chunks of the 259 tokens
+    # 5 vocabulary chunks of the 259 byte tokens (and a family's image tokens)
+    monkeypatch.setattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 64)
     settings = dict(bf16=True, use_cpu=True, per_device_train_batch_size=1, gradient_accumulation_steps=4,
                     steps_per_generation=4, max_steps=2, gradient_checkpointing=True)  # fmt: skip
     trainer_class, arguments = (GRPOTrainer, grpo_args) if grpo else (RLOOTrainer, training_args)

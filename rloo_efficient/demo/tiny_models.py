@@ -279,7 +279,8 @@ def model_config(cfg, tokenizer):
     config_class = getattr(transformers, ARCHITECTURES[cfg.arch])
     if cfg.arch not in MULTIMODAL:
         return config_class(**{**text, **_family_kwargs(cfg, head_dim)})
-    # (the checkpoint's own flag ties its head: a language model's config alone does not)
+    # (the checkpoint's own flag ties its head: some families ignore the language model's, and Gemma's default wins
+    # over it)
     return config_class(**_multimodal_kwargs(cfg, text, head_dim, tokenizer),
                         tie_word_embeddings=cfg.tie_word_embeddings)
 

@@ -224,6 +224,8 @@ def build_model_dir(cfg: WorkloadConfig) -> str:
                      if getattr(cfg, key) is not None})  # fmt: skip
     if cfg.tie_word_embeddings:  # (absent when untied: an untied model's directory name does not depend on it)
         settings["tie_word_embeddings"] = True
+    if cfg.arch in MULTIMODAL:  # tied by the checkpoint's own flag since 2026-12-07: not a directory built before
+        settings["tie_flag"] = "checkpoint"
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
     path = Path(cfg.model_cache_dir) / f"{cfg.preset or 'tiny-' + cfg.arch}-{digest}"
 

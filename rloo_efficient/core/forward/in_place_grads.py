@@ -13,7 +13,7 @@ one-row micro-batch's backward, stock's and ours alike.
   inside). Every tile, fold and product is TRL's; each vocabulary chunk's gradient is summed over the token chunks in
   TRL's order, and then added to that chunk's rows of `.grad`.
 - The embedding ([`_InPlaceEmbedding`]): torch's own dense backward over the distinct tokens renamed by rank (each
-  row's sum as torch makes it), added to those rows of `.grad`.
+  row's sum as torch makes it), added to those rows of `.grad` ([`embedding_rows.add_rows`]).
 
 The same additions, elementwise, as autograd's: the same bits, with one chunk alive instead of the whole.
 
@@ -22,9 +22,9 @@ shape and dtype (the first micro-batch's gradient is taken as it is, with no cop
 weight pending in a graph. A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read by one lookup and then one head in a
 graph, gets their sum as autograd makes it ([`embedding_rows.Tied`]): the head adds its gradient to the rows the
 lookup's tokens do not touch, and the lookup writes the touched rows as `grad + (head's + lookup's)`; from the first
-micro-batch on, as the two whole gradients would otherwise be alive at once. The caller decides the rest: one process and no
-torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL whose backward is not the one
-read here, torch's and TRL's own.
+micro-batch on, as the two whole gradients would otherwise be alive at once. The caller decides the rest: one process
+and no torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL whose backward is not
+the one read here, torch's and TRL's own.
 """
 
 import contextlib
@@ -129,7 +129,7 @@ def _adds_with(ctx, weight: torch.Tensor) -> bool:
 
 
 # Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
-def _backward_adding(ctx, weight, grad_logprobs, grad_entropy, tied: "Tied | None" = None) -> tuple:
+def _backward_adding(ctx, weight, grad_logprobs, grad_entropy, tied: Tied | None = None) -> tuple:
     from trl.trainer.utils import maybe_gather_lm_head_ctx
 
     hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
