@@ -13,7 +13,7 @@ import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
 from rloo_efficient import GRPOTrainer, RLOOTrainer
-from rloo_efficient.core.forward import embedding_rows, in_place_grads, passes
+from rloo_efficient.core.forward import in_place_grads, passes
 from rloo_efficient.core.forward.passes import PassCounts
 from rloo_efficient.demo.workload import (
     build_dataset,
@@ -295,19 +295,6 @@ def test_a_gradient_added_between_a_tied_heads_and_lookups_backwards_is_refused(
                                                             16, None, 1.0, ())  # fmt: skip
     with pytest.raises(RuntimeError, match="changed between their backwards"):
         logps.sum().backward()
-
-
-def test_a_lookup_of_no_tokens_adds_nothing():
-    """An empty lookup's gradient (a micro-batch with nothing to embed): nothing added, tied or not."""
-    grad = torch.randn(40, 8)
-    before = grad.clone()
-    embedding_rows.add_rows(grad, torch.zeros(0, 8), torch.zeros(0, dtype=torch.long), -1)
-    weight = torch.nn.Parameter(torch.zeros(40, 8))
-    weight.grad = grad
-    tied = embedding_rows.Tied(torch.zeros(0, dtype=torch.long), -1, weight)
-    tied.hold(weight)
-    tied.take(torch.zeros(40, 8), 0)
-    assert tied.add(torch.zeros(0, 8)) and torch.equal(grad, before)
 
 
 def test_another_trls_backward_is_left_as_it_is(monkeypatch):
