@@ -777,7 +777,7 @@ def test_a_tied_weights_gradient_is_added_on_cuda_without_host_reads(fresh):
         weight = torch.zeros(40, 8, device=CUDA, requires_grad=True)
         weight.grad = None if fresh else torch.zeros(40, 8, device=CUDA)
         tied = Tied(torch.randint(12, (2, 75), device=CUDA), 3, weight)
-        tied.hold(weight)
+        tied.hold()
         for start in range(0, 40, 16):
             tied.take(torch.randn(min(16, 40 - start), 8, device=CUDA), start)
         assert tied.add(torch.randn(150, 8, device=CUDA))

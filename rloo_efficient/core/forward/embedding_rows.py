@@ -54,8 +54,9 @@ class Tied:
         self.distinct = self.renamed = self.slots = None  # the slots ([`distinct_rows`]), made in the head's backward
         self.task = self.version = None  # the head's backward's graph task, and `.grad`'s version after it
 
-    def hold(self, weight: torch.Tensor) -> None:
+    def hold(self) -> None:
         """Before the head's chunks: `.grad` made where there is none, and the touched rows kept."""
+        weight = self.parameter
         n = self.indices.numel()
         self.distinct, self.renamed, ranks = distinct_rows(self.indices)
         slots = torch.arange(n, device=self.indices.device)

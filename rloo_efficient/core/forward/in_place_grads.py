@@ -146,7 +146,7 @@ def _backward_adding(ctx, weight, grad_logprobs, grad_entropy, tied: Tied | None
         grad_logprobs = grad_logprobs.float().contiguous() if grad_logprobs is not None else None
         grad_entropy = grad_entropy.float().contiguous() if grad_entropy is not None else None
         if tied is not None:  # in place: the rows the tied lookup touches wait for its gradient ([`Tied`])
-            tied.hold(weight)
+            tied.hold()  # (its parameter is `weight`: [`_adds_with`])
 
         # in place: the vocabulary chunks outside, each one's weight gradient summed over the token chunks (TRL's
         # `grad_weight[start:end]`), then added to `.grad`
