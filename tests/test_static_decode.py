@@ -12,9 +12,10 @@ import torch
 from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
 from rloo_efficient import RLOOTrainer
-from rloo_efficient.core.generation import static_decode
+from rloo_efficient.core.generation import static_checks, static_decode
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
-from rloo_efficient.core.generation.static_decode import StaticHybridLayer, StaticLayer, StaticPrefixLayer, StaticStep
+from rloo_efficient.core.generation.static_buffers import StaticHybridLayer, StaticLayer, StaticPrefixLayer
+from rloo_efficient.core.generation.static_decode import StaticStep
 from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.profiling.op_count import OpCounter
 
@@ -37,7 +38,7 @@ from .helpers import (
 @pytest.fixture(autouse=True)
 def warnings_afresh():
     """Each test sees the warnings its calls give (they are given once per reason and process)."""
-    static_decode._warnings.clear()
+    static_checks._warnings.clear()
 
 
 def static_and_stock(model, ids, mask, config, once=False, **extra):
@@ -223,20 +224,6 @@ def test_steps_aside_with_one_warning_naming_why(arch, once, reason):
     assert len(messages) == 1 and reason in messages[0]
     assert_same_generation(stock, ours, arch, config.max_new_tokens)  # generate's own loop
     torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("kwargs, config, reason", [
-    (dict(synced=True), {}, "ranks decode in step"),
-    (dict(streamer=object()), {}, "a streamer"),
-    (dict(assistant_model=object()), {}, "an assistant model"),
-    ({}, dict(do_sample=False, num_beams=2), "generation mode beam_search"),
-])  # fmt: skip
-def test_calls_static_decoding_cannot_take(kwargs, config, reason):
-    """What `generate` would not hand a `custom_generate` (ranks kept in step, a streamer) or runs in place of another
-    decoding mode (an assistant's, beam search's)."""
-    synced = kwargs.pop("synced", False)
-    assert reason in static_decode.static_call_reason(generation_config(**config), synced, kwargs)
-    assert static_decode.static_call_reason(generation_config(do_sample=False), False, {}) is None
 
 
 def test_every_row_its_own_prompt_decodes_from_its_own_cache():

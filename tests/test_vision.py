@@ -478,7 +478,7 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
     from PIL import Image
     from transformers import GenerationConfig
 
-    from rloo_efficient.core.generation import static_decode
+    from rloo_efficient.core.generation import static_checks, static_decode
     from rloo_efficient.core.generation.generate import generate_with_shared_prefill
     from rloo_efficient.demo.tiny_models import model_config, model_from_config
     from rloo_efficient.demo.workload import build_tokenizer
@@ -513,7 +513,7 @@ def test_generation_prefills_each_prompt_and_image_once(model_cache, monkeypatch
     torch.manual_seed(123)
     stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     stock_encoded, encoded[:] = list(encoded), []
-    static_decode._warnings.clear()
+    static_checks._warnings.clear()
     decoded = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: decoded.append(1) or decode(*args))

@@ -42,9 +42,10 @@ from ..layers.vision import (
 )
 from ..transformers_compat import CACHE_KWARG
 from ..tree.rows import prompt_key
-from . import static_decode
+from . import static_buffers, static_decode
 from .prompt_cache import PrefixCache, ReadDtypeCache, cache_limit, keep_prompt_once, kv_sources
-from .static_decode import static_call_reason, static_sample, warn_off
+from .static_checks import static_call_reason, warn_off
+from .static_decode import static_sample
 from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
 from .turn_cache import (
     TurnCaches,
@@ -375,7 +376,7 @@ def _decoding_cache(model: nn.Module, prefilled, prompt_ids: list, first, invers
         warnings.warn("rloo_efficient: the prompt's KV cache is fanned out to every completion for such batches: "
                       "generate drops its cache past the model's original context (Phi-3).",
                       stacklevel=3)  # fmt: skip
-    fan = static_decode.defer_fan_out if static else fan_out  # static decoding: gathered into its buffers
+    fan = static_buffers.defer_fan_out if static else fan_out  # static decoding: gathered into its buffers
     return fan(prefilled, inverse, device), contextlib.nullcontext()
 
 

@@ -52,7 +52,7 @@ class PrefixLayer(DynamicLayer):
     """
 
     # What masks the rows' own keys (`(1, 1, 1, t)`), or None: each holds only what was written (a static decoding
-    # buffer's layer holds positions not written yet: [`generation.static_decode.StaticPrefixLayer`])
+    # buffer's layer holds positions not written yet: [`generation.static_buffers.StaticPrefixLayer`])
     own_bias: torch.Tensor | None = None
 
     def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, prefix_columns: int,
