@@ -16,15 +16,8 @@ import torch
 
 from ..generation.prompt_cache import kv_sources, kv_token_bytes
 from ..layers.families import position_period
-from ..tree.holds import (
-    HoldPlan,
-    chunks_encoding,
-    held_image_bytes,
-    held_token_bytes,
-    plan_holds,
-    prompts_held,
-    scoring_chunks,
-)
+from ..tree.hold_budget import held_image_bytes, held_token_bytes
+from ..tree.holds import HoldPlan, chunks_encoding, plan_holds, prompts_held, scoring_chunks
 from ..tree.rows import row_tokens
 from .passes import ChunkPlan
 from .scope import HeldScope
@@ -56,14 +49,14 @@ class HoldCosts:
         return kv_sources(self.policy().config.get_text_config(decoder=True))
 
     def token_bytes(self, training: bool) -> int:
-        """[`tree.holds.held_token_bytes`] of the policy's text config."""
+        """[`tree.hold_budget.held_token_bytes`] of the policy's text config."""
         config = self.policy().config.get_text_config(decoder=True)
         size = self._size()
         return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
                                 training, self.checkpointing)  # fmt: skip
 
     def image_bytes(self) -> int:
-        """[`tree.holds.held_image_bytes`] of the policy's vision config."""
+        """[`tree.hold_budget.held_image_bytes`] of the policy's vision config."""
         return held_image_bytes(getattr(self.policy().config, "vision_config", None), self._size(), self.checkpointing)
 
     def within_period(self, width: int) -> bool:
@@ -233,8 +226,8 @@ class HoldPlanner:
 
     def _agreed_plan(self, plan_for, chunks: int, training: bool, encodes=None, merged: int = 0):
         """The plan of a scope that every process agrees on ([`_plans_agree`]): `plan_for(True)`, its sources hoisted
-        ([`tree.holds.hoisted_sources`]); where the processes' differ, `plan_for(False)` (each process hoists by its
-        own prompts' lengths: plans without hoisting may agree where hoisted ones do not); else False, with one
+        ([`tree.hold_budget.hoisted_sources`]); where the processes' differ, `plan_for(False)` (each process hoists by
+        its own prompts' lengths: plans without hoisting may agree where hoisted ones do not); else False, with one
         warning. None: agreed, nothing held."""
         plan = plan_for(True)
         if self._plans_agree(plan, chunks, training, encodes, merged):

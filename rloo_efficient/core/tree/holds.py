@@ -13,8 +13,8 @@ inside one optimizer step) are planned together, on the host, from their rows' t
   row's own tokens;
 - the *sources*: the chunk where a held node's rows first appear forwards it (with the other nodes first needed there,
   in one packed forward whose keys and values, recurrent states and router logits are held: [`attention.held`]), or an
-  earlier chunk's source where that forward stays within one of stock's ([`hoisted_sources`]); every later chunk
-  holding one of its rows reads them;
+  earlier chunk's source where that forward stays within one of stock's ([`tree.hold_budget.hoisted_sources`]);
+  every later chunk holding one of its rows reads them;
 - each chunk's own part: each row's inputs after its deepest held node, packed as their prefix tree ([`forward.packing`]).
 
 In training a node's gradient reaches it from every chunk that reads it, and its source's one backward must come last:
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .hold_budget import budgeted, held_peak, hoisted_sources, last_readers, sources_of
 from .radix import MIN_SAVED_TOKENS, Tree, _radix
 
 
@@ -43,7 +44,7 @@ class HeldNodes:
     parent: np.ndarray  # (H,) -1 at a top node
     depth: np.ndarray  # (H,) its held ancestors
     subtree_end: np.ndarray  # (H,)
-    first: np.ndarray  # (H,) the first chunk reading it (its source's, or later: [`hoisted_sources`])
+    first: np.ndarray  # (H,) the first chunk reading it (its source's, or later: [`tree.hold_budget.hoisted_sources`])
     last: np.ndarray  # (H,) the last
     source: np.ndarray  # (H,) the source forwarding it
     offset: np.ndarray  # (H,) its first input's index in its source's flat sequence
@@ -300,22 +301,6 @@ def _search(root, chunk_of: np.ndarray, plens: np.ndarray, min_saved: int) -> li
     return kept
 
 
-def _budgeted(parents: np.ndarray, first: np.ndarray, last: np.ndarray, cost: np.ndarray, budget: int | None,
-              chunks: int, training: bool) -> np.ndarray:  # fmt: skip
-    """Which of the searched nodes are held (bool): chronologically, a node from its first chunk to its last, if its
-    parent is held and it fits the `budget`; then as sources release them ([`within_budget`])."""
-    held = np.zeros(len(parents), dtype=bool)
-    for chunk in range(chunks):
-        alive = int((cost * held)[(first < chunk) & (last >= chunk)].sum())
-        for x in np.flatnonzero(first == chunk):
-            if (parents[x] < 0 or held[parents[x]]) and (budget is None or alive + cost[x] <= budget):
-                held[x] = True
-                alive += cost[x]
-    if budget is not None:  # as sources release them: a chunk's held nodes together, after their backward
-        held = within_budget(held, first, last, parents, cost, budget, chunks, training)
-    return held
-
-
 def _chunk_holds(chunks: list[tuple], chunk_of: np.ndarray, local: np.ndarray, deepest: np.ndarray,
                  nodes: HeldNodes, source_chunk: np.ndarray) -> tuple[ChunkHold, ...]:  # fmt: skip
     """Each chunk's part of the plan: its rows' inputs the held nodes cover (`deepest`: each member row's deepest held
@@ -340,37 +325,6 @@ def _chunk_holds(chunks: list[tuple], chunk_of: np.ndarray, local: np.ndarray, d
         chunk_plans.append(ChunkHold(index, skip, key, position_plen, np.array(sorted(reads), dtype=np.int64),
                                      int(sources[0]) if len(sources) else None))  # fmt: skip
     return tuple(chunk_plans)
-
-
-# A transformer layer's activations saved for backward, per token, in hidden sizes (Korthikanti et al. 2022: about
-# 34 h bytes per token and layer in half precision, 17 h values): what a held prompt's graph keeps without
-# checkpointing; with it, the checkpoint's input (one hidden state per layer)
-SAVED_PER_LAYER = 17
-
-
-def held_token_bytes(kv_bytes: int, hidden_size: int, layers: int, element_size: int, training: bool,
-                     checkpointing: bool) -> int:  # fmt: skip
-    """What holding one prompt token costs ([`plan_holds`]' `token_bytes`): its keys and values in every layer
-    (`kv_bytes`); in training also a float32 bank of their gradient, and what its graph keeps ([`SAVED_PER_LAYER`]
-    hidden sizes per layer, one under gradient `checkpointing`), in `element_size`-byte values."""
-    if not training:
-        return kv_bytes
-    saved = hidden_size * (1 if checkpointing else SAVED_PER_LAYER) * layers
-    return kv_bytes + kv_bytes // element_size * 4 + saved * element_size
-
-
-def held_image_bytes(vision_config, element_size: int, checkpointing: bool) -> int:
-    """What a held image placeholder token's graph keeps in the vision tower in training ([`plan_holds`]'
-    `image_cost`), estimated from the `vision_config`: its patches' activations (Qwen merges `spatial_merge_size`^2
-    patches into a token) in every tower layer, [`SAVED_PER_LAYER`] hidden sizes each (one under gradient
-    `checkpointing`). 0 without a vision config."""
-    if vision_config is None:
-        return 0
-    hidden = getattr(vision_config, "hidden_size", None) or getattr(vision_config, "embed_dim", None) or 0
-    layers = getattr(vision_config, "depth", None) or getattr(vision_config, "num_hidden_layers", None) or 0
-    patches = (getattr(vision_config, "spatial_merge_size", None) or 1) ** 2
-    per_layer = 1 if checkpointing else SAVED_PER_LAYER
-    return hidden * layers * per_layer * patches * element_size
 
 
 def _node_costs(kept: list[tuple], chunk_of: np.ndarray, sequences: list[np.ndarray], token_bytes: int,
@@ -422,9 +376,9 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
     vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
-    stock's forwards) when it forwards nodes first read by later chunks too ([`hoisted_sources`]); None: each source
-    forwards the nodes first read by its own chunk. `training`: the budget counts each source until its backward, else
-    (a no-grad pass) until its own nodes' last reader ([`held_peak`]).
+    stock's forwards) when it forwards nodes first read by later chunks too ([`tree.hold_budget.hoisted_sources`]);
+    None: each source forwards the nodes first read by its own chunk. `training`: the budget counts each source until
+    its backward, else (a no-grad pass) until its own nodes' last reader ([`tree.hold_budget.held_peak`]).
     """
     if any((plen == 0).any() for _, plen, _, _ in chunks):
         return None  # (a row with an empty prompt runs stock's forward: [`forward.packing.pack_rows`])
@@ -443,7 +397,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     if not kept:
         return None
     first, last, length, cost = _node_costs(kept, chunk_of, sequences, token_bytes, image_cost)
-    held = _budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
+    held = budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
                      len(chunks), training)  # fmt: skip
     if not held.any():
         return None
@@ -479,85 +433,6 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     return HoldPlan(nodes, source_chunk, backprop, chunk_plans)
 
 
-def last_readers(source: np.ndarray, last: np.ndarray, count: int) -> np.ndarray:
-    """Each of `count` sources' last reading chunk: the latest `last` of its nodes (`source`: each node's)."""
-    out = np.full(count, -1, dtype=np.int64)
-    np.maximum.at(out, source, last)
-    return out
-
-
-def sources_of(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray):
-    """The sources of held nodes (depth-first) forwarded in chunks `source_first` and read until `last`:
-    `(source_chunk (S,), each node's source (H,), each source's backprop chunk (S,))`. A source's backward runs in the
-    last chunk reading it, directly or through a later source reading it."""
-    source_chunk = np.unique(source_first)
-    source = np.searchsorted(source_chunk, source_first)
-    backprop = last_readers(source, last, len(source_chunk))
-    for s in range(len(source_chunk) - 1, -1, -1):
-        for x in np.flatnonzero((source == s) & (parent >= 0)):
-            a = parent[x]
-            while a >= 0:
-                backprop[source[a]] = max(backprop[source[a]], backprop[s])
-                a = parent[a]
-    return source_chunk, source, backprop
-
-
-def held_peak(source_first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray, chunks: int,
-              training: bool = True) -> int:  # fmt: skip
-    """The most bytes held at once by nodes of `cost` forwarded in chunks `source_first`: each source's nodes from its
-    chunk to its backprop chunk ([`sources_of`]), or (not `training`) to its own nodes' last reader, as
-    [`HoldPlan.released_after`] releases them."""
-    source_chunk, source, backprop = sources_of(source_first, last, parent)
-    if not training:  # (no backward to wait for; a descendant's readers read its ancestors, whose `last` is later)
-        backprop = last_readers(source, last, len(source_chunk))
-    alive = np.zeros(chunks + 1, dtype=np.int64)
-    np.add.at(alive, source_chunk, np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
-    np.add.at(alive, backprop + 1, -np.bincount(source, weights=cost, minlength=len(source_chunk)).astype(np.int64))
-    return int(np.cumsum(alive).max())
-
-
-def within_budget(held: np.ndarray, first: np.ndarray, last: np.ndarray, parent: np.ndarray, cost: np.ndarray,
-                  budget: int, chunks: int, training: bool = True) -> np.ndarray:  # fmt: skip
-    """`held` (nodes in depth-first order, `parent` -1 at a top node) less the nodes first read latest, until what
-    their sources hold at once is within `budget` ([`held_peak`]: a source is released whole, in training after its
-    backward, which a later source reading a descendant delays)."""
-    held = held.copy()
-    while held.any():
-        index = np.flatnonzero(held)
-        rank = np.full(len(held), -1)
-        rank[index] = np.arange(len(index))
-        ranked_parent = np.where(parent[index] >= 0, rank[np.maximum(parent[index], 0)], -1)
-        if held_peak(first[index], last[index], ranked_parent, cost[index], chunks, training) <= budget:
-            break
-        held[index[np.lexsort((index, first[index]))[-1]]] = False  # (the deepest of the latest: no held child)
-    return held
-
-
-def hoisted_sources(first: np.ndarray, last: np.ndarray, length: np.ndarray, cost: np.ndarray, budget: int | None,
-                    cap: int, chunks: int) -> np.ndarray:  # fmt: skip
-    """
-    The chunk forwarding each held node (depth-first, read from chunk `first` to `last`, `length` tokens, `cost` bytes):
-    a node joins the latest source before its first chunk where that forward stays within `cap` tokens and the held
-    state, alive from its forward to its last reader, within `budget` bytes at every chunk; else it opens a source in
-    its first chunk. Each source is one more forward (and in training one more backward): at two rows per micro-batch,
-    a step's groups' prompts in one forward instead of one per group. A parent's source is never after its child's
-    (nodes are taken by first chunk, parents first).
-    """
-    at = first.copy()
-    alive = np.zeros(chunks, dtype=np.int64)
-    current, tokens = -1, 0
-    for x in np.lexsort((np.arange(len(first)), first)):
-        joins = current >= 0 and (current == first[x] or tokens + length[x] <= cap)
-        if joins and budget is not None and current < first[x]:  # alive from `current` on instead of `first[x]`
-            joins = int(alive[current : first[x]].max()) + int(cost[x]) <= budget
-        if not joins:
-            current, tokens = int(first[x]), 0
-        at[x] = current
-        tokens += int(length[x])
-        alive[current : last[x] + 1] += int(cost[x])
-    return at
-
-
 def read_runs(plan: HoldPlan, reads: np.ndarray, key_of_query: np.ndarray,
               query_starts: np.ndarray, query_lengths: np.ndarray) -> list[tuple[int, int, int]]:  # fmt: skip
     """
@@ -579,4 +454,3 @@ def read_runs(plan: HoldPlan, reads: np.ndarray, key_of_query: np.ndarray,
         end = int(query_starts[inside[-1]] + query_lengths[inside[-1]])
         runs.append((int(x), first, end - first))
     return runs
-
