@@ -24,12 +24,12 @@ from .tiny_models import (
     ARCHITECTURES,
     IMAGE_PLACEHOLDER,
     MULTIMODAL,
-    build_processor,
     image_tokens,
     model_config,
     model_from_config,
     ties_by_default,
 )
+from .tiny_processors import build_processor
 
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
