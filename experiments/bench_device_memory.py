@@ -88,6 +88,12 @@ def scaled(values: dict[int, float | None], depth: int) -> float | None:
     return v1 + (v2 - v1) / (l2 - l1) * (depth - l1) if v2 >= v1 - 2**-10 else None
 
 
+def largest_at_depth(at_depth_by_phase: dict[str, dict[str, float | None]], method: str) -> float | None:
+    """`method`'s largest phase peak scaled to depth ([`scaled`]); None where one of its phases did not scale."""
+    values = [at_depth[method] for at_depth in at_depth_by_phase.values()]
+    return None if None in values else max(values)
+
+
 def main(argv=None) -> int:
     parser = parser_for(__doc__, prompt_length=3072, completion_length=256, k=8, output=True)
     parser.add_argument("--preset", default="qwen3-0.6b")
@@ -146,8 +152,7 @@ def main(argv=None) -> int:
             if scale:
                 at_depth = {m: scaled(measured[m], depth) for m in ("stock", "ours")}
                 if phase == "step":  # (the largest phase at depth, which may not be the largest at the counts run)
-                    at_depth = {m: None if None in (phases := [at_depth_by_phase[p][m] for p in at_depth_by_phase])
-                                else max(phases) for m in ("stock", "ours")}  # fmt: skip
+                    at_depth = {m: largest_at_depth(at_depth_by_phase, m) for m in ("stock", "ours")}
                 else:
                     at_depth_by_phase[phase] = at_depth
                 cells += [f"{at_depth[m]:.3f}" if at_depth[m] is not None else "" for m in ("stock", "ours")]
