@@ -15,7 +15,7 @@ prefix trees' real tokens (each shared run once), the phase's peak memory above 
 
     python experiments/bench_tree.py --repeats 3 --output results/tree.md
     python experiments/bench_tree.py --threshold          # the measurement behind tree.MIN_SAVED_TOKENS
-    python experiments/bench_tree.py --buckets            # and behind tree_layout.BUCKET_RATIO
+    python experiments/bench_tree.py --buckets            # and behind tree.runs.BUCKET_RATIO
     python experiments/bench_tree.py --kernels --preset qwen3-0.6b   # variable-length calls vs buckets (on a GPU)
 """
 

@@ -351,7 +351,7 @@ def test_the_packed_forward_runs_the_fused_kernels_on_cuda(monkeypatch, arch, dt
 @pytest.mark.parametrize("arch", [*ARCHITECTURES, "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_row_is_one_flash_call_per_layer_on_cuda(monkeypatch, arch, dtype):
-    """A micro-batch of one row (its tree a path: [`tree.layout.chain_of`]) attends in one causal flash call per layer
+    """A micro-batch of one row (its tree a path: [`tree.runs.chain_of`]) attends in one causal flash call per layer
     over the row itself, as stock's padded row does: no variable-length call, no gather; its backward the kernel's
     (a window: flash's own), its gradients in the inputs' shapes."""
     ids, rows = stock_batch([20], [0], [5], 5, seed=0)

@@ -16,7 +16,7 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.layers.families import attention_reason
 from rloo_efficient.core.layers.install import install
-from rloo_efficient.core.tree import layout as tree_layout
+from rloo_efficient.core.tree import runs as tree_runs
 from rloo_efficient.profiling.op_count import OpCounter
 
 from .helpers import DIM, HEADS, KV_HEADS, VOCAB, stock_batch, tiny_llama
@@ -78,7 +78,7 @@ def test_packed_forward_operators_per_layer_do_not_grow_with_k_or_groups(uneven,
     counts = per_layer()
     assert counts[(16, 2)] == counts[(16, 4)] == max(counts.values()) > counts[(2, 2)], counts
     # The ratio alone (no small-call merging) would split the uneven groups' subtrees by size at small k
-    monkeypatch.setattr(tree_layout, "SMALL_PADDING", 0)
+    monkeypatch.setattr(tree_runs, "SMALL_PADDING", 0)
     assert per_layer()[(16, 4)] == counts[(16, 4)]
 
 

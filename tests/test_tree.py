@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rloo_efficient.core.attention.backend import prefix_attention
 from rloo_efficient.core.tree import layout as layouts
+from rloo_efficient.core.tree import runs
 from rloo_efficient.core.tree.layout import tree_layout
 from rloo_efficient.core.tree.radix import END, build_tree
 
@@ -116,7 +117,7 @@ def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, mi
     windowed = window is not None and tree.num_tokens and window < (tree.position + tree.length).max()
     folded = layout.held_nodes is not None
     assert folded == (fold and levels > 0 and tree.num_tokens > 0 and (
-        sum(tree.length[a].sum() for a in layouts._paths(tree)) <= layouts.FOLD_COPIES * tree.num_tokens))  # fmt: skip
+        sum(tree.length[a].sum() for a in runs.ancestor_paths(tree)) <= layouts.FOLD_COPIES * tree.num_tokens))  # fmt: skip
     if layout.chain is not None and not sinks:
         assert calls == []
         return
@@ -234,7 +235,7 @@ def test_a_folded_call_reading_other_keys_than_its_ancestors_fails(monkeypatch, 
     assert layout.held_nodes is not None and int(tree.depth.max()) == 2
     check_against_dense(tree, 0, layout=layout)
     assert len(calls) == 1  # the folded call alone
-    paths = layouts._paths
+    paths = runs.ancestor_paths
 
     def wrong(tree):
         right = paths(tree)
@@ -247,6 +248,6 @@ def test_a_folded_call_reading_other_keys_than_its_ancestors_fails(monkeypatch, 
 
     window = 3 if mistake == "ancestors_reversed" else None
     check_against_dense(tree, 0, window=window, layout=layout)
-    monkeypatch.setattr(layouts, "_paths", wrong)
+    monkeypatch.setattr(layouts, "ancestor_paths", wrong)  # (as the layout calls it)
     with pytest.raises(AssertionError):
         check_against_dense(tree, 0, window=window, layout=tree_layout(tree, torch.device("cpu"))[0])

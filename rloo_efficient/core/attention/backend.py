@@ -1,7 +1,7 @@
 """
 One attention backend for training, scoring and decoding, registered in transformers' attention interface.
 
-- The packed forwards (policy and reference log-probs, training, reward models) hand it a [`tree.layout.TreeLayout`]
+- The packed forwards (policy and reference log-probs, training, reward models) hand it a [`tree.parts.TreeLayout`]
   in the model call's keyword arguments (`rloo_prefix_layout=`), which transformers passes down to every attention call
   and which gradient checkpointing's recomputation receives again: each token attends to its ancestors in the prefix
   tree and causally within its node ([`attention.tree`]).

@@ -149,7 +149,7 @@ class Capture:
         self.tensors[("key", layer)], self.tensors[("value", layer)] = self.guard(key), self.guard(value)
 
     def recurrent(self, layer, kind: str, value: torch.Tensor) -> None:
-        """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree.layout.level_order`]."""
+        """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree.runs.level_order`]."""
         self.tensors[(kind, id(layer))] = self.guard(value)
 
     def routers(self, logits: list[torch.Tensor]) -> None:

@@ -1,5 +1,5 @@
 """
-Attention over a packed prefix tree ([`tree.layout.TreeLayout`]): each token attends to its ancestors' tokens and
+Attention over a packed prefix tree ([`tree.parts.TreeLayout`]): each token attends to its ancestors' tokens and
 causally within its own node.
 
 The attention is computed in parts and merged exactly by log-sum-exp (Hydragen, arXiv 2402.05099; ring attention
@@ -19,7 +19,7 @@ adds nothing to any key's): no `(N, N)` mask exists.
 Where a variable-length kernel runs (flash's on CUDA in half precision, [`attention.checks.varlen_config`]) the same
 parts need no padding and no blocks: every node's own tokens are one causal call over the flat sequence itself (its
 nodes are its sequences, one after another), and each level's part one call whose sequences are each node's subtree
-reading the node's tokens, both gathered unpadded ([`tree.layout.Packed`]). The merge and the backward are the same.
+reading the node's tokens, both gathered unpadded ([`tree.parts.Packed`]). The merge and the backward are the same.
 
 Under a sliding window `w` a node's own tokens go through [`attention.windows.band_forward`] (or flash's variable-length
 call with its window); a level's part reads only each node's last `w - 1` tokens, masked by the distance of each
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..tree.layout import Blocks, HeldPart, Part, Rows, TreeLayout
+from ..tree.parts import Blocks, HeldPart, Part, Rows, TreeLayout
 from .checks import (
     attention_backward,
     attention_forward,
@@ -304,7 +304,7 @@ def _chain_applies(layout: TreeLayout, sinks, history) -> bool:
 def _varlen_nodes(layout: TreeLayout, q, k, v, window: int | None, scale: float, held) -> tuple:
     """`(packed_nodes, folded)`: on a device with a variable-length kernel ([`attention.checks.varlen_config`]), the
     nodes' call (`(out, lse, state)`, or None where its kernel is not used or raised: the buckets run instead), folded
-    where it reads each node's ancestors' keys too, held and in the tree ([`tree.layout.TreeLayout.held_nodes`])."""
+    where it reads each node's ancestors' keys too, held and in the tree ([`tree.parts.TreeLayout.held_nodes`])."""
     packed_nodes = None
     fold = layout.held_nodes if not layout.history else None
     if fold is not None:

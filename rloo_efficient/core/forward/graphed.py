@@ -58,7 +58,7 @@ def scored_in_full(rows: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
 
 def signature(packed: PackedBatch) -> tuple:
     """What fixes a packed chunk's shapes and layout besides its tokens, positions and labels: its tokens, the held
-    sources it reads (and, for a path, the runs of their keys: [`tree.layout.TreeLayout.chain`]), and its tree's
+    sources it reads (and, for a path, the runs of their keys: [`tree.parts.TreeLayout.chain`]), and its tree's
     shape (each node's parent, length and position; the layout's tensors are functions of these)."""
     tree, chain = packed.tree, packed.layout.chain
     return (packed.num_tokens, packed.held_sources, None if chain is None else tuple(chain), tree.parent.tobytes(),

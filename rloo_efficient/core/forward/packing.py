@@ -8,7 +8,7 @@ prefix tree ([`tree.radix`]) once, every completion at its own length: no paddin
 shift of it: rotary embeddings see the distances stock's rows give them), predicts the next
 token of its rows through `shift_labels` (a node opens with a copy of its parent's last token, so that no position
 predicts two labels), and attends to its ancestors and causally within its node through the layout
-([`tree.layout.TreeLayout`]) the model call carries. Rows with nothing to score (a masked truncated completion) are left
+([`tree.parts.TreeLayout`]) the model call carries. Rows with nothing to score (a masked truncated completion) are left
 out: stock TRL's log-probs for them are all zero, and so are ours.
 
 The structure comes from the token lists TRL holds, once per generation batch ([`row_groups`]): a small CPU tensor of
@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from ..tree.holds import ChunkHold, HoldPlan
-from ..tree.layout import LAYOUT_KWARG, NO_MASK, TreeLayout, tree_layout
+from ..tree.layout import LAYOUT_KWARG, NO_MASK, tree_layout
+from ..tree.parts import TreeLayout
 from ..tree.radix import MIN_SAVED_TOKENS, Tree, build_tree
 from ..tree.rows import row_tokens
 

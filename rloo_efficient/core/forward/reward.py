@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..layers.families import attention_reason, rope_reason
-from ..tree.layout import LAYOUT_KWARG, NO_MASK, TreeLayout, tree_layout
+from ..tree.layout import LAYOUT_KWARG, NO_MASK, tree_layout
+from ..tree.parts import TreeLayout
 from ..tree.radix import MIN_SAVED_TOKENS, build_tree
 
 

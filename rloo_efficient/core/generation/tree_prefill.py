@@ -89,7 +89,7 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, layers: set[int], what: str) -> None:
     """
-    One packed forward of `tokens` `(N,)` over `layout` ([`tree.layout.TreeLayout`]), the model called at its top as
+    One packed forward of `tokens` `(N,)` over `layout` ([`tree.parts.TreeLayout`]), the model called at its top as
     `generate` calls it (a mixed-precision wrapper on its `forward` applies), its head on one position only, each
     attention layer handing its keys and values to `capture(layer_idx, key, value)` ([`capturing_keys`]). Raises
     where a cache layer of `layers` handed none (its attention did not go through ours); `what` names the caller.

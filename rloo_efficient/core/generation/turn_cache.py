@@ -30,7 +30,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..attention.backend import continuing_with
-from ..tree.layout import Blocks, HistoryPart, bucketed_blocks, tree_layout
+from ..tree.layout import tree_layout
+from ..tree.parts import Blocks, HistoryPart
+from ..tree.runs import bucketed_blocks
 from ..tree.radix import Tree, ranges
 from .prompt_cache import PrefixCache, PrefixLayer, ReadDtypeCache, cache_limit, kv_sources
 from .tree_prefill import forward_capturing, tree_prefill_reason

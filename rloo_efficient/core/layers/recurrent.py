@@ -31,7 +31,8 @@ from torch import nn
 from transformers.integrations.accelerate import force_accelerate_hooks
 
 from ..attention.held import capturing
-from ..tree.layout import LAYOUT_KWARG, Level, TreeLayout
+from ..tree.layout import LAYOUT_KWARG
+from ..tree.parts import Level, TreeLayout
 from .recurrent_checks import trusted
 
 

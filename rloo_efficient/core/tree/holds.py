@@ -32,6 +32,7 @@ import numpy as np
 
 from .hold_budget import budgeted, held_peak, hoisted_sources, last_readers, sources_of
 from .radix import MIN_SAVED_TOKENS, Tree, _radix
+from .runs import level_order
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,7 @@ class HoldPlan:
         return int(self.nodes.length[self.nodes.source == source].sum())
 
     def state_rows(self, source: int) -> np.ndarray:
-        """Each node of `source`'s row in the final states its recurrent layers hold ([`tree.layout.level_order`])."""
-        from .layout import level_order
-
+        """Each node of `source`'s row in the final states its recurrent layers hold ([`tree.runs.level_order`])."""
         return level_order(self.source_tree(source)[0])[1]
 
     def reads_of(self, reads: np.ndarray, tree: Tree, root_keys: np.ndarray, root_parents: np.ndarray,

@@ -15,7 +15,7 @@ holds the inputs `[s - 1, e - 1)` (with `shift`; a reward model reads hidden sta
 too (an end marker after it), for a loss over every token stock's batch holds (the MoE load-balancing loss).
 
 Everything here runs on the host, in NumPy, from the token lists TRL holds, in time linear in the rows' tokens (and a
-sort of the rows); nothing reads a device value. [`tree.layout.TreeLayout`] turns it into the index tensors the
+sort of the rows); nothing reads a device value. [`tree.parts.TreeLayout`] turns it into the index tensors the
 attention and recurrent layers use.
 """
 
