@@ -5,7 +5,13 @@ too)."""
 import numpy as np
 import pytest
 
-from rloo_efficient.core.tree.hold_budget import held_peak, held_token_bytes, hoisted_sources, within_budget
+from rloo_efficient.core.tree.hold_budget import (
+    held_image_bytes,
+    held_peak,
+    held_token_bytes,
+    hoisted_sources,
+    within_budget,
+)
 from rloo_efficient.core.tree.holds import plan_holds
 
 
@@ -20,8 +26,24 @@ KV_BYTES, HIDDEN, LAYERS = 28 * 2 * 8 * 128 * 2, 1024, 28
 ])  # fmt: skip
 def test_a_held_tokens_bytes_are_its_keys_and_values_their_float32_bank_and_its_saved_state(training, checkpointing,
                                                                                             expected):  # fmt: skip
-    """Fails with the bank counted in the model's dtype, or the checkpoint inputs left out."""
+    """Fails with the bank counted in the model's dtype, or the checkpoint inputs left out. In float32 the bank is the
+    keys' and values' own size (a bank counted as twice them, whatever the dtype, fails there)."""
     assert held_token_bytes(KV_BYTES, HIDDEN, LAYERS, 2, training, checkpointing) == expected
+    assert held_token_bytes(2 * KV_BYTES, HIDDEN, LAYERS, 4, True, True) == 2 * KV_BYTES * 2 + HIDDEN * LAYERS * 4
+
+
+def test_a_held_image_token_costs_its_patches_saved_activations_in_every_tower_layer():
+    """A placeholder token of a Qwen-like tower (2x2 patches merged into a token) keeps its 4 patches' activations in
+    each of the tower's layers: one hidden state a layer under checkpointing, 17 without; nothing without a tower."""
+    import types
+
+    tower = types.SimpleNamespace(hidden_size=32, depth=3, spatial_merge_size=2)
+    assert held_image_bytes(tower, 2, checkpointing=True) == 32 * 3 * 4 * 2
+    assert held_image_bytes(tower, 2, checkpointing=False) == 17 * 32 * 3 * 4 * 2
+    # (a tower naming its sizes as CLIP's and SigLIP's configs do, one patch a token)
+    clip = types.SimpleNamespace(hidden_size=None, embed_dim=16, depth=None, num_hidden_layers=2)
+    assert held_image_bytes(clip, 4, checkpointing=True) == 16 * 2 * 4
+    assert held_image_bytes(None, 2, checkpointing=True) == 0
 
 
 def test_a_source_forwards_later_chunks_nodes_within_stocks_forward_and_the_budget():

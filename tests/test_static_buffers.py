@@ -66,9 +66,13 @@ def test_a_step_writes_its_column_in_place_and_the_prefilled_tensors_are_release
     layer = static.layers[0]
     addresses = [tensor.data_ptr() for tensor in layer_tensors(layer)]
     step = torch.full((PROMPTS, HEADS, 1, SIZE), 7.0)
-    returned, _ = layer.update(step, -step)
+    returned = layer.update(step, -step)
     column.add_(1)
     layer.update(step + 1, -step - 1)
-    assert [tensor.data_ptr() for tensor in layer_tensors(layer)] == addresses and returned is layer.keys
-    torch.testing.assert_close(layer.keys[..., FILLED : FILLED + 2, :], torch.cat([step, step + 1], dim=-2))
-    assert not layer.keys[..., FILLED + 2 :, :].any() and layer.get_seq_length() == length[0] == FILLED
+    assert [tensor.data_ptr() for tensor in layer_tensors(layer)] == addresses
+    assert returned[0] is layer.keys and returned[1] is layer.values
+    written = torch.cat([step, step + 1], dim=-2)
+    torch.testing.assert_close(layer.keys[..., FILLED : FILLED + 2, :], written)
+    torch.testing.assert_close(layer.values[..., FILLED : FILLED + 2, :], -written)
+    assert not layer.keys[..., FILLED + 2 :, :].any() and not layer.values[..., FILLED + 2 :, :].any()
+    assert layer.get_seq_length() == length[0] == FILLED

@@ -116,8 +116,8 @@ def test_tree_attention_in_variable_length_calls_equals_dense_attention(seed, mi
     levels = len(set(tree.depth[tree.subtree_end > tree.start + tree.length].tolist()))
     windowed = window is not None and tree.num_tokens and window < (tree.position + tree.length).max()
     folded = layout.held_nodes is not None
-    assert folded == (fold and levels > 0 and tree.num_tokens > 0 and (
-        sum(tree.length[a].sum() for a in runs.ancestor_paths(tree)) <= layouts.FOLD_COPIES * tree.num_tokens))  # fmt: skip
+    copies = sum(tree.length[a].sum() for a in runs.ancestor_paths(tree))  # what folding copies, in tokens
+    assert folded == (fold and levels > 0 and tree.num_tokens > 0 and copies <= layouts.FOLD_COPIES * tree.num_tokens)
     if layout.chain is not None and not sinks:
         assert calls == []
         return

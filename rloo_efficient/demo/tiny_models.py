@@ -11,7 +11,9 @@ import functools
 
 import torch
 
-from .tiny_processors import LLAVA_PINPOINTS, LLAVA_TILE
+# (build_processor and lfm2_vl_image_processor were this module's until 2026-12-07: still here for the deprecated name
+# rloo_efficient.tiny_models, which is this module)
+from .tiny_processors import LLAVA_PINPOINTS, LLAVA_TILE, build_processor, lfm2_vl_image_processor  # noqa: F401
 
 
 # arch -> (config class, multimodal); the kwargs are in `_family_kwargs`

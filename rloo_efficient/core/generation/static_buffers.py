@@ -137,7 +137,7 @@ def defer_fan_out(cache: Cache, inverse: list[int], device) -> Cache:
     [`static_cache`], which gathers each layer's rows straight into its static buffers: the rows' copies of the prompt
     are allocated once, at their final size (fanning out first and padding after allocates them twice, and leaves the
     allocator every fanned-out layer's freed block, a little too small for the next layer's buffer). `generate`'s own
-    loop ([`static_sample`] falling back) fans out first."""
+    loop ([`generation.static_decode.static_sample`] falling back) fans out first."""
     setattr(cache, _DEFERRED, torch.tensor(inverse, device=device))
     return cache
 

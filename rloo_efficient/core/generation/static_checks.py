@@ -51,10 +51,10 @@ _warnings = WarnOnce()  # static decoding's reasons, once per process
 
 def static_call_reason(generation_config, synced: bool, kwargs: dict) -> str | None:
     """
-    Why a `generate` call with these keyword arguments must not be handed [`static_sample`], or None: `generate` gives
-    a `custom_generate` callable neither `synced_gpus` nor a streamer (only the parameters its signature adds to
-    `_sample`'s), and runs it in place of every decoding mode. `synced`: every forward gathers parameters from all
-    ranks (ZeRO-3, FSDP), so that ranks must decode in step.
+    Why a `generate` call with these keyword arguments must not be handed [`generation.static_decode.static_sample`], or
+    None: `generate` gives a `custom_generate` callable neither `synced_gpus` nor a streamer (only the parameters its
+    signature adds to `_sample`'s), and runs it in place of every decoding mode. `synced`: every forward gathers
+    parameters from all ranks (ZeRO-3, FSDP), so that ranks must decode in step.
     """
     if synced or kwargs.get("synced_gpus"):
         return "ranks decode in step (synced_gpus: ZeRO-3 or FSDP)"
@@ -70,7 +70,7 @@ def static_call_reason(generation_config, synced: bool, kwargs: dict) -> str | N
 
 def static_decode_reason(model: nn.Module, input_ids: torch.Tensor, stopping_criteria, generation_config,
                          model_kwargs: dict) -> str | None:  # fmt: skip
-    """Why [`static_sample`] would not reproduce `generate`'s loop for this call, or None."""
+    """Why [`generation.static_decode.static_sample`] would not reproduce `generate`'s loop for this call, or None."""
     if dropout_active(model):
         return "dropout is active (share_under_dropout): each step draws its masks, which a replay would not check"
     if generation_config.return_dict_in_generate and (generation_config.output_attentions or

@@ -73,10 +73,10 @@ STOP_CHECK_EVERY = 8
 def static_sample(model: nn.Module, input_ids: torch.Tensor, logits_processor, stopping_criteria, generation_config,
                   synced_gpus: bool = False, streamer=None, **model_kwargs) -> torch.Tensor:  # fmt: skip
     """
-    `generate`'s `_sample` (its `custom_generate` signature; the caller checks [`static_call_reason`]) from a cache
-    holding the first `W - 1` columns of the `(B, W)` batch `input_ids`, decoded from static buffers (see the
-    module's text). Returns the sequences, as `generate` does. Runs `generate`'s own loop where
-    [`static_decode_reason`] says why it cannot.
+    `generate`'s `_sample` (its `custom_generate` signature; the caller checks
+    [`generation.static_checks.static_call_reason`]) from a cache holding the first `W - 1` columns of the `(B, W)`
+    batch `input_ids`, decoded from static buffers (see the module's text). Returns the sequences, as `generate` does.
+    Runs `generate`'s own loop where [`generation.static_checks.static_decode_reason`] says why it cannot.
     """
     reason = static_decode_reason(model, input_ids, stopping_criteria, generation_config, model_kwargs)
     if reason is None and stopping_criteria.max_length is None:
@@ -245,9 +245,10 @@ def captures(model: nn.Module, device) -> bool:
 
 def replays_kept_once(model: nn.Module, layer_types: list[type], device: torch.device) -> bool:
     """Whether a call handed [`static_sample`] on `device` would replay captured steps with the prompt kept once in a
-    cache of `layer_types` (what the cost model needs before the cache is built): the steps captured there, the
-    model's attention taking a prepared mask, no capture of the model's failed, and the cache static decoding can
-    hold. A call refused later for its own inputs ([`static_decode_reason`]) runs `generate`'s loop instead."""
+    cache of `layer_types` (what the cost model needs before the cache is built): the steps captured there, the model's
+    attention taking a prepared mask, no capture of the model's failed, and the cache static decoding can hold. A call
+    refused later for its own inputs ([`generation.static_checks.static_decode_reason`]) runs `generate`'s loop
+    instead."""
     return (device.type in CAPTURE_DEVICES and model.config._attn_implementation in PREPARED_MASKS
             and getattr(model, "_rloo_graph_failed", None) is None and not dropout_active(model)
             and kept_once_reason(model, layer_types) is None)  # fmt: skip

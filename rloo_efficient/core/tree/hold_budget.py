@@ -119,7 +119,7 @@ def hoisted_sources(first: np.ndarray, last: np.ndarray, length: np.ndarray, cos
 
 
 def budgeted(parents: np.ndarray, first: np.ndarray, last: np.ndarray, cost: np.ndarray, budget: int | None,
-              chunks: int, training: bool) -> np.ndarray:  # fmt: skip
+             chunks: int, training: bool) -> np.ndarray:  # fmt: skip
     """Which of the searched nodes are held (bool): chronologically, a node from its first chunk to its last, if its
     parent is held and it fits the `budget`; then as sources release them ([`within_budget`])."""
     held = np.zeros(len(parents), dtype=bool)

@@ -397,7 +397,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
         return None
     first, last, length, cost = _node_costs(kept, chunk_of, sequences, token_bytes, image_cost)
     held = budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
-                     len(chunks), training)  # fmt: skip
+                    len(chunks), training)  # fmt: skip
     if not held.any():
         return None
     keep = np.flatnonzero(held)  # depth-first still (a dropped node's subtree is dropped with it)

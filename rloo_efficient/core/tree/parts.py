@@ -109,7 +109,7 @@ class Level:
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """The packed forward's structure (see the module docstring); `memo` holds what every layer derives alike from it
+    """The packed forward's structure (see [`tree.layout`]); `memo` holds what every layer derives alike from it
     (a window's tails and biases, the recurrent forks' index), built by the first layer that needs it."""
 
     tokens: int  # N
