@@ -63,9 +63,9 @@ GIB = "gib"
 
 
 def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir: Path, device_args,
-        rows: int | None = None, history: str | None = None) -> dict | str:  # fmt: skip
-    """One run; `rows` per micro-batch (default k), accumulation filling one group's step; `history`: where step 2's
-    allocator history goes (experiments/memory_history.py)."""
+        rows: int | None = None, history: str | None = None, steps: int = 3) -> dict | str:  # fmt: skip
+    """One run of `steps` optimizer steps; `rows` per micro-batch (default k), accumulation filling one group's step;
+    `history`: where step 2's allocator history goes (experiments/memory_history.py)."""
     results = out_dir / f"{method}_{len(list(out_dir.iterdir()))}.json"
     rows = rows or k
     extra = [*extra, *(["--memory_history", history] if history else [])]
@@ -73,7 +73,7 @@ def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir
         sys.executable, str(HERE / "run_rloo.py"), "--method", method, "--prompt_length", str(prompt_length),
         "--max_completion_length", str(completion_length), "--num_generations", str(k),
         "--per_device_train_batch_size", str(rows), "--gradient_accumulation_steps", str(k // rows),
-        "--steps_per_generation", str(k // rows), "--max_steps", "3", "--beta", "0.05",
+        "--steps_per_generation", str(k // rows), "--max_steps", str(steps), "--beta", "0.05",
         "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": completion_length}),
         "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--results_file", str(results),
         "--output_dir", str(out_dir / "trainer"), *(["--preset", preset] if preset else []), *device_args, *extra,

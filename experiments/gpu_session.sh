@@ -36,12 +36,15 @@
 #    generation alone (and, at 1.7B and P=16384, with the prompt kept once: its decoding cost under a graph, where no
 #    launches are left for the kept-once attention's extra operators to cost), then the trainer;
 # 8. the trainer at one row per micro-batch with completions longer than the prompts (P=512, C=1024): the no-grad
-#    passes' one-row chunks replayed from CUDA graphs (graph_scoring_passes, since 2026-11-29) against eager.
+#    passes' one-row chunks replayed from CUDA graphs (graph_scoring_passes, since 2026-11-29) against eager;
+# 9. issue 58's last row: Qwen3-8B LoRA (r 16) at P=8192, C=1024, k=8, each method's largest micro-batch and its step
+#    (experiments/bench_gpu_capacity.py), ours and stock in steps of their own (each its own call: the first builds
+#    the 8B model's 16 GB directory).
 set -uo pipefail
 OUT="${OUT:-results/gpu_session}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 FIRST="history_rows1 history_0.6b bench_gpu_1.7b"
-REST="static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
+REST="capacity_8b_ours capacity_8b_stock static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
 if [[ "${1:-}" == "--list" ]]; then echo "$FIRST $REST"; exit 0; fi
 STEPS="${STEPS:-$FIRST}"
 mkdir -p "$OUT"
@@ -68,6 +71,8 @@ run 180 bench_gpu_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 
 run 180 static_once_1.7b python3 experiments/bench_generation.py --preset qwen3-1.7b --prompt_lengths 16384 \
     --completion_length 128 --ks 8 --methods static static_once --repeats 1 --per_token
 run 230 bench_gpu_1.7b python3 experiments/bench_gpu.py --workloads 1.7b-k8 --output "$OUT/bench_gpu_1.7b.md"
+run 560 capacity_8b_ours python3 experiments/bench_gpu_capacity.py --methods ours --output "$OUT/capacity_8b_ours.md"
+run 560 capacity_8b_stock python3 experiments/bench_gpu_capacity.py --methods stock --output "$OUT/capacity_8b_stock.md"
 run 60 held_overhead python3 experiments/bench_held_overhead.py --op_counts --preset qwen3-0.6b --prompt_length 3072 \
     --completion_length 256
 run 240 bench_gpu_long_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-long-rows1 \
