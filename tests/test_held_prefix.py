@@ -20,7 +20,8 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.forward.scope import HeldScope, chunk_tables
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree import layout as layouts
-from rloo_efficient.core.tree.holds import chunks_encoding, plan_holds
+from rloo_efficient.core.tree.holds import plan_holds
+from rloo_efficient.core.tree.pass_chunks import chunks_encoding
 from rloo_efficient.demo.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
@@ -382,7 +383,7 @@ def test_a_scoring_pass_forwards_as_many_rows_as_one_of_stocks_forwards_holds():
     row of the batch's width), each group's prompt forwarded once and held: a group's eight rows take about two
     forwards and its prompt's, and each packed forward (the prompt's too) is within stock's. Where the prompts are not
     held, the merge is refused."""
-    from rloo_efficient.core.tree.holds import prompts_held, scoring_chunks
+    from rloo_efficient.core.tree.pass_chunks import prompts_held, scoring_chunks
     from rloo_efficient.core.tree.rows import row_tokens
 
     prompts, completions = rl_rows(seed=3, groups=2, k=8, system=70, task=40)
@@ -505,7 +506,7 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
     """Through the trainer's no-grad planning (stock's chunks, or merged ones): where every forward is a collective
     and the processes' hoisted plans differ, the plan held is the unhoisted one they agree on; where neither agrees,
     nothing is held."""
-    from rloo_efficient.core.tree.holds import scoring_chunks
+    from rloo_efficient.core.tree.pass_chunks import scoring_chunks
     from rloo_efficient.core.tree.rows import row_tokens
 
     completion = 60 if merge else 2  # long completions: each group split over merged chunks, its prompt held

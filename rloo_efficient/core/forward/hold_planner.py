@@ -17,7 +17,8 @@ import torch
 from ..generation.prompt_cache import kv_sources, kv_token_bytes
 from ..layers.families import position_period
 from ..tree.hold_budget import held_image_bytes, held_token_bytes
-from ..tree.holds import HoldPlan, chunks_encoding, plan_holds, prompts_held, scoring_chunks
+from ..tree.holds import HoldPlan, plan_holds
+from ..tree.pass_chunks import chunks_encoding, prompts_held, scoring_chunks
 from ..tree.rows import row_tokens
 from .passes import ChunkPlan
 from .scope import HeldScope
@@ -186,8 +187,8 @@ class HoldPlanner:
 
     def _merged_chunks(self, rows: torch.Tensor, chunks: list, images: np.ndarray | None,
                        width: int) -> ChunkPlan | None:  # fmt: skip
-        """A no-grad pass's chunks merged ([`tree.holds.scoring_chunks`]), each no larger than one of stock's forwards
-        (`chunks`: stock's, of its batch size), where every prompt they count once is held; else None (stock's
+        """A no-grad pass's chunks merged ([`tree.pass_chunks.scoring_chunks`]), each no larger than one of stock's
+        forwards (`chunks`: stock's, of its batch size), where every prompt they count once is held; else None (stock's
         chunks)."""
         if len(chunks) < 2:
             return None
@@ -242,7 +243,7 @@ class HoldPlanner:
                      merged: int = 0) -> bool:  # fmt: skip
         """Whether every process's `plan` (of a scope of at most `chunks` chunks, `merged` of them where a no-grad
         pass's were merged) adds the same forwards and backwards to the same chunks, and (`encodes(plan)`, an image
-        batch's) encodes images in the same chunks' own forwards ([`tree.holds.chunks_encoding`])."""
+        batch's) encodes images in the same chunks' own forwards ([`tree.pass_chunks.chunks_encoding`])."""
         pattern = np.zeros((3, chunks), dtype=np.int64)  # one length on every process, images or not
         if plan is not None:
             pattern[:2] = plan.forward_pattern(chunks, training)
