@@ -217,6 +217,8 @@ def prompts_for(layout: str) -> list[list[int]]:
         "equal_lengths": [a] * 3 + [a[::-1]] * 3,  # no padding: the mask is dropped, attention is causal
         "mixed_lengths": [a] * 2 + [b] * 2 + [c] * 2,  # left padding; a one-token prompt's prefix is all padding
         "interleaved": [a, b, a, b, a],  # a prompt's rows need not be adjacent nor equally many
+        # Adjacent but not equally many (a prompt drawn twice in a row, a tool turn's rows that dropped out)
+        "uneven_groups": [a] * 3 + [b] + [c] * 2,
     }[layout]
 
 

@@ -56,6 +56,22 @@ SLIDING = ("mistral_sliding", "gemma3_sliding", "gpt_oss_sliding", "cohere2", "o
            "gemma2")
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral_sliding"])
+def test_adjacent_groups_of_different_sizes_each_read_their_own_prompt_kept_once(arch):
+    """Rows grouped prompt after prompt, 3, 1 and 2 of them: with each prompt kept once, every row's split attention
+    reads its own prompt. Fails with equally many rows per prompt assumed wherever the rows are adjacent (the second
+    prompt's row would read the first's)."""
+    model = build(arch)
+    ids, mask = left_pad(prompts_for("uneven_groups"))
+    config = generation_config(max_new_tokens=12 if arch in SLIDING else 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing falls back to fanning out
+        stock, ours, prefill_tokens = stock_and_ours(model, ids, mask, config, once=True)
+    assert prefill_tokens > 0 and isinstance(output_cache(ours), PrefixCache)
+    assert output_cache(ours).split.rows_per_group is None  # (not a view of the batch: the groups are uneven)
+    assert_same_generation(stock, ours, arch, config.max_new_tokens)
+
+
 # Whose prompts are prefilled as their prefix tree: attention-only caches (not recurrent states, not MLA's latents)
 NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "falcon_h1", "lfm2",
                    "qwen3_5", "qwen3_5_moe", "kimi_linear")
