@@ -7,6 +7,7 @@ resolution; the held state is released when its last chunk is done.
 """
 
 import contextlib
+import copy
 import functools
 import random
 
@@ -154,6 +155,48 @@ def test_held_prefixes_give_the_per_chunk_trees_log_probs_and_gradients(scoring_
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10 * scale)
     assert scope.forwarded_tokens > 0 and not scope.sources  # held, and every source released
+
+
+@pytest.mark.parametrize("layers", [2, 1])
+def test_a_source_read_through_a_later_one_is_backpropagated_after_it(scoring_model, exact_head, layers):
+    """A prompt P (read in chunks 0 to 3), its continuation C (chunks 2 and 3) in one source with a prompt Q read to
+    chunk 5, and R (chunks 4 and 5): C's source's backward runs in chunk 5, and reaches P's keys through C's, so P's
+    source must be backpropagated there too, not in its own last reader (chunk 3), and every bank P's earlier readers
+    left goes in there. The same log-probs and gradients as each chunk's own tree. Fails with a source's backprop
+    chunk not passed up to its ancestors' sources (P's gradient from C's source would arrive after P's backward); with
+    a bank added only where a gradient reaches its tensor (P's last-layer keys get none through C's forward, whose last
+    layer's output nothing reads); and, in one layer (C's keys then do not depend on P's at all), without the link
+    from C's source to the ancestors it read."""
+    model = scoring_model
+    if layers == 1:
+        config = copy.deepcopy(scoring_model.config)
+        config.num_hidden_layers = 1
+        config.layer_types = config.layer_types[:1] if getattr(config, "layer_types", None) else None
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        install(model)
+    rng = random.Random(7)
+    tokens = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
+    p, c, q, r = tokens(11), tokens(3), tokens(14), tokens(14)
+    # Every prompt 15 tokens (one length: held nodes sit at every row's stock positions), its last token its own
+    rows = [p + tokens(4), p + tokens(4), p + c + tokens(1), q + tokens(1), p + c + tokens(1), q + tokens(1),
+            q + tokens(1), r + tokens(1), q + tokens(1), r + tokens(1)]  # fmt: skip
+    completions = [tokens(rng.randint(1, 6)) for _ in rows]
+    input_ids, attention_mask, width_c, structure = stock_batch(rows, completions)
+    chunks = [np.array(chunk) for chunk in ([0], [1], [2, 3], [4, 5], [6, 7], [8, 9])]
+    weights = torch.linspace(-1, 1, input_ids.shape[0] * width_c, dtype=torch.float64).view(-1, width_c)
+    want_logps, _, want_grads, _ = run_chunks(model, input_ids, width_c, structure, chunks, False, weights)
+    logps, _, grads, scope = run_chunks(model, input_ids, width_c, structure, chunks, True, weights, min_saved=0)
+    plan = scope.plan
+    assert plan.source_chunk.tolist() == [0, 2, 4]  # P; C and Q; R
+    assert plan.backprop_chunk.tolist() == [5, 5, 5]  # P's after C's (read through it), C and Q's after Q's last reader
+    mask = attention_mask[:, -width_c:].bool()
+    torch.testing.assert_close(logps[mask], want_logps[mask], rtol=1e-10, atol=1e-12)
+    scale = max(g.abs().max().item() for g in want_grads)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10 * scale)
+    assert scope.forwarded_tokens > 0 and not scope.sources
 
 
 # One family per mechanism a held prefix must carry: sliding windows shorter than the prompt (Mistral; Gemma 3's

@@ -11,10 +11,16 @@ every reader contributes to its gradient:
 
 - a reader whose backward runs before it reads `detached` copies: leaves sharing the tensors' storage, whose gradient
   is added into a bank (float32 for half precision) and dropped as it arrives;
-- the readers whose backward runs in it read `attached` views through one autograd node per tensor, whose backward adds
-  the bank to the gradient flowing in: the source's one backward then runs inside the Trainer's ordinary backward of
-  that micro-batch, which also owns gradient synchronization, checkpointing's recomputation and loss scaling (the
-  bank holds gradients of the same scaled loss).
+- the readers whose backward runs in it read `attached` views through one autograd node for all of the source's
+  tensors, whose backward adds each bank to the gradient flowing in (a bank alone where none flows in): the source's
+  one backward then runs inside the Trainer's ordinary backward of that micro-batch, which also owns gradient
+  synchronization, checkpointing's recomputation and loss scaling (the bank holds gradients of the same scaled loss).
+
+One node for all of them, because a reader may leave some of them without gradient: a later source's forward reads
+an ancestor source's keys in every layer, but nothing reads its last layer's attention output, so that the ancestor's
+last-layer keys get no gradient there; their bank, what the earlier readers sent them, must still go in. A source
+forward that reads attached ancestors is linked to them ([`link`]): its own backward sets theirs off, whether or not
+its tensors depend on theirs (in a one-layer model they do not).
 
 Reading the attached tensors from a micro-batch whose backward runs earlier would backpropagate the source twice (and a
 second time through a graph already freed); reading detached ones in the backprop chunk would leave the bank unused.
@@ -30,23 +36,54 @@ import torch
 _holding: contextvars.ContextVar = contextvars.ContextVar("rloo_holding", default=None)
 
 
-class _WithBank(torch.autograd.Function):
-    """A held tensor as the backprop chunk reads it: itself forward; backward, its gradient plus the bank."""
+class _WithBanks(torch.autograd.Function):
+    """A source's held tensors as its backprop chunk reads them, and a token to link a later source to them ([`link`]):
+    themselves forward; backward, each one's gradient plus its bank, or its bank alone where no gradient reaches it."""
 
     @staticmethod
-    def forward(ctx, tensor, source, name):
-        # The bank as it will be when this backward runs: the source may be released before (its last micro-batch
+    def forward(ctx, source, names, *tensors):
+        # The banks as they will be when this backward runs: the source may be released before (its last micro-batch
         # releases it after its forward), and its banks go with this graph
-        ctx.source, ctx.banks, ctx.name = source, source.banks, name
-        return tensor.view_as(tensor)
+        ctx.source, ctx.banks, ctx.names = source, source.banks, names
+        ctx.dtypes = [tensor.dtype for tensor in tensors]
+        ctx.set_materialize_grads(False)  # (no zeros made for a tensor no gradient reaches)
+        return (*(tensor.view_as(tensor) for tensor in tensors), tensors[0].new_zeros(()))
 
     @staticmethod
-    def backward(ctx, grad):
-        bank = ctx.banks.pop(ctx.name, None)  # (freed as its sum goes on: the source's backward runs after every layer's)
-        if bank is not None:
-            grad = (grad.to(bank.dtype) + bank).to(grad.dtype)
-        ctx.source.banks_added += bank is not None
-        return grad, None, None
+    def backward(ctx, *grads):
+        out = []
+        for name, dtype, grad in zip(ctx.names, ctx.dtypes, grads[:-1], strict=True):
+            bank = ctx.banks.pop(name, None)  # (freed as its sum goes on: the source's backward runs after every layer's)
+            if bank is not None:
+                grad = bank.to(dtype) if grad is None else (grad.to(bank.dtype) + bank).to(grad.dtype)
+            ctx.source.banks_added += bank is not None
+            out.append(grad)
+        return None, None, *out
+
+
+class _Linked(torch.autograd.Function):
+    """A source's tensors after its forward, linked to the tokens of the attached ancestors it read: themselves forward;
+    backward, their gradients, and a zero to each token, which sets the ancestors' backward off."""
+
+    @staticmethod
+    def forward(ctx, count, *tokens_and_tensors):
+        ctx.tokens = [(token.dtype, token.device) for token in tokens_and_tensors[:count]]
+        ctx.set_materialize_grads(False)
+        return tuple(tensor.view_as(tensor) for tensor in tokens_and_tensors[count:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *(torch.zeros((), dtype=dtype, device=device) for dtype, device in ctx.tokens), *grads
+
+
+def link(tensors: dict, tokens: list[torch.Tensor]) -> dict:
+    """`tensors` (a source's, by name) whose backward also sets off the backward of the attached reads whose `tokens`
+    ([`HeldSource.read`]'s `"link"`) its forward read; as they are where there is nothing to link."""
+    names = [name for name, tensor in tensors.items() if tensor.requires_grad]
+    if not tokens or not names:
+        return tensors
+    linked = _Linked.apply(len(tokens), *tokens, *(tensors[name] for name in names))
+    return {**tensors, **dict(zip(names, linked, strict=True))}
 
 
 class HeldSource:
@@ -60,18 +97,21 @@ class HeldSource:
         self._versions: dict[bool, dict] = {}
 
     def read(self, attached: bool) -> dict:
-        """Every held tensor, `attached` (through the bank) or detached (its gradient banked); as they are where
-        nothing needs a gradient."""
+        """Every held tensor, `attached` (through the banks, with a `"link"` token: [`link`]) or detached (its
+        gradient banked); as they are where nothing needs a gradient."""
         if attached not in self._versions:
-            self._versions[attached] = {name: self._version(name, tensor, attached)
-                                        for name, tensor in self.tensors.items()}  # fmt: skip
+            versions = dict(self.tensors)
+            names = [name for name, tensor in self.tensors.items() if tensor.requires_grad]
+            if attached and names:
+                *views, token = _WithBanks.apply(self, names, *(self.tensors[name] for name in names))
+                versions.update(zip(names, views, strict=True))
+                versions["link"] = token
+            elif names:
+                versions.update({name: self._detached(name, self.tensors[name]) for name in names})
+            self._versions[attached] = versions
         return self._versions[attached]
 
-    def _version(self, name, tensor: torch.Tensor, attached: bool) -> torch.Tensor:
-        if not tensor.requires_grad:
-            return tensor
-        if attached:
-            return _WithBank.apply(tensor, self, name)
+    def _detached(self, name, tensor: torch.Tensor) -> torch.Tensor:
         leaf = tensor.detach().requires_grad_(True)  # the same storage
         leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: self._bank(name, leaf))
         return leaf
@@ -126,6 +166,10 @@ class HeldReads:
         zero = lambda x: x.new_zeros((1, *x.shape[1:]))  # noqa: E731
         joined = lambda xs: None if xs[0] is None else torch.cat([*xs, zero(xs[0])])  # noqa: E731 (a convolution: no state)
         return joined(states), joined(tails)
+
+    def links(self) -> list[torch.Tensor]:
+        """The tokens of the slots read attached ([`link`])."""
+        return [slot["link"] for slot in self.slots if "link" in slot]
 
     def routers(self) -> list[list[torch.Tensor]]:
         """Per slot, each MoE layer's router logits `(Ns, E)`, in call order."""

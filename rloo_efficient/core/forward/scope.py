@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..attention.held import Capture, HeldReads, HeldSource, holding
+from ..attention.held import Capture, HeldReads, HeldSource, holding, link
 from ..layers.vision import ImageBatch
 from ..tree.holds import HoldPlan
 from ..tree.rows import row_tokens
@@ -71,7 +71,8 @@ class HeldScope:
             with holding(capture), recorded as logits:
                 call(**inputs)
         capture.routers(list(logits))
-        self.sources[source] = HeldSource(capture.tensors, batch.num_tokens)
+        # (its backward sets off the backward of the ancestors it read attached, whose banks it must bring in)
+        self.sources[source] = HeldSource(link(capture.tensors, reads.links()), batch.num_tokens)
         self.forwarded_tokens += batch.num_tokens
         return batch.num_tokens
 
