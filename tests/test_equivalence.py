@@ -8,6 +8,8 @@ reused across steps and iterations. Multi-step runs use SGD, whose update is lin
 differences stay at rounding size instead of being amplified as AdamW's first sign-like steps amplify them.
 """
 
+import random
+
 import pytest
 import torch
 import trl
@@ -192,3 +194,38 @@ def test_a_tied_embedding_matches_stock(tied_workload, tmp_path, exact_head, lay
     for trainer in (stock, ours):
         assert trainer.model.get_output_embeddings().weight is trainer.model.get_input_embeddings().weight
     assert ours.held_forward_tokens > 0
+
+
+def test_a_system_prompt_read_only_through_a_later_prompts_source_matches_stock(workload, tmp_path, exact_head,
+                                                                                 monkeypatch):
+    """Three prompts sharing a system prompt (250 tokens, then 150 of their own) and one without it (150), two rows
+    each, one row per micro-batch in TRL's shuffled order (seed 12): the system prompt is held apart, each task under
+    it, and a task's source also forwards the plain prompt (hoisted: within one of stock's forwards), read after every
+    row of the system prompt. The system prompt's source is then backpropagated in a micro-batch none of whose rows
+    reads it, through the later source, which must bring in every gradient the system prompt's readers banked.
+    Failed so (until 2026-12-07: the banks of its last layer's keys and values, which no gradient reaches through that
+    source's forward, were dropped): parameter updates up to 1e3 relative off stock's."""
+    from datasets import Dataset
+
+    from rloo_efficient.core.forward import scope as scopes
+
+    _, path, _ = workload
+    rng = random.Random(3)
+    text = lambda n: "".join(rng.choice("abcdefghijklmnop ") for _ in range(n))  # noqa: E731 (a token a character)
+    system = text(250)
+    dataset = Dataset.from_dict({"prompt": [system + text(150) for _ in range(3)] + [text(150)]})
+    plans = []  # the training scopes' plans
+    init = scopes.HeldScope.__init__
+
+    def recorded(self, plan, training, *args, **kwargs):
+        if training:
+            plans.append(plan)
+        init(self, plan, training, *args, **kwargs)
+
+    monkeypatch.setattr(scopes.HeldScope, "__init__", recorded)
+    _, ours = compare(path, dataset, tmp_path, ours_only=dict(shuffle_groups=False), per_device_train_batch_size=1,
+                      num_generations=2, gradient_accumulation_steps=8, steps_per_generation=8, seed=12)
+    assert ours.held_forward_tokens > 0
+    # A source backpropagated after its own prompts' last reader (through a later source reading their descendant)
+    assert any(plan.backprop_chunk[source] > plan.nodes.last[plan.nodes.source == source].max()
+               for plan in plans for source in range(len(plan.source_chunk)))  # fmt: skip

@@ -53,7 +53,8 @@ class _WithBanks(torch.autograd.Function):
     def backward(ctx, *grads):
         out = []
         for name, dtype, grad in zip(ctx.names, ctx.dtypes, grads[:-1], strict=True):
-            bank = ctx.banks.pop(name, None)  # (freed as its sum goes on: the source's backward runs after every layer's)
+            # (freed as its sum goes on: the source's backward runs after every layer's)
+            bank = ctx.banks.pop(name, None)
             if bank is not None:
                 grad = bank.to(dtype) if grad is None else (grad.to(bank.dtype) + bank).to(grad.dtype)
             ctx.source.banks_added += bank is not None
