@@ -212,11 +212,15 @@ HELD_FAMILIES = ("mistral", "gemma3", "gpt_oss", "deepseek_v3", "gemma4", "qwen3
 VARLEN_HELD_FAMILIES = ("gemma3", "gpt_oss", "qwen3_next")
 
 
-@pytest.mark.parametrize("arch, varlen", [(arch, False) for arch in HELD_FAMILIES] +
-                         [(arch, True) for arch in VARLEN_HELD_FAMILIES])  # fmt: skip
-def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, exact_head, monkeypatch, arch, varlen):
-    """Chunks of one row, each prompt held: the same log-probs, load-balancing loss (MoE) and gradients as each chunk
-    packed on its own."""
+# MoE in chunks of 1, 3 and 2 rows: a held token's load-balancing weight is the count of the chunk's rows holding it,
+# and the middle chunk reads two held prompts, one held by two of its rows and one by one
+@pytest.mark.parametrize("arch, varlen, sizes", [(arch, False, (1,) * 6) for arch in HELD_FAMILIES] +
+                         [(arch, True, (1,) * 6) for arch in VARLEN_HELD_FAMILIES] +
+                         [("gpt_oss", False, (1, 3, 2))])  # fmt: skip
+def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, exact_head, monkeypatch, arch, varlen,
+                                                                     sizes):  # fmt: skip
+    """Chunks of `sizes` rows, each prompt held: the same log-probs, load-balancing loss (MoE) and gradients as each
+    chunk packed on its own."""
     import transformers
 
     from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
@@ -242,13 +246,16 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     text_config = model.config.get_text_config()
     prompts, completions = rl_rows(seed=7, groups=2, k=3, system=20, task=30, vocab=120)
     input_ids, attention_mask, width_c, structure = stock_batch(prompts, completions)
-    chunks = [np.array([row]) for row in range(len(prompts))]
+    chunks = np.split(np.arange(len(prompts)), np.cumsum(sizes)[:-1])
     weights = torch.linspace(-1, 1, input_ids.shape[0] * width_c, dtype=torch.float64).view(-1, width_c)
+
+    held_counts = []  # per chunk, each slot's most rows holding one of its tokens
 
     def run(hold: bool):
         model.zero_grad()
         scope = HeldScope(plan_holds(chunk_tables(structure, chunks), full=moe), training=True) if hold else None
         logps, aux_losses = torch.zeros(len(prompts), width_c, dtype=torch.float64), []
+        held_counts.clear()
         call = lambda **kw: model(**kw, fused_lm_head=True)  # noqa: E731
         for index, chunk in enumerate(chunks):
             rows = torch.from_numpy(chunk)
@@ -269,6 +276,7 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
                 held = packed.layout.held.routers() if packed.layout.held is not None else []
                 aux = weighted_aux_loss(routers, packed.token_weights, text_config, held, list(packed.held_weights))
                 aux_losses.append(aux.detach())
+                held_counts.append(tuple(int(w.max()) for w in packed.held_weights))
                 loss = loss + aux
             loss.backward()
             logps[rows] = chunk_logps.detach().double()
@@ -284,6 +292,7 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
     torch.testing.assert_close(logps[mask], want_logps[mask], rtol=tolerance, atol=tolerance)
     if moe:
         torch.testing.assert_close(torch.stack(aux), torch.stack(want_aux), rtol=tolerance, atol=tolerance)
+        assert (2, 1) in held_counts if sizes == (1, 3, 2) else set(held_counts) <= {(), (1,)}
     scale = max(g.abs().max().item() for g in want_grads)
     assert len(grads) == len(want_grads)
     for got, want in zip(grads, want_grads, strict=True):

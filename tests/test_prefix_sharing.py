@@ -345,6 +345,17 @@ def test_image_prompts_group_by_pixels_not_by_object():
     assert prompt_images([[{"role": "user", "content": "text"}]]) is None
 
 
+def test_an_image_groups_prompt_is_packed_once_whatever_it_saves():
+    """A text batch leaves a prompt that saves fewer than `min_saved` tokens in each of its rows; an image batch packs
+    each group's prompt once whatever it saves, so that its images are encoded once per group (token 9: the
+    placeholder)."""
+    prompts = [[5, 9, 9, 7]] * 2 + [[6, 9, 9, 8]] * 2
+    input_ids, _, width_c, structure = stock_batch(prompts, [[11, 12], [13], [14, 15], [16, 17]])
+    text, image = pack_rows(input_ids, width_c, structure), pack_rows(input_ids, width_c, structure, image_tokens={9})
+    assert int((text.input_ids == 9).sum()) == 8 and int((image.input_ids == 9).sum()) == 4
+    assert image.first_rows.tolist() == [0, 2]
+
+
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     """The batch is ordered before TRL shuffles it, so that TRL's own row shuffle (drawn next) keeps each group's rows
     together; the generator is drawn exactly as for stock's shuffle."""
