@@ -116,6 +116,37 @@ class _Waiting(LiveBytes):
         return out
 
 
+def test_layers_that_share_a_weight_keep_autocasts_cache():
+    """Zamba 2's hybrid layers share one attention block: stock's forward casts its weights to bf16 once for both and
+    sums their gradient on that cast. Autocast's cache is the thread's, so that any layer's release between the two
+    uses (a Mamba layer's, not only the sharing layers') would cast them again: no layer releases, and the gradients
+    are stock's bits."""
+    from transformers import Zamba2Config, Zamba2ForCausalLM
+
+    from rloo_efficient.core.layers.casts import release_casts_per_layer
+
+    config = Zamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                          num_key_value_heads=2, mamba_d_state=8, mamba_headdim=8, mamba_ngroups=1, n_mamba_heads=8,
+                          intermediate_size=64, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                          hybrid_layer_ids=[1, 3], num_mem_blocks=1, use_mem_rope=False, attention_hidden_size=64,
+                          attention_head_dim=32)  # fmt: skip
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def gradients(release: bool) -> dict:
+        torch.manual_seed(0)
+        model = Zamba2ForCausalLM(config)
+        if release:
+            assert release_casts_per_layer(model) == 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids).loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    ours, stock = gradients(True), gradients(False)
+    assert ours.keys() == stock.keys() and any("shared_transformer" in name for name in ours)
+    for name in stock:
+        assert torch.equal(ours[name], stock[name]), name
+
+
 def test_a_held_prompts_backward_leaves_no_gradient_waiting(model_cache, tmp_path):
     """
     One row per micro-batch: each prompt forwarded once, held, and backpropagated in the last micro-batch's backward

@@ -27,15 +27,20 @@ def _release(module, args, output) -> None:
 
 def release_casts_per_layer(model: nn.Module) -> int:
     """After each decoder layer of `model` (transformers' `GradientCheckpointingLayer`s) the autocast cache is cleared.
-    Idempotent (per layer: two models may hold one); returns the number of layers that release."""
+    Idempotent (per layer: two models may hold one); returns the number of layers that release: the outermost (a layer
+    inside another releases with it), none where two layers share a weight."""
     layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    inner = {id(module) for layer in layers for module in layer.modules() if module is not layer}
+    layers = [layer for layer in layers if id(layer) not in inner]
     # A weight two layers share (Zamba's shared block) is cast once for both in stock's forward, and its gradient
-    # summed on that cast: those layers keep the cache
-    owners: dict[int, int] = {}
+    # summed on that cast. The cache is one for the whole thread: any layer's release between the two uses, not only
+    # the sharing layers', would cast it again (its gradient summed in float32 over two casts), so nothing releases
+    seen: set[int] = set()
     for layer in layers:
-        for parameter in layer.parameters():
-            owners[id(parameter)] = owners.get(id(parameter), 0) + 1
-    layers = [layer for layer in layers if all(owners[id(p)] == 1 for p in layer.parameters())]
+        own = {id(parameter) for parameter in layer.parameters()}
+        if own & seen:
+            return 0
+        seen |= own
     for layer in layers:
         if not getattr(layer, "_rloo_releases_casts", False):
             layer.register_forward_hook(_release)
