@@ -216,6 +216,7 @@ def prompts_for(layout: str) -> list[list[int]]:
         "system_prompt": [system + a] * 2 + [system + b] * 2 + [system + c] * 2,
         "equal_lengths": [a] * 3 + [a[::-1]] * 3,  # no padding: the mask is dropped, attention is causal
         "mixed_lengths": [a] * 2 + [b] * 2 + [c] * 2,  # left padding; a one-token prompt's prefix is all padding
+        "one_apart": [a] * 3 + [a[:0:-1]] * 3,  # one column of padding, in the shorter prompt's rows only
         "interleaved": [a, b, a, b, a],  # a prompt's rows need not be adjacent nor equally many
         # Adjacent but not equally many (a prompt drawn twice in a row, a tool turn's rows that dropped out)
         "uneven_groups": [a] * 3 + [b] + [c] * 2,

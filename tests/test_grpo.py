@@ -80,6 +80,27 @@ def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
     assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
 
 
+def test_a_completion_cut_on_the_pad_token_is_scored_as_stocks(workload, tmp_path, exact_head, monkeypatch):
+    """TRL's masked truncation keeps a completion whose last token is an end or the padding token: one cut at the
+    length limit on the pad token (where pad is not EOS, as Qwen's) is scored, a truncated one is masked to nothing."""
+    cfg, path, dataset = workload
+    pad, cut = build_processing_class(cfg).pad_token_id, []
+    generate = trl.GRPOTrainer._generate_single_turn
+
+    def on_pad(self, *args, **kwargs):  # every other truncated completion ends on the pad token instead
+        completion_ids, logprobs = generate(self, *args, **kwargs)
+        assert pad not in self.eos_token_ids
+        truncated = [ids for ids in completion_ids if ids[-1] not in self.eos_token_ids]
+        for ids in truncated[::2]:
+            ids[-1] = pad
+        cut.append(len(truncated[::2]))
+        return completion_ids, logprobs
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", on_pad)
+    compare(path, dataset, tmp_path, mask_truncated_completions=True, max_completion_length=48, max_steps=2)
+    assert len(cut) == 2 and min(cut) > 0  # (stock's generation and ours')
+
+
 # -- one or two rows per micro-batch: each prompt held across micro-batches ([`core.tree.holds`]) -----------------------
 # The generation batch (2 groups of 4) fills one optimizer step. GRPO's defaults (beta 0, dapo, gradient
 # checkpointing); the scoring passes too; bnpo keeps TRL's row shuffle (a step's micro-batches hold rows of both

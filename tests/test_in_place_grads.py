@@ -201,7 +201,26 @@ def test_a_head_is_added_in_place_only_alone_in_its_graph(heads):
     assert not in_place_grads._pending  # every recorded head released with its graph
 
 
-@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("hook", ["tensor", "post_accumulate"])
+def test_a_head_whose_weight_a_hook_watches_is_left_to_autograd(hook):
+    """A hook on the head's weight (a tensor hook, as per-parameter gradient clipping registers, or a post-accumulate
+    hook) sees what autograd adds to `.grad`, where an in-place addition would pass it by: left to autograd, the hook
+    sees the gradient it sees without us, and `.grad` is the same bits."""
+    torch.manual_seed(0)
+    model, seen = _Model(40, 8), []
+    if hook == "tensor":
+        model.head.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    else:
+        model.head.weight.register_post_accumulate_grad_hook(lambda weight: seen.append(weight.grad.clone()))
+    grad, _, added = _heads_backward(model, 1, in_place=True)
+    ours = seen.copy()
+    seen.clear()
+    stock_grad, _, _ = _heads_backward(model, 1, in_place=False)
+    assert added == 0 and len(ours) == len(seen) == 1
+    assert torch.equal(ours[0], seen[0]) and torch.equal(grad, stock_grad)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0, 3])  # (0: Gemma's)
 def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
     """The input embedding's gradient added on the rows its tokens touch (repeated tokens, the padding token among
     them): bit for bit autograd's addition of the dense gradient, tied to the head or not (no head read it here)."""

@@ -194,10 +194,12 @@ def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_ro
     torch.testing.assert_close(ours[scored], stock.log_probs[:, -width:][scored], rtol=tolerance, atol=tolerance)
 
 
-def test_longrope_chooses_its_factors_as_stocks_padded_forward(model_cache, exact_head):
+@pytest.mark.parametrize("width", [65, 64])
+def test_longrope_chooses_its_factors_as_stocks_padded_forward(model_cache, exact_head, width):
     """LongRoPE (Phi-4-mini) takes its long factors for a whole call when its longest position reaches the original
     length (64 here). Stock's padded batch of width 65 does; our packed rows, which leave out every row's last token,
-    reach position 63 only: the call must still choose as stock's (a wrong choice moves the log-probs by 1e-2)."""
+    reach position 63 only: the call must still choose as stock's (a wrong choice moves the log-probs by 1e-2). Width
+    64, the boundary, takes the short factors."""
     import transformers
 
     cfg = tiny_workload(model_cache, arch="phi4_mini")
@@ -208,20 +210,20 @@ def test_longrope_chooses_its_factors_as_stocks_padded_forward(model_cache, exac
     assert unsupported_reason(model) is None
     generator = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(5, 120, (n,), generator=generator).tolist()  # noqa: E731
-    prompts = [draw(45)] * 3 + [draw(30)] * 3
+    prompts = [draw(width - 20)] * 3 + [draw(30)] * 3
     completions = [draw(n) for n in (20, 7, 3, 12, 20, 1)]
-    input_ids, attention_mask, width, rows = stock_batch(prompts, completions)
-    assert input_ids.shape[1] == 65
+    input_ids, attention_mask, width_c, rows = stock_batch(prompts, completions)
+    assert input_ids.shape[1] == width
     labels = input_ids.masked_fill(attention_mask == 0, -100)
-    labels[:, :-width] = -100
+    labels[:, :-width_c] = -100
     with torch.no_grad():
         stock = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-        packed = pack_rows(input_ids, width, rows, min_saved=0)
-        assert int(packed.position_ids.max()) + 1 == 64  # on its own, the packed call would choose the short factors
+        packed = pack_rows(input_ids, width_c, rows, min_saved=0)
+        assert int(packed.position_ids.max()) + 1 == width - 1  # (64: on its own, the call would choose the short ones)
         with rope_length(model, input_ids.shape[1]):
             ours = packed.unpack(model(**packed.model_inputs(), fused_lm_head=True).log_probs)
-    scored = labels[:, -width:] != -100
-    torch.testing.assert_close(ours[scored], stock.log_probs[:, -width:][scored], rtol=1e-7, atol=1e-7)
+    scored = labels[:, -width_c:] != -100
+    torch.testing.assert_close(ours[scored], stock.log_probs[:, -width_c:][scored], rtol=1e-7, atol=1e-7)
 
 
 # eager attention is tested in float32 only: transformers' eager path returns NaN logits for float64 models with

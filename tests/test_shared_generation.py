@@ -77,7 +77,7 @@ NO_TREE_PREFILL = ("deepseek_v3", "qwen3_next", "olmo_hybrid", "nemotron_h", "gr
                    "qwen3_5", "qwen3_5_moe", "kimi_linear")
 
 
-@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "interleaved", "system_prompt"])
+@pytest.mark.parametrize("layout", ["equal_lengths", "mixed_lengths", "one_apart", "interleaved", "system_prompt"])
 @pytest.mark.parametrize("arch, once", CASES)
 def test_same_logits_and_samples_as_generate(arch, once, layout):
     """Plain generate's samples and logits from each distinct prompt prefilled once, with its cache fanned out or kept

@@ -127,17 +127,21 @@ def _compare_calls(stock_images: list, our_images: list, stock_chunks: bool, one
 
 
 def _compare(model_cache, tmp_path, arch, trainer="grpo", reward=None, before_stock_train=None, images=None,
-             edit_config=None, stock_chunks=False, ours_only=None, once_per_pass=False, **overrides):  # fmt: skip
-    """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one
-    image per prompt; `edit_config(config dict)`: the checkpoint's config changed on a copy; `stock_chunks`: some
-    chunks may run stock's forward (then their images are stock's); `ours_only`: settings of ours alone;
-    `once_per_pass`: every pass holds each group's prompt across its chunks (its images encoded once)."""
+             edit_config=None, stock_chunks=False, ours_only=None, once_per_pass=False, one_text=False,
+             **overrides):  # fmt: skip
+    """GRPO (or RLOO) with image prompts, stock against ours; `images`: an [`IMAGE_COLUMNS`] layout instead of one image
+    per prompt; `one_text`: every prompt the first's text (each with its own image); `edit_config(config dict)`: the
+    checkpoint's config changed on a copy; `stock_chunks`: some chunks may run stock's forward (then their images are
+    stock's); `ours_only`: settings of ours alone; `once_per_pass`: every pass holds each group's prompt across its
+    chunks (its images encoded once)."""
     workload = {key: overrides.pop(key) for key in ("system_prompt_length",) if key in overrides}
     cfg = tiny_workload(model_cache, arch=arch, image_size=8, num_prompts=8, **VISION[arch], **workload)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     if images is not None:
         dataset = Dataset.from_dict({"prompt": list(dataset["prompt"]),
                                      "images": IMAGE_COLUMNS[images](list(dataset["image"]))})  # fmt: skip
+    if one_text:
+        dataset = Dataset.from_dict({"prompt": [dataset["prompt"][0]] * len(dataset), "image": list(dataset["image"])})
     if edit_config is not None:
         import json
         import shutil
@@ -201,6 +205,13 @@ def test_image_prompts_once_per_group_match_stock(model_cache, tmp_path, exact_h
     stock, _ = _compare(model_cache, tmp_path, arch)
     if arch == "qwen3_5_moe":  # TRL's default turned the load-balancing loss on; it was compared
         assert any("aux_loss" in entry for entry in stock.state.log_history)
+
+
+# One question asked of every image: the prompts' tokens agree, their images do not (each image as many placeholder
+# tokens as the others in these families, so that nothing but the pixels tells the groups apart)
+@pytest.mark.parametrize("arch", ["llava", "gemma3_vlm"])
+def test_prompts_of_one_text_and_other_images(model_cache, tmp_path, exact_head, arch):
+    _compare(model_cache, tmp_path, arch, one_text=True)
 
 
 # Mistral 3 and LFM2-VL: a row's image sizes, pixel masks and spatial shapes are its images', not the row's
