@@ -40,6 +40,24 @@ def test_each_later_turn_forwards_only_what_its_rows_added(arch, once):
     assert turns.held is None
 
 
+# 16 new tokens a turn past windows of 8, the first turn's prompt kept once: a windowed layer keeps its whole history
+# (held for the next turn), and each step reads only the window's last keys of the row's own
+@pytest.mark.parametrize("arch", ["mistral_sliding", "gemma3_sliding", "gpt_oss_sliding"])
+def test_decoding_past_the_window_of_a_layer_kept_whole(arch, monkeypatch):
+    from rloo_efficient.core.attention import backend
+
+    cut, decode = [], backend._decode_attention
+
+    def counting(module, query, key, value, cache, window, sinks, scale):
+        cut.append(window is not None and key.shape[2] > window)
+        return decode(module, query, key, value, cache, window, sinks, scale)
+
+    monkeypatch.setattr(backend, "_decode_attention", counting)
+    for stock, ours, *_ in tool_loop(arch, TurnCaches(budget=1 << 40), once=True, new_tokens=16):
+        assert_same_generation(stock, ours, arch, len(stock.logits))
+    assert any(cut)
+
+
 def test_a_row_whose_history_changed_continues_nothing():
     """A row whose tokens changed inside what its cache holds is prefilled whole (a stale cache would read keys of
     tokens it no longer has); the others continue theirs. Same samples and logits as plain generate."""
