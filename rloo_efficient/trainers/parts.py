@@ -70,6 +70,6 @@ class Parts:
                               fsdp=bool(fsdp), grads_in_place=owns_accumulation)  # fmt: skip
         generation = SharedGeneration(ranks, vision, counts, cache_once=switches.prompt_cache_once, tree=switches.tree,
                                       backend=switches.backend, turn_budget=switches.turn_budget,
-                                      fall_back=fallbacks.packed, warn=fallbacks.warn)  # fmt: skip
+                                      fall_back=fallbacks.generation, warn=fallbacks.warn)  # fmt: skip
         rewards = RewardScoring(accelerator.device, unwrap, counts, share=switches.reward_prefix, warn=fallbacks.warn)
         return cls(switches, ranks, fallbacks, held, passes, generation, rewards)

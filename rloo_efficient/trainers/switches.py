@@ -38,8 +38,8 @@ class Setup:
 
 
 class Fallbacks:
-    """This run's fallbacks decided per batch, each said once: [`packed`] (a batch's forward runs stock's) and
-    [`warn`] (any other)."""
+    """This run's fallbacks decided per batch, each said once: [`packed`] (a batch's forward runs stock's),
+    [`generation`] (a call runs stock's generate) and [`warn`] (any other)."""
 
     def __init__(self):
         self._said = WarnOnce()
@@ -48,6 +48,11 @@ class Fallbacks:
         """Stock's forward for such batches (`reason`: why)."""
         self._said.warn(f"rloo_efficient: prompt-prefix sharing is off for such batches, using stock TRL's forward: "
                         f"{reason}.", key=reason, stacklevel=3)  # fmt: skip
+
+    def generation(self, reason: str) -> None:
+        """Stock's generate for such calls (`reason`: why); the forwards share as they may."""
+        self._said.warn(f"rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
+                        f"generate: {reason}.", key=("generation", reason), stacklevel=3)  # fmt: skip
 
     def warn(self, message: str, key=None) -> None:
         self._said.warn(message, key=key, stacklevel=3)
