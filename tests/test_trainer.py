@@ -7,8 +7,8 @@ import torch
 import trl
 
 import rloo_efficient
-from rloo_efficient import RLOOConfig, RLOOTrainer
-from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer
+from rloo_efficient import GRPOTrainer, RLOOConfig, RLOOTrainer
+from rloo_efficient.demo.workload import WorkloadConfig, build_dataset, build_model_dir, build_tokenizer, vowel_reward
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 from .helpers import TransformersSampling, build_reward_model
@@ -32,6 +32,24 @@ def test_accepts_a_stock_config(workload, stock_run, tmp_path):
     trainer = RLOOTrainer(model=path, reward_funcs=stock_run.reward_funcs, args=stock_args, train_dataset=dataset)
     assert isinstance(trainer.args, RLOOConfig)
     assert trainer.args.learning_rate == stock_args.learning_rate and trainer.args.share_prompt_prefix
+
+
+@pytest.mark.parametrize("trainer_class, stock_class", [(RLOOTrainer, trl.RLOOTrainer), (GRPOTrainer, trl.GRPOTrainer)])
+def test_no_config_is_stocks_default_config_as_ours(workload, tmp_path, monkeypatch, trainer_class, stock_class):
+    """`args=None`: stock builds its default config, named after the model; ours builds its own with the same name and
+    settings, our fields at their defaults (bf16 on, as on a GPU: transformers refuses it on a CPU-only host)."""
+    import transformers.training_args
+
+    _, path, dataset = workload
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: True)
+    made = {}
+    for name, cls in (("stock", stock_class), ("ours", trainer_class)):
+        made[name] = cls(model=path, reward_funcs=vowel_reward, train_dataset=dataset,
+                         processing_class=build_tokenizer()).args  # fmt: skip
+    stock, ours = made["stock"], made["ours"]
+    assert isinstance(ours, trainer_class._config_class) and ours.share_prompt_prefix
+    assert ours.to_stock().to_dict() == stock.to_dict() and stock.output_dir.endswith(f"-{type(stock).__name__[:4]}")
 
 
 def test_config_is_a_stock_config_subclass():
@@ -62,6 +80,7 @@ def test_config_is_a_stock_config_subclass():
         ({"tool_cache_budget_gib": -1}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
         ({"tool_cache_budget_gib": "4"}, "tool_cache_budget_gib must be None or a number of GiB >= 0"),
         ({"held_prefix_budget_gib": -0.5}, "held_prefix_budget_gib must be None or a number of GiB >= 0"),
+        ({"held_prefix_budget_gib": True}, "held_prefix_budget_gib must be None or a number of GiB >= 0"),  # not 1
     ],
 )
 def test_bad_settings_fail_in_the_config(tmp_path, overrides, message):
@@ -84,27 +103,6 @@ def test_construction_reads_no_prompt_and_trains_what_stock_trains(workload, tmp
     assert calls == []
     trainer.train()
     assert trainer.packed_forward_tokens > 0
-
-
-def test_default_output_dir_follows_trl(workload, monkeypatch):
-    """Without `args`, the run is named as TRL names it (the default config needs a GPU: capture the name only)."""
-    import trl.trainer.rloo_trainer as stock_module
-
-    cfg, path, dataset = workload
-    names = []
-
-    class Captured(Exception):
-        pass
-
-    def capture(output_dir, *args, **kwargs):
-        names.append(output_dir)
-        raise Captured
-
-    monkeypatch.setattr(stock_module, "RLOOConfig", capture)  # ours lets TRL make its default config
-    for trainer_class in (trl.RLOOTrainer, RLOOTrainer):
-        with pytest.raises(Captured):
-            trainer_class(model=path, reward_funcs=lambda completions, **kw: [0.0] * len(completions))
-    assert names[0] == names[1] == f"{path.split('/')[-1]}-RLOO"
 
 
 def test_reports_the_same_profiling_timers_as_stock(workload, tmp_path, monkeypatch):
