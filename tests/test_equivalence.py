@@ -157,6 +157,9 @@ HELD_LAYOUTS = {
                                      max_steps=2), dict(shuffle_groups=False), EXACT_RTOL),
     "one_row_two_steps_per_generation": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=4,
                                               steps_per_generation=8, max_steps=2), dict(shuffle_groups=False), 1e-6),
+    # A budget of 0: nothing held, each micro-batch packs its own rows' tokens
+    "one_row_nothing_held": (dict(per_device_train_batch_size=1, gradient_accumulation_steps=8),
+                             dict(shuffle_groups=False, held_prefix_budget_gib=0), EXACT_RTOL),
 }  # fmt: skip
 
 
@@ -166,6 +169,9 @@ def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp
     overrides, ours_only, rtol = HELD_LAYOUTS[layout]
     overrides = {"steps_per_generation": overrides["gradient_accumulation_steps"], **overrides}
     stock, ours = compare(path, dataset, tmp_path, rtol=rtol, ours_only=ours_only, **overrides)
+    if ours_only.get("held_prefix_budget_gib") == 0:
+        assert ours._held is None and ours.held_forward_tokens == 0 and ours.packed_forward_tokens > 0
+        return
     assert ours.held_forward_tokens > 0  # prompts were held, not forwarded by each micro-batch
     # The no-grad passes' chunks merged within stock's forward size: per pass each group's prompt forwarded alone
     # (held) and its rows in about one forward beside the other group's (k = 4 here: 5 forwards for stock's 8 at one

@@ -239,21 +239,30 @@ def test_where_keeping_groups_would_change_the_math_the_row_shuffle_stays(worklo
                        processing_class=build_tokenizer())._switches.keep_groups  # asked for: kept anyway  # fmt: skip
 
 
-def test_a_subclass_with_its_own_loss_keeps_the_row_shuffle(workload, tmp_path):
-    """TRL's GMPOTrainer replaces GRPO's loss: what it normalizes over is not known here, so stock's order stays."""
+@pytest.mark.parametrize("method", ["_compute_loss", "compute_loss"])
+def test_a_subclass_with_its_own_loss_keeps_the_row_shuffle(workload, tmp_path, method):
+    """TRL's GMPOTrainer replaces GRPO's loss (`_compute_loss`), a user's subclass may wrap `compute_loss` (a term per
+    micro-batch): what either normalizes over is not known here, so stock's order stays."""
     from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
 
     class SharedGMPO(GroupSharingMixin, GMPOTrainer):
         pass
 
+    class Mine(GRPOTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
     cfg, path, dataset = workload
-    args = grpo_args(tmp_path, config_class=GMPOConfig, gradient_accumulation_steps=2, max_steps=1)
+    trainer_class, config_class, owner = {"_compute_loss": (SharedGMPO, GMPOConfig, "GMPOTrainer"),
+                                          "compute_loss": (Mine, GRPOConfig, "Mine")}[method]  # fmt: skip
+    args = grpo_args(tmp_path, config_class=config_class, gradient_accumulation_steps=2, max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = SharedGMPO(model=path, reward_funcs=vowel_reward, train_dataset=dataset, args=args,
-                             processing_class=build_tokenizer())  # fmt: skip
+        trainer = trainer_class(model=path, reward_funcs=vowel_reward, train_dataset=dataset, args=args,
+                                processing_class=build_tokenizer())  # fmt: skip
     assert not trainer._switches.keep_groups
-    assert any("SharedGMPO computes its own loss (GMPOTrainer._compute_loss)" in str(w.message) for w in caught)
+    message = f"{trainer_class.__name__} computes its own loss ({owner}.{method})"
+    assert any(message in str(w.message) for w in caught)
 
 
 # -- users' own ways into the trainer ------------------------------------------------------------------------------------

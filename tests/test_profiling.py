@@ -49,6 +49,7 @@ def profiled_run(workload, tmp_path_factory):
     """Two steps, each logged, evaluated (between the steps, too) and checkpointed."""
     cfg, path, dataset = workload
     output_dir = tmp_path_factory.mktemp("profiled")
+    (output_dir / "memory_steps.jsonl").write_text(json.dumps({"step": 9, "phases": {}}) + "\n")  # a previous run's
     # One prompt x 4 generations: a single eval batch keeps each evaluation to one generation
     args = training_args(output_dir, max_steps=2, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4,
                          save_strategy="steps", save_steps=1)  # fmt: skip
@@ -57,6 +58,8 @@ def profiled_run(workload, tmp_path_factory):
     trainer.watcher = _FileWatcher(output_dir)
     trainer.add_callback(trainer.watcher)  # after the profiler's callback: it sees what that one wrote
     trainer.train()
+    trainer.packed_in_training = trainer.packed_forward_tokens
+    trainer.evaluated = trainer.evaluate()  # (returns what it logs, ours included)
     return trainer
 
 
@@ -91,8 +94,10 @@ def test_memory_report_is_written_at_checkpoints_and_at_the_end_not_at_logs(prof
     assert report["environment"]["rloo_efficient"] == rloo_efficient.__version__
     assert report["config"]["num_generations"] == 4 and report["config"]["share_prompt_prefix"] is True
     assert report["trainer"] == "rloo_efficient.trainers.rloo.RLOOTrainer"
-    assert set(report["sharing_tokens"]) == set(SHARING_COUNTERS)
-    assert report["sharing_tokens"]["packed_forward_tokens"] == profiled_run.packed_forward_tokens > 0
+    assert set(report["sharing_tokens"]) == set(SHARING_COUNTERS) == {
+        "packed_forward_tokens", "tree_tokens", "held_forward_tokens", "shared_prefill_tokens",
+        "reward_forward_tokens"}  # (docs/logging.md's)  # fmt: skip
+    assert report["sharing_tokens"]["packed_forward_tokens"] == profiled_run.packed_in_training > 0
     summary = report["summary"]
     every_peak = [record["peak_rss_gib"] for entry in report["first_steps"] for record in entry["phases"].values()]
     assert summary["peak_stat"] == "peak_rss_gib" and summary["peak_gib"] == max(every_peak)
@@ -107,7 +112,7 @@ def test_evaluation_stays_out_of_the_training_steps(profiled_run):
     assert [segment["phase"] for segment in profiled_run.memory_profiling.report()["timeline"] if segment["step"] == 2] == [
         "train", "optimizer"]  # fmt: skip
     evaluations = [entry for entry in profiled_run.state.log_history if "eval_loss" in entry]
-    assert len(evaluations) == 2
+    assert len(evaluations) == 3 and evaluations[-1] == {**profiled_run.evaluated, "step": 2}
     for entry in evaluations:  # each evaluation's own phases, logged with it
         assert entry["eval_memory/generation/peak_rss_gib"] > 0 and entry["eval_time/generation_s"] > 0
         assert not any(key.startswith(("memory/", "time/")) for key in entry)
@@ -139,6 +144,16 @@ def test_cache_release_boundaries(workload, tmp_path, monkeypatch, policy, expec
 def test_auto_cache_release_by_device(device, expected):
     assert phase_profiler.resolved_policy("auto", torch.device(device)) == expected
     assert phase_profiler.resolved_policy("every_phase", torch.device(device)) == "every_phase"
+
+
+def test_a_logged_phase_time_is_the_mean_per_step_and_its_peak_the_most():
+    """Over a logging interval (`logging_steps` > 1) `time/<phase>_s` is the mean per step (docs/logging.md), a peak the
+    largest."""
+    aggregate = phase_profiler._Aggregate()
+    aggregate.add({"train": {"time_s": 1.0, "peak_rss_gib": 1.0}})
+    aggregate.add({"train": {"time_s": 3.0, "peak_rss_gib": 2.0}})
+    metrics = aggregate.metrics()
+    assert metrics["time/train_s"] == 2.0 and metrics["memory/train/peak_rss_gib"] == 2.0
 
 
 def test_nested_phases_count_their_own_segments():
@@ -268,15 +283,19 @@ def test_json_ready_writes_what_json_cannot_hold(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_a_profiled_stock_trainer_logs_and_writes_what_ours_does(workload, tmp_path):
-    """`profiled(trl.RLOOTrainer)`: the benchmarks' baseline, profiled by the same part as ours (no sharing counters)."""
+def test_a_profiled_stock_trainer_logs_and_writes_what_ours_does(workload, tmp_path, monkeypatch):
+    """`profiled(trl.RLOOTrainer)`: the benchmarks' baseline, profiled by the same part as ours (no sharing counters),
+    with a stock config releasing no cache (no `empty_cache_policy` to read)."""
     import trl
 
     from rloo_efficient import profiled
 
     _, path, dataset = workload
+    released = []
+    monkeypatch.setattr(phase_profiler, "release_cached_memory", lambda device: released.append(device))
     args = training_args(tmp_path, config_class=trl.RLOOConfig, max_steps=2)
     stock = run(profiled(trl.RLOOTrainer), path, args, dataset)
+    assert released == []
     first = next(entry for entry in stock.state.log_history if "loss" in entry)
     for phase in PHASES:
         assert first[f"memory/{phase}/peak_rss_gib"] > 0 and f"time/{phase}_s" in first, phase
@@ -287,6 +306,22 @@ def test_a_profiled_stock_trainer_logs_and_writes_what_ours_does(workload, tmp_p
     assert report["trainer"] == "rloo_efficient.trainers.memory_profiling.ProfiledRLOOTrainer"
     with pytest.raises(TypeError, match="profiled already"):
         profiled(RLOOTrainer)
+
+
+def test_a_peft_models_reference_pass_is_the_reference_phase(workload, tmp_path):
+    """A `PeftModel` policy: TRL copies its adapter as "ref" and scores the reference with that adapter active; the
+    pass is the reference's phase, not the policy's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from .helpers import POLICY_LORA
+
+    _, path, dataset = workload
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype="auto"), LoraConfig(**POLICY_LORA))
+    trainer = run(RLOOTrainer, policy, training_args(tmp_path, max_steps=1, beta=0.1), dataset)
+    assert "ref" in trainer.accelerator.unwrap_model(trainer.model).peft_config
+    phases = {phase for step in trainer.memory_profiling.step_records() for phase in step["phases"]}
+    assert {"policy_logps", "reference_logps"} <= phases
 
 
 def test_profile_memory_off_adds_no_callback_no_metric_and_no_file(workload, tmp_path):

@@ -3,6 +3,7 @@ shared prefix scored once), and Hydra (a reward adapter on the policy's own base
 
 import fnmatch
 import json
+import re
 import string
 import warnings
 from pathlib import Path
@@ -96,9 +97,15 @@ def reward_models(model_cache, tmp_path_factory):
 
 
 @pytest.mark.parametrize("arch", list(REWARD_FAMILIES))
-def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path, exact_head, arch):
+def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path, exact_head, monkeypatch, arch):
     """float64 norms for both (`exact_head`): transformers' upcast a norm to float32, so a score of packed rows and of
-    padded ones would round apart there (2e-6 relative in OLMo 3's grad_norm)."""
+    padded ones would round apart there (2e-6 relative in OLMo 3's grad_norm). `reward_forward_tokens` counts every
+    packed reward forward of the run."""
+    import rloo_efficient.trainers.rewards as reward_phase
+
+    packed_tokens, pack = [], reward_phase.pack_reward_rows
+    monkeypatch.setattr(reward_phase, "pack_reward_rows", lambda *args, **kwargs: packed_tokens.append(
+        pack(*args, **kwargs)) or packed_tokens[-1])  # fmt: skip
     cfg, path, dataset = workload
     # float32 scores: packed and padded rows sum in different orders (~1e-7 relative), carried into the advantages and
     # grown over three optimizer steps (Gemma 2's third grad_norm: 2.2e-5 apart on the 2026-12-05 machine)
@@ -107,6 +114,7 @@ def test_a_separate_reward_model_matches_stock(workload, reward_models, tmp_path
     # Each group's prompt once: fewer tokens than stock's B padded rows
     rows = 8  # generation batch: 2 groups of 4
     assert ours.reward_forward_tokens < 0.6 * rows * (cfg.prompt_length + 8) * 2
+    assert len(packed_tokens) > 1 and ours.reward_forward_tokens == sum(batch.num_tokens for batch in packed_tokens)
 
 
 def test_a_rule_beside_a_model_with_eos_and_a_chat_template(model_cache, reward_models, tmp_path):
@@ -321,6 +329,13 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     trainer._rewards.grouped_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
     assert policy.active_adapter == "default"
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
+    # Scored in eval mode, as stock's reward model is (its dropout off), train mode back afterwards
+    policy.train()
+    modes, scores = [], reward_phase.packed_scores
+    monkeypatch.setattr(reward_phase, "packed_scores", lambda root, inner, *args: modes.append(any(
+        module.training for module in inner.modules())) or scores(root, inner, *args))  # fmt: skip
+    trainer._rewards.grouped_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
+    assert modes == [False] and all(module.training for module in policy.modules())
     monkeypatch.setattr(reward_phase, "packed_scores", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         trainer._rewards.grouped_scores(hydra, trainer.reward_processing_classes[0], ["ab", "ab"], ["abc", "abd"])
@@ -328,16 +343,33 @@ def test_hydra_restores_the_policy_adapter_and_trains_nothing_of_the_reward(work
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == flags
 
 
-def test_hydra_on_another_base_is_loaded_as_its_own_model(workload, model_cache, tmp_path):
+# Why a reward adapter is loaded as stock loads it: the warning (None: switched off, nothing to say)
+OWN_MODEL = {"another_base": "is loaded as its own model.*is not the policy's",
+             "another_dtype": "stock TRL would load the reward model in torch.float64",
+             "switched_off": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(OWN_MODEL))
+def test_a_reward_adapter_is_loaded_as_its_own_model(workload, model_cache, tmp_path, case):
+    """On another base (same shape, other weights); where stock would load the reward model in another dtype than the
+    policy's (TRL loads a policy path in float32 by default, a reward model as saved: float64 here); or with
+    `hydra_reward_adapter=False`."""
     from peft import LoraConfig
 
     cfg, path, dataset = workload
-    other = build_model_dir(tiny_workload(model_cache, workload_seed=5))  # same shape, other weights: another base
-    adapter = build_reward_adapter(tmp_path / "reward_adapter", other)
-    with pytest.warns(UserWarning, match="is loaded as its own model.*is not the policy's"):
-        trainer = RLOOTrainer(model=path, reward_funcs=[adapter], args=training_args(tmp_path / "o"),
-                              train_dataset=dataset, processing_class=build_tokenizer(),
+    base = build_model_dir(tiny_workload(model_cache, workload_seed=5)) if case == "another_base" else path
+    adapter = build_reward_adapter(tmp_path / "reward_adapter", base)
+    settings = {"another_dtype": dict(model_init_kwargs=None), "switched_off": dict(hydra_reward_adapter=False)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RLOOTrainer(model=path, reward_funcs=[adapter], args=training_args(tmp_path / "o",
+                              **settings.get(case, {})), train_dataset=dataset, processing_class=build_tokenizer(),
                               peft_config=LoraConfig(**POLICY_LORA))  # fmt: skip
+    said = [str(w.message) for w in caught if "reward" in str(w.message) and "rloo_efficient" in str(w.message)]
+    if OWN_MODEL[case] is None:
+        assert not said
+    else:
+        assert len(said) == 1 and re.search(OWN_MODEL[case], said[0]), said
     assert not isinstance(trainer.reward_funcs[0], HydraReward) and isinstance(trainer.reward_funcs[0], torch.nn.Module)
 
 
