@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 import trl
+from trl.trainer.utils import get_config_model_id
 
 
 EMPTY_CACHE_POLICIES = ("auto", "none", "after_generation", "every_phase")
@@ -260,6 +261,15 @@ class _SharingConfigMixin:
     """Validation and conversion shared by our configs; `_stock` is the TRL config class they extend."""
 
     _stock: type
+
+    @classmethod
+    def of(cls, args, model):
+        """The config a trainer of `model` runs with given `args`: ours as given; a stock config as ours
+        ([`from_stock`]); None as stock's default config, named as stock names it (`<model>-RLOO`), but ours."""
+        if args is None:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            return cls(f"{name.split('/')[-1]}-{cls._stock.__name__.removesuffix('Config')}")
+        return cls.from_stock(args) if type(args) is cls._stock else args
 
     @classmethod
     def from_stock(cls, args):

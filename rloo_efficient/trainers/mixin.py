@@ -46,7 +46,6 @@ import functools
 import torch
 from transformers import Trainer
 from trl.extras.profiling import profiling_context
-from trl.trainer.utils import get_config_model_id
 
 from ..core import graphs
 from ..core.layers.install import install
@@ -85,12 +84,8 @@ class GroupSharingMixin(Counted, ProfilingAccessors):
     _active_rows: torch.Tensor | None = None  # the group structure TRL's current forwards use
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
-        if self._config_class is not None and args is None:  # stock's default config, named as stock names it: ours
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            stock = self._config_class._stock.__name__.removesuffix("Config")  # ("RLOO", "GRPO")
-            args = self._config_class(f"{name.split('/')[-1]}-{stock}")
-        if self._config_class is not None and type(args) is self._config_class._stock:
-            args = self._config_class.from_stock(args)
+        if self._config_class is not None:
+            args = self._config_class.of(args, model)
         settings = sharing_settings(args)
         self._counts = Counts()
         reward_funcs = hydra_reward_funcs(self._trl_base.__init__, model, reward_funcs, args, positional, kwargs,
