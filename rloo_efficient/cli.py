@@ -41,7 +41,11 @@ def our_classes(command: str):
 def _command(argv: list[str]) -> tuple[str, list[str]]:
     if not argv or argv[0] not in COMMANDS:
         usage = f"usage: rloo-efficient {{{','.join(COMMANDS)}}} [--config recipe.yaml] [script arguments]"
-        raise SystemExit(f"{usage}\n{__doc__}" if argv[:1] in (["-h"], ["--help"]) else usage)
+        if argv[:1] in ([], ["-h"], ["--help"]):  # help asked for (or nothing given): as `trl`, printed, exit 0
+            print(f"{usage}\n{__doc__}")
+            raise SystemExit(0)
+        print(f"{usage}\nrloo-efficient: error: unknown command {argv[0]!r}", file=sys.stderr)
+        raise SystemExit(2)  # (argparse's, as `trl`'s)
     return argv[0], argv[1:]
 
 

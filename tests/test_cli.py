@@ -104,5 +104,70 @@ def test_help_lists_trls_arguments_and_ours():
     for argument in ("--reward_funcs", "--dataset_name", "--model_name_or_path", "--loss_type", "--share_prompt_prefix",
                      "--empty_cache_policy"):  # fmt: skip
         assert argument in done.stdout, argument
-    done = subprocess.run([str(BIN / "rloo-efficient"), "ppo"], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "usage: rloo-efficient {rloo,grpo}" in done.stderr
+    # As `trl`: help asked for, or nothing given, exits 0; an unknown command 2 (argparse's), its usage on stderr
+    for argv, code in (([], 0), (["--help"], 0), (["ppo"], 2)):
+        done = subprocess.run([str(BIN / "rloo-efficient"), *argv], capture_output=True, text=True, timeout=120)
+        assert done.returncode == code and "usage: rloo-efficient {rloo,grpo}" in (done.stderr if code else done.stdout)
+
+
+# -- the launch `trl` makes, and our fields as flags (no training: the launch is captured) -----------------------------
+RECIPE = {"model_name_or_path": "m", "dataset_name": "d", "output_dir": "out", "bf16": False, "use_cpu": True,
+          "report_to": "none"}
+
+
+def _our_launch(argv):
+    from unittest import mock
+
+    from rloo_efficient import cli
+
+    with mock.patch("accelerate.commands.launch.launch_command") as launch:
+        cli.main(argv)
+    return vars(launch.call_args.args[0])
+
+
+def _trls_launch(argv):
+    from unittest import mock
+
+    import trl.cli.accelerate_launcher as launcher
+    from accelerate.commands.launch import launch_command_parser
+    from trl.cli.main import main as trl_main
+
+    with mock.patch.object(launcher, "launch_training_script") as launch:
+        trl_main(argv)
+    kwargs = launch.call_args.kwargs
+    argv = [*kwargs["launch_args"], "script.py", *kwargs["training_script_args"]]
+    return vars(launch_command_parser().parse_args(argv))
+
+
+# Launch keys in the recipe (README: `num_processes` there), on the command line, and mixed with the script's flags
+@pytest.mark.parametrize("recipe, flags", [
+    ({"num_processes": 2, "mixed_precision": "no"}, []),
+    ({}, ["--num_processes", "2", "--accelerate_config", "multi_gpu"]),
+    ({"num_processes": 3}, ["--main_process_port", "29555", "--learning_rate", "0.5"]),
+])  # fmt: skip
+@pytest.mark.parametrize("command", ["rloo", "grpo"])
+def test_the_launch_is_trls(tmp_path, command, recipe, flags):
+    """`rloo-efficient <command>` makes the `accelerate launch` that `trl <command>` makes, our module in its script's
+    place, and hands the script `trl`'s arguments."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump({**RECIPE, **recipe}))
+    argv = [command, "--config", str(path), *flags]
+    ours, stock = _our_launch(argv), _trls_launch(argv)
+    assert ours["module"] and ours["training_script"] == "rloo_efficient.cli"
+    assert ours["training_script_args"] == [command, *stock["training_script_args"]]
+    assert ours["nondefault"] - {"module"} == stock["nondefault"]
+    mine = {"training_script", "training_script_args", "module", "nondefault"}
+    assert {k: v for k, v in ours.items() if k not in mine} == {k: v for k, v in stock.items() if k not in mine}
+
+
+def test_our_fields_parse_as_flags():
+    """Budgets in fractions of a GiB, a boolean written out, as the docs give them."""
+    from rloo_efficient import cli
+
+    with cli.our_classes("grpo") as script:
+        parser = script.make_parser(prog="rloo-efficient grpo")
+        _, config, *_ = parser.parse_args_and_config(
+            args=[*(f"--{key}={value}" for key, value in RECIPE.items()), "--held_prefix_budget_gib", "0.5",
+                  "--tool_cache_budget_gib", "0.25", "--share_prompt_prefix", "false"], fail_with_unknown_args=False)
+    parsed = config.held_prefix_budget_gib, config.tool_cache_budget_gib, config.share_prompt_prefix
+    assert parsed == (0.5, 0.25, False)
