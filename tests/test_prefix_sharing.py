@@ -529,8 +529,9 @@ def test_lora_dropout_says_what_to_set_and_disable_dropout_shares(model_cache, t
     if disable_dropout:
         assert not messages and trainer._switches.prefix and trainer._switches.prefill
     else:
-        assert messages and all("LoRA's dropout" in m and "lora_dropout=0" in m and "disable_dropout=True" in m
-                                for m in messages) and not trainer._switches.prefix  # fmt: skip
+        named = ("LoRA's dropout", "lora_dropout=0", "disable_dropout=True", "share_under_dropout=True",
+                 "--lora_dropout 0", "--disable_dropout true", "--share_under_dropout true")  # (the flags: the CLI's)
+        assert messages and all(all(part in m for part in named) for m in messages) and not trainer._switches.prefix
 
 
 def test_functional_residual_dropout_counts_as_dropout(model_cache):

@@ -108,8 +108,8 @@ def position_period(model: nn.Module) -> int | None:
     return None
 
 
-SHARE_UNDER_DROPOUT = ("or share_under_dropout=True to share with one dropout mask per shared token, each row's "
-                       "masks distributed as stock's")
+SHARE_UNDER_DROPOUT = ("or share_under_dropout=True (--share_under_dropout true) to share with one dropout mask per "
+                       "shared token, each row's masks distributed as stock's")
 
 
 def dropout_reason(model: nn.Module, shared_masks: bool = False) -> str | None:
@@ -121,10 +121,10 @@ def dropout_reason(model: nn.Module, shared_masks: bool = False) -> str | None:
         if isinstance(module, nn.Dropout) and module.p > 0 and not shared_masks:
             if ".lora_dropout." in f".{name}.":  # PEFT's LoRA: TRL's ModelConfig gives it 0.05 unless told otherwise
                 return (f"LoRA's dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
-                        f"(set disable_dropout=True, or lora_dropout=0 in the LoRA config: --lora_dropout 0, "
-                        f"{SHARE_UNDER_DROPOUT})")  # fmt: skip
+                        f"(set disable_dropout=True (--disable_dropout true), or lora_dropout=0 in the LoRA config "
+                        f"(--lora_dropout 0), {SHARE_UNDER_DROPOUT})")  # fmt: skip
             return (f"dropout is active ({name}, p={module.p}); shared rows draw different dropout masks "
-                    f"(set disable_dropout=True, {SHARE_UNDER_DROPOUT})")  # fmt: skip
+                    f"(set disable_dropout=True (--disable_dropout true), {SHARE_UNDER_DROPOUT})")  # fmt: skip
         for key in DROPOUT_ATTRIBUTES:
             value = getattr(module, key, None)
             if isinstance(value, float) and value > 0:
