@@ -85,8 +85,7 @@ class SharedGeneration:
         if "generate" in vars(model):
             # A `generate` set on the model itself (a test's `patch.object`, a tracing wrapper, another library's): it
             # is called as stock calls it, with stock's arguments
-            self.warn("rloo_efficient: the shared generation prefill is off for such calls, using stock TRL's "
-                      "generate: the model's generate is replaced on the model object")  # fmt: skip
+            self.fall_back("the model's generate is replaced on the model object")
             return None
         with_images = not text_only(images, multimodal_fields)
         reason = self._image_reason(model, prompt_ids, images, multimodal_fields) if with_images else None
