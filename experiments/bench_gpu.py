@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench_common import Report  # noqa: E402
+from memory_history import RECORDED_STEP
 
 
 HERE = Path(__file__).resolve().parent
@@ -84,7 +85,7 @@ def run(method: str, preset, prompt_length, completion_length, k, extra, out_dir
             return "out of memory"
         sys.stderr.write(done.stderr[-3000:])
         return f"failed (exit {done.returncode})"
-    return json.loads(results.read_text())
+    return {**json.loads(results.read_text()), "recorded_step": RECORDED_STEP if history else None}
 
 
 def history_path(directory: str | None, workload: str, label: str) -> str | None:
@@ -95,11 +96,20 @@ def history_path(directory: str | None, workload: str, label: str) -> str | None
 
 
 def steady(result: dict, phase: str | None, stat: str) -> float | None:
-    """Median over steps 2.. of a phase's stat (time_s or a peak), or of the whole step for phase None."""
-    steps = result["steps"][1:] or result["steps"]
+    """Median over steps 2.. of a phase's stat (time_s or a peak), or of the whole step for phase None (time_s: TRL's
+    `step_time`, its training steps' host time; wall_s: the profiler's, synchronized, the optimizer step included); a
+    time leaves out the step whose allocator history was recorded."""
+    def kept(values: list) -> list:
+        recorded = result.get("recorded_step") if stat in ("time_s", "wall_s") else None
+        values = [value for number, value in enumerate(values, 1) if number != recorded]
+        return values[1:] or values
+
+    steps = kept(result["steps"])
     if phase is None:
         if stat == "time_s":
-            return statistics.median(result["step_times_s"][1:] or result["step_times_s"])
+            return statistics.median(kept(result["step_times_s"]))
+        if stat == "wall_s":
+            return statistics.median(step["time_s"] for step in steps)
         return max(max(record.get(stat, 0.0) for record in step["phases"].values()) for step in steps)
     values = [step["phases"][phase][stat] for step in steps if phase in step["phases"]]
     return statistics.median(values) if values else None
@@ -162,6 +172,26 @@ def memory_cells(result: dict, stock, peak: str, reserved: str | None) -> list[s
     return cells + [f"{kept:.2f}" if kept is not None else ""]
 
 
+def phase_lines(name: str, label: str, result: dict | str, peak: str) -> list[str]:
+    """One run's numbers as comment lines, printed as soon as it ends: its step, each scoring phase's time (s per
+    step), and each phase's peak and that peak above the phase's fixed state (GiB)."""
+    if isinstance(result, str):
+        return [f"# {name}, {label}: {result}"]
+    phases = ", ".join(f"{phase} {steady(result, phase, 'time_s') or 0.0:.3f}"
+                       for phase in ("policy_logps", "reference_logps", "train"))  # fmt: skip
+    peaks = ", ".join(f"{phase} {steady(result, phase, peak) or 0.0:.2f}"
+                      for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
+    above = ", ".join(f"{phase} {above_fixed(result, phase, peak) or 0.0:.2f}"
+                      for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
+    parts = ", ".join(f"{part.removesuffix('_gib').replace('_', ' ')} {result.get(part, 0.0):.2f}"
+                      for part in ("weights_gib", "gradients_gib", "optimizer_states_gib"))  # fmt: skip
+    wall, generation = steady(result, None, "wall_s"), steady(result, "generation", "time_s") or 0.0
+    return [f"# {name}, {label}: step {steady(result, None, 'time_s'):.2f} (synchronized, the optimizer step "
+            f"included: {wall:.2f}), generation {generation:.2f}, {phases}",
+            f"# {name}, {label}, {peak.removesuffix('_gib').replace('_', ' ')} by phase (GiB): {peaks}",
+            f"# {name}, {label}, above the fixed state by phase (GiB): {above}; fixed: {parts}"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", choices=list(WORKLOADS), default="gpu")
@@ -172,7 +202,11 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default=None, help="Markdown file for the table (default: print only)")
     parser.add_argument("--untied", action="store_true", help="the LM head untied from the input embedding")
     parser.add_argument("--memory_history", default=None, metavar="DIR",
-                        help="on CUDA: each run's step-2 allocator history by phase and site, to DIR/history_*.md")
+                        help="on CUDA: each run's step-2 allocator history by phase and site, to DIR/history_*.md "
+                        "(the times then leave step 2 out)")
+    parser.add_argument("--methods", nargs="+", choices=["stock", "ours"], default=["stock", "ours"],
+                        help="the methods run, in this order (each run's numbers are printed as it ends: one a "
+                        "time limit cuts leaves those before it)")
     args = parser.parse_args(argv)
     import torch
 
@@ -183,30 +217,38 @@ def main(argv=None) -> int:
     peak = "peak_allocated_gib" if on_gpu else "peak_rss_gib"
     reserved = "peak_reserved_gib" if on_gpu else None
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
+    recorded = f" (times: step 3 alone, step {RECORDED_STEP} records the allocator history)" * bool(args.memory_history)
     report = Report([
         f"# python experiments/bench_gpu.py {' '.join(argv if argv is not None else sys.argv[1:])}",
-        f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3; times in s, memory in GiB; the LM "
-        f"head {'untied' if args.untied else 'tied as the preset model'}",
+        f"# device {device}, torch {torch.__version__}; medians of steps 2-3 of 3{recorded}"
+        f"; times in s, memory in GiB; the LM head {'untied' if args.untied else 'tied as the preset model'}",
         "# fixed state: weights of the policy and reference, gradients, optimizer states (the same for both methods); "
         "above fixed: the largest of the phases' peaks less the fixed state during that phase (gradients in training "
         "and the optimizer step alone); between steps: allocated after a step's optimizer step, less the fixed state "
         "but its gradients (freed by then)",
-        f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
-        f"{'peak allocated' if on_gpu else 'peak resident'} | fixed state | above fixed | ratio | peak reserved | "
-        f"ratio | between steps |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "# step: TRL's step_time (its micro-batches' training steps, the optimizer step not included), as in the earlier "
+        "tables; each run's line also gives the profiler's step, synchronized, the optimizer step included",
     ], args.output)
+    head = [f"| workload | method | step | ratio | generation | ratio | train + log-probs | ratio | "
+            f"{'peak allocated' if on_gpu else 'peak resident'} | fixed state | above fixed | ratio | peak reserved | "
+            f"ratio | between steps |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for name, preset, p, c, k, *rows in WORKLOADS[args.workloads]:
-        methods = {"stock": ("stock", []), "ours": ("ours", [])}
-        if args.continuous_batching:
-            methods["stock, continuous batching"] = ("stock", ["--use_transformers_continuous_batching", "true"])
-        if args.ablations is not None:
-            methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
+        methods = {}
+        for method in args.methods:
+            methods[method] = (method, [])
+            if method == "stock" and args.continuous_batching:
+                methods["stock, continuous batching"] = ("stock", ["--use_transformers_continuous_batching", "true"])
+            if method == "ours" and args.ablations is not None:
+                methods.update({f"ours, {label}": ("ours", ABLATIONS[label]) for label in args.ablations or ABLATIONS})
+        results = {}
         with tempfile.TemporaryDirectory() as tmp:
-            results = {label: run(method, preset, p, c, k, extra, Path(tmp), device_args, *rows,
-                                  history=history_path(args.memory_history, name, label))
-                       for label, (method, extra) in methods.items()}  # fmt: skip
-        stock = results["stock"]
+            for label, (method, extra) in methods.items():
+                results[label] = run(method, preset, p, c, k, extra, Path(tmp), device_args, *rows,
+                                     history=history_path(args.memory_history, name, label))  # fmt: skip
+                report.add(*phase_lines(name, label, results[label], peak))
+        stock = results.get("stock", "not run")
+        report.add("", *head)  # the workload's table, after its runs' lines
         for label, result in results.items():
             if isinstance(result, str):
                 line = f"| {name} | {label} | {result} |" + " |" * 12
@@ -225,19 +267,6 @@ def main(argv=None) -> int:
                 cells += memory_cells(result, stock, peak, reserved)
                 line = f"| {name} | {label} | " + " | ".join(cells) + " |"
             report.add(line)
-        for label, result in results.items():  # each scoring phase apart (s per step)
-            if not isinstance(result, str):
-                phases = ", ".join(f"{phase} {steady(result, phase, 'time_s') or 0.0:.3f}"
-                                   for phase in ("policy_logps", "reference_logps", "train"))  # fmt: skip
-                report.add(f"# {name}, {label}: {phases}")
-                peaks = ", ".join(f"{phase} {steady(result, phase, peak) or 0.0:.2f}"
-                                  for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
-                report.add(f"# {name}, {label}, {peak.removesuffix('_gib').replace('_', ' ')} by phase (GiB): {peaks}")
-                above = ", ".join(f"{phase} {above_fixed(result, phase, peak) or 0.0:.2f}"
-                                  for phase in ("generation", "policy_logps", "reference_logps", "train"))  # fmt: skip
-                parts = ", ".join(f"{part.removesuffix('_gib').replace('_', ' ')} {result.get(part, 0.0):.2f}"
-                                  for part in ("weights_gib", "gradients_gib", "optimizer_states_gib"))  # fmt: skip
-                report.add(f"# {name}, {label}, above the fixed state by phase (GiB): {above}; fixed: {parts}")
     return report.write()
 
 

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # One device session's checks, in one call (the device tool's run), each under its own time limit so that a slow one
-# leaves the others their time; every output goes to $OUT (or results/gpu_session/ without it). On the device machine,
+# leaves the others their time; every output goes to $OUT (or results/gpu_session/<today>/ without it, beside the
+# committed tables rather than over them). On the device machine,
 # from the project root, after installing the carried wheels (README "On a GPU"):
 #
-#     bash experiments/gpu_session.sh            # the first call: issue 58's rows, most wanted first (~9 minutes)
-#     STEPS="$(bash experiments/gpu_session.sh --list)" ...   # every step: ~25 minutes of limits, several calls
+#     bash experiments/gpu_session.sh            # the first call: issue 58's rows, most wanted first (9.5 minutes)
+#     STEPS="$(bash experiments/gpu_session.sh --list)" ...   # every step: ~63 minutes of limits, several calls
 #     STEPS="doctor tree_kernels" bash experiments/gpu_session.sh   # the steps named
 #
-# The first call's steps (issue 58, device memory): the 0.6B trainer at one row per micro-batch and at k=8, stock and
-# ours in one run each with step 2's allocator history by phase (each phase's peak allocated and reserved, and the
-# blocks live at the peak by allocation site: experiments/memory_history.py), then the 1.7B trainer at P=16384.
+# The first call's steps (issue 58, device memory): the 0.6B trainer at one row per micro-batch and at k=8, ours then
+# stock in one run each with step 2's allocator history by phase (each phase's peak allocated and reserved, and the
+# blocks live at the peak by allocation site: experiments/memory_history.py; each run's numbers printed as it ends, so
+# that a cut leaves ours', the row still missing: the one-row step was cut after stock's run at 160 s in the fifth
+# session), then the 1.7B trainer at P=16384.
 #
 # Issue 51's steps, after those (each a row of issue 51's "done when" still open after the fourth session,
 # results/gpu.md; a step cut by its limit leaves the others their time): the prompt kept once against fanned out under
@@ -41,7 +44,7 @@
 #    (experiments/bench_gpu_capacity.py), ours and stock in steps of their own (each its own call: the first builds
 #    the 8B model's 16 GB directory).
 set -uo pipefail
-OUT="${OUT:-results/gpu_session}"
+OUT="${OUT:-results/gpu_session/$(date -u +%Y-%m-%d)}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 FIRST="history_rows1 history_0.6b bench_gpu_1.7b"
 REST="capacity_8b_ours capacity_8b_stock static_once_sweep bench_gpu_0.6b bench_gpu_rows1 static_once_1.7b held_overhead doctor bench_gpu_long_rows1 static_once_0.6b bench_gpu_rows2 static_generation tree_kernels agent decode_cost_k8"
@@ -57,8 +60,9 @@ run() {  # run LIMIT NAME COMMAND...: the command's output in $OUT/NAME.txt, its
     echo "== $name: exit $?"
     grep -E "^\||FAILED|passed|^#" "$OUT/$name.txt" | tail -30
 }
-run 170 history_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --memory_history "$OUT"
-run 140 history_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --memory_history "$OUT"
+run 200 history_rows1 python3 experiments/bench_gpu.py --workloads 0.6b-rows1 --methods ours stock \
+    --memory_history "$OUT"
+run 140 history_0.6b python3 experiments/bench_gpu.py --workloads 0.6b-k8 --methods ours stock --memory_history "$OUT"
 run 90 static_once_0.6b python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 3072 \
     --completion_length 256 --ks 8 --methods static static_once --repeats 1 --per_token
 run 120 static_once_sweep python3 experiments/bench_generation.py --preset qwen3-0.6b --prompt_lengths 512 1024 2048 \

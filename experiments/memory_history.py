@@ -21,6 +21,9 @@ import torch
 
 
 MARKER_BYTES = 512
+# The optimizer step `run_rloo.py --memory_history` and `--live_bytes` record: the second, past the first's one-time
+# costs. Recording slows it: timings leave it out (`bench_gpu.py`)
+RECORDED_STEP = 2
 INTERESTING = ("rloo_efficient/", "trl/", "transformers/", "peft/", "torch/nn/", "torch/utils/checkpoint",
                "torch/autograd", "torch/amp", "accelerate/")  # fmt: skip
 SKIP = ("memory_history.py",)
