@@ -8,4 +8,6 @@ if [ ! -f "$CSV" ]; then
     exit 1
 fi
 "$PY" experiments/plot_results.py --csv "$CSV"
-echo "Notebook: $VENV/bin/jupyter notebook experiments/memory_report.ipynb (reads the newest CSV under results/)"
+# The notebook, run on this CSV into a copy beside it (or open experiments/memory_report.ipynb in your Jupyter)
+echo "Notebook: RLOO_RESULTS_CSV=$CSV $VENV/bin/jupyter execute experiments/memory_report.ipynb \\"
+echo "    --output memory_report_run   (writes experiments/memory_report_run.ipynb)"

@@ -1,11 +1,11 @@
 """
 What reading a prompt once per group costs and saves in one decoding step of one attention layer, on this device: the
-constants of [`rloo_efficient.core.decode_cost`].
+constants of [`rloo_efficient.core.generation.prompt_cache`] (`BREAK_EVEN_BYTES`).
 
 Each row's query over [its prompt | its own t tokens], two ways:
 - fanned out: one attention call over the row's copy of the prompt and its own keys (as stock's cache holds them);
-- kept once: the split attention ([`prefix_attention.split_attention`]): the group's rows against the prompt stored
-  once, each row against its own keys, merged by log-sum-exp.
+- kept once: the split attention ([`core.attention.backend.split_attention`]): the group's rows against the prompt
+  stored once, each row against its own keys, merged by log-sum-exp.
 
 The split costs a second call and the merge; it saves reading the fanned-out copies of the prompt's keys and values.
 The last line gives the bytes saved per layer and step between which kept once turns faster (the break-even the cost

@@ -41,7 +41,8 @@ GIB = 1024**3
 
 def run(method: str, args, rows: int, layers: int, directory: Path) -> dict:
     """One run's live-bytes record and results file; a run whose both files are in `directory` is not run again."""
-    name = f"{method}_rows{rows}_layers{layers}" + ("_untied" if args.untied else "")
+    shape = f"{args.preset}_P{args.prompt_length}_C{args.completion_length}_k{args.k}"  # a workdir may hold several
+    name = f"{method}_{shape}_rows{rows}_layers{layers}{'_lora' * args.lora}{'_untied' * args.untied}"
     if method == "ours" and args.ours:
         name += "_" + "_".join(setting.replace("=", "-") for setting in args.ours)
     live, results = directory / f"{name}_live.json", directory / f"{name}.json"
@@ -61,6 +62,7 @@ def arguments(method: str, args, rows: int, layers: int, live: Path) -> list[str
         "--steps_per_generation", str(k // rows), "--max_steps", "2", "--beta", "0.05",
         "--gradient_checkpointing", "true", "--generation_kwargs", json.dumps({"min_new_tokens": args.completion_length}),
         "--bf16", "true", "--use_cpu", "true", "--emulate_device_path", "true", "--live_bytes", str(live),
+        "--live_bytes_top", str(args.top),
         *(["--share_prompt_kv_cache", "true"] if method == "ours" else []),
         *(["--lora", "true"] if args.lora else []),
         *(["--tie_word_embeddings", "false"] if args.untied else []),
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
                         help="the LM head untied from the input embedding (Qwen3 up to 4B ties them; 8B does not)")
     parser.add_argument("--ours", nargs="*", default=[], metavar="KEY=VALUE",
                         help="ours' settings beside the defaults (e.g. held_prefix_budget_gib=0: no prompt held)")
-    parser.add_argument("--top", type=int, default=10, help="the largest tensors named per phase")
+    parser.add_argument("--top", type=int, default=10,
+                        help="the largest tensors named per phase (a run reused from --workdir keeps its own count)")
     parser.add_argument("--workdir", default=None, help="keep each run's records here; reuse those already here")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side (the cores split between them)")
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree.rows import row_groups
 from rloo_efficient.demo.workload import WorkloadConfig, build_model_dir
-from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat
+from rloo_efficient.profiling.memory import get_memory_stats, headline_peak_stat, synchronize
 
 
 def stock_inputs(prompt_length, completion_length, k, vocab, device):
@@ -59,9 +59,11 @@ def measure(model, packed, input_ids, attention_mask, completion_length, repeats
     times, peaks = [], []
     for _ in range(repeats):
         get_memory_stats(device)  # resets the peak window
+        synchronize(device)  # (on an accelerator: the kernels' time, not their launches')
         start = time.perf_counter()
         logps, entropy = forward(model, packed, input_ids, attention_mask, completion_length)
         (logps.sum() + entropy.sum()).backward()
+        synchronize(device)
         times.append(time.perf_counter() - start)
         peaks.append(get_memory_stats(device)[headline_peak_stat(device)])
         model.zero_grad(set_to_none=True)

@@ -35,13 +35,13 @@ from rloo_efficient.demo.workload import (
     vowel_reward,
 )
 from rloo_efficient.profiling.phase_profiler import PhaseProfiler
-from rloo_efficient.profiling.results import environment_info, write_json_atomic
+from rloo_efficient.profiling.results import environment_info, json_ready, write_json_atomic
 
 
-# The settings that make two runs the same workload, beside the WorkloadConfig
-SAME_RUN_KEYS = ("num_generations", "max_completion_length", "max_steps", "per_device_train_batch_size",
-                 "steps_per_generation", "gradient_accumulation_steps", "beta", "seed", "learning_rate",
-                 "gradient_checkpointing", "bf16")  # fmt: skip
+# What may differ between two runs of the same workload (`--skip_existing`): where they write, and what they record
+# beside the results file
+WHERE_KEYS = ("output_dir", "logging_dir", "run_name", "results_file", "skip_existing", "memory_history", "live_bytes",
+              "live_bytes_top")
 
 
 class ProfiledStockRLOOTrainer(profiled(trl.RLOOTrainer)):
@@ -90,6 +90,7 @@ class ExperimentArgs:
         metadata={"help": "Count live tensor bytes through optimizer step 2 and write each phase's peak and largest "
                   "tensors to this JSON file (experiments/memory_history.py: the CPU stand-in for device memory)."},
     )
+    live_bytes_top: int = field(default=10, metadata={"help": "How many of the largest tensors --live_bytes names."})
     emulate_device_path: bool = field(
         default=False,
         metadata={"help": "On CPU, take the device path's choices (experiments/device_proxy.py): graph capture "
@@ -113,8 +114,8 @@ def count_forwards(trainer) -> dict:
     Counters per phase, filled while the trainer runs: the language-model tokens the policy and the reference model
     forward (what their embedding layer is given, padding included: what each forward computes; the packed forwards
     give it no padding), the images their vision tower encodes (one per image; Qwen's patch rows counted by their
-    grid), and for ours the tokens each packed forward held against its prefix tree's real tokens (each shared run
-    once). Hooks that only count.
+    grid), and for ours the tokens its packed forwards held against their prefix trees' real tokens (each shared run
+    once; held prompts' source forwards included), as its own counters count them. Hooks that only count.
     """
     import functools
 
@@ -124,19 +125,17 @@ def count_forwards(trainer) -> dict:
         phase = trainer.memory_profiling.current_phase
         counts[kind][phase or "other"] = counts[kind].get(phase or "other", 0) + number
 
-    if isinstance(trainer, GroupSharingMixin):  # ours: each packed forward's tokens, and its prefix tree's real ones
-        import rloo_efficient.core.forward.passes as packed_forward
+    if isinstance(trainer, GroupSharingMixin):  # ours: the trainer's own counters, each increase in its phase
+        kinds = {"packed_forward_tokens": "packed_tokens", "tree_tokens": "tree_tokens"}
+        own = trainer._counts
 
-        pack = packed_forward.pack_rows
+        class PhaseCounts(type(own)):
+            def __setattr__(self, name, value):
+                if name in kinds and value > getattr(self, name):  # (a reset to 0 adds nothing)
+                    add(kinds[name], value - getattr(self, name))
+                super().__setattr__(name, value)
 
-        def counted_pack(*args, **kwargs):
-            packed = pack(*args, **kwargs)
-            if not isinstance(packed, str):
-                add("packed_tokens", packed.num_tokens)
-                add("tree_tokens", int(packed.tree.real_tokens))
-            return packed
-
-        packed_forward.pack_rows = counted_pack
+        own.__class__ = PhaseCounts  # the packed passes hold this object: its class counts for them
 
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is None:
@@ -178,6 +177,18 @@ def fixed_state_gib(trainer) -> dict[str, float]:
     return {**parts, "fixed_state_gib": sum(parts.values())}
 
 
+def run_settings(exp: ExperimentArgs, workload: WorkloadConfig, config, args) -> dict:
+    """What makes a run the run it is, as its results file records it: the experiment's settings, the workload, and
+    the trainer's config (`args`: ours, or stock's made from it), but for where the run writes ([`WHERE_KEYS`])."""
+    settings = {
+        "experiment": {key: value for key, value in asdict(exp).items() if key not in WHERE_KEYS},
+        "workload": None if exp.model_name_or_path else asdict(workload),
+        "config": {key: value for key, value in args.to_dict().items()
+                   if key in type(config).__dataclass_fields__ and key not in WHERE_KEYS},
+    }
+    return json.loads(json.dumps(json_ready(settings)))  # as the results file reads back
+
+
 def parse(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available() and not any(arg.startswith("--bf16") for arg in argv):
@@ -199,19 +210,16 @@ def main(argv=None) -> dict:
                          "--model_name_or_path, pass your own reward model in a script of yours.")  # fmt: skip
     name = workload_name(workload, config, exp)
     results_file = Path(exp.results_file or f"results/{exp.method}_{name}.json")
+    if config.output_dir in (None, "trainer_output") or config.output_dir.endswith("trainer_output"):
+        config.output_dir = str(Path("outputs") / f"{exp.method}_{name}")
+    args = config if exp.method == "ours" else config.to_stock()
+    run = run_settings(exp, workload, config, args)
     if exp.skip_existing and results_file.exists():
         existing = json.loads(results_file.read_text())
-        same = existing.get("reward_model", "none") == exp.reward_model and existing.get("trainer", "rloo") == (
-            exp.trainer) and existing.get("workload") == (
-            None if exp.model_name_or_path else asdict(workload)) and all(
-            existing["config"].get(key) == getattr(config, key) for key in SAME_RUN_KEYS
-        )
-        if same:
+        if {key: existing.get(key) for key in run} == run:
             print(f"[run_rloo] {results_file} holds this workload already: skipping {exp.method} {name}")
             return existing
         print(f"[run_rloo] {results_file} is for another workload: running {exp.method} {name} again")
-    if config.output_dir in (None, "trainer_output") or config.output_dir.endswith("trainer_output"):
-        config.output_dir = str(Path("outputs") / f"{exp.method}_{name}")
 
     if exp.model_name_or_path:
         model, tokenizer = exp.model_name_or_path, None
@@ -229,7 +237,7 @@ def main(argv=None) -> dict:
 
         emulate_device_path()
     ours, _, stock = TRAINERS[exp.trainer]
-    trainer_class, args = (ours, config) if exp.method == "ours" else (stock, config.to_stock())
+    trainer_class = ours if exp.method == "ours" else stock
     reward_funcs, extra = vowel_reward, {}
     if exp.reward_model != "none":
         from peft import LoraConfig
@@ -248,13 +256,13 @@ def main(argv=None) -> dict:
                             processing_class=tokenizer)  # fmt: skip
     forwarded = count_forwards(trainer)
     if exp.memory_history and torch.cuda.is_available():
-        from memory_history import record_step
+        from memory_history import RECORDED_STEP, record_step
 
-        record_step(PhaseProfiler, 2, exp.memory_history)
+        record_step(PhaseProfiler, RECORDED_STEP, exp.memory_history)
     if exp.live_bytes:
-        from memory_history import record_live_bytes
+        from memory_history import RECORDED_STEP, record_live_bytes
 
-        record_live_bytes(PhaseProfiler, 2, exp.live_bytes)
+        record_live_bytes(PhaseProfiler, RECORDED_STEP, exp.live_bytes, top=exp.live_bytes_top)
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
@@ -275,7 +283,6 @@ def main(argv=None) -> dict:
         "workload_name": name,
         "reward_model": exp.reward_model,
         "command": " ".join(["python", *sys.argv]) if argv is None else " ".join(["python", "experiments/run_rloo.py", *argv]),
-        "workload": asdict(workload) if not exp.model_name_or_path else None,
         "k": config.num_generations,
         "prompt_length": workload.prompt_length,
         "completion_length": config.max_completion_length,
@@ -295,7 +302,7 @@ def main(argv=None) -> dict:
         **forwarded,  # language-model tokens and images the policy and reference forwarded, over the whole run
         "steps": trainer.memory_profiling.step_records(),  # every step (of the main process): these runs are short
         "timeline": report["timeline"],
-        "config": {key: value for key, value in args.to_dict().items() if key in type(config).__dataclass_fields__},
+        **run,
     }
     write_json_atomic(results_file, results)
     print(f"[run_rloo] {exp.method} {name}: peak {results['peak_gib']:.3f} GiB ({results['peak_stat']}), working "
