@@ -2,13 +2,14 @@
 The scripts under `experiments/` a user or a device session starts. `experiments/gpu_session.sh` is what a device
 session runs first, and a device is lent rarely and briefly: a step that fails on its arguments costs the session.
 Every step's command is parsed here as its script parses it, and the runs the GPU benchmarks start are parsed as
-`run_rloo.py` parses them, with the device's arguments (CUDA reported available, nothing run). `run_rloo.py
---skip_existing` (`run_improved.sh`'s stock runs) reuses a results file only for the same run.
+`run_rloo.py` parses them, with the device's arguments (CUDA reported available, nothing run); the steps that run
+their model in their own process run here at the tiny model's shape. `run_rloo.py --skip_existing` (`run_improved.sh`'s
+stock runs) reuses a results file only for the same run.
 """
 
 import argparse
-import json
 import importlib
+import json
 import re
 import shlex
 import subprocess
@@ -221,10 +222,44 @@ def test_a_run_without_output_dir_writes_under_outputs(method, tmp_path, monkeyp
     def build(*args, **kwargs):
         raise Built(kwargs["args"].output_dir)
 
-    ours, config_class, stock = run_rloo.TRAINERS["rloo"]
+    config_class = run_rloo.TRAINERS["rloo"][1]
     monkeypatch.setitem(run_rloo.TRAINERS, "rloo", (build, config_class, build))
     argv = ["--method", method, "--prompt_length", "64", "--max_completion_length", "8", "--num_generations", "2",
             "--per_device_train_batch_size", "2", "--max_steps", "1", "--results_file", str(tmp_path / "r.json")]
     with pytest.raises(Built) as built:
         run_rloo.main(argv)
     assert str(built.value) == f"outputs/{method}_tiny-llama-h128_P64_C8_k2"
+
+
+# The in-process steps of the session (each builds its model in the benchmark's own process), shrunk to run here:
+# what each argument becomes on CPU (the preset dropped: the tiny default model)
+SHRUNK = {"--prompt_lengths": ["64"], "--prompt_length": ["64"], "--completion_length": ["8"], "--ks": ["2"],
+          "--k": ["2"], "--preset": []}  # fmt: skip
+IN_PROCESS = ["static_once_0.6b", "static_generation", "held_overhead", "tree_kernels", "decode_cost_k8"]
+
+
+def shrink(command: list[str]) -> list[str]:
+    """A step's arguments with every shape argument of [`SHRUNK`] replaced by its small value (its values dropped)."""
+    argv, index = [], 0
+    while index < len(command):
+        argument = command[index]
+        index += 1
+        if argument in SHRUNK:
+            while index < len(command) and not command[index].startswith("--"):
+                index += 1
+            argv += [argument, *SHRUNK[argument]] if SHRUNK[argument] else []
+        else:
+            argv.append(argument)
+    return argv
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_every_in_process_step_runs_at_a_tiny_shape_on_cpu(name, tmp_path, monkeypatch, experiments, capsys):
+    """Each step that runs its model in the benchmark's own process runs through on CPU with its methods and flags, at
+    the tiny model's shape: what a session would lose to a renamed function or a broken table (its CUDA branches are
+    what the device adds)."""
+    command = shrink(steps(tmp_path)[name][1])
+    assert importlib.import_module(Path(command[1]).stem).main(command[2:]) in (0, None)
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| -")]
+    assert len(rows) >= 2, out[-2000:]  # a table's head and at least one row
