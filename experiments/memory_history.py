@@ -51,43 +51,53 @@ def analyze(trace: list[dict], markers: list[str], start_allocated: int, start_r
             top: int = 10) -> dict:  # fmt: skip
     """Replays `trace` (a device's allocator events) from `start_allocated` bytes allocated and `start_reserved`
     reserved: per phase segment label, the peak of allocated bytes and the blocks live then, by allocation site, and
-    the peak of reserved bytes with the sites whose allocations made the allocator reserve more (`segment_alloc`).
-    Frees of blocks allocated before the recording lower the count but have no site."""
-    live: dict[int, tuple[int, str]] = {}  # address -> (bytes, site)
+    the peak of reserved bytes with the sites whose allocations made the allocator reserve more (`segment_alloc`,
+    `segment_map` under expandable segments). Frees of blocks allocated before the recording lower the count but have
+    no site. Two passes: the first finds each label's peak, the second the blocks live at those peaks alone, and only
+    their sites are read (a recorded step holds up to millions of events, each with a Python stack)."""
+    # pass 1: each label's peak allocated (and the index of the event reaching it) and peak reserved
     current, reserved, label, marker = start_allocated, start_reserved, "before", 0
     peaks: dict[str, dict] = {}
     grown: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    pending_site = ""
-    for event in trace:
-        action, size, address = event["action"], event["size"], event["addr"]
-        if action == "segment_alloc":
+    for index, event in enumerate(trace):
+        action, size = event["action"], event["size"]
+        if action in ("segment_alloc", "segment_map"):
             reserved += size
             grown[label][_site(event.get("frames", []))] += size
         elif action in ("segment_free", "segment_unmap"):
             reserved -= size
         elif action == "alloc":
-            frames = event.get("frames", [])
-            if size == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in frames):
+            current += size
+            if size == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in event.get("frames", [])):
                 label = markers[marker] if marker < len(markers) else "after"
                 marker += 1
-                live[address] = (size, "marker")
-                current += size
                 continue
-            live[address] = (size, _site(frames))
-            current += size
         elif action == "free_completed":
             current -= size
-            live.pop(address, None)
-        record = peaks.setdefault(label, {"peak": -1, "reserved": 0})
+        record = peaks.setdefault(label, {"peak": -1, "reserved": 0, "at": None})
         record["reserved"] = max(record["reserved"], reserved)
         if action == "alloc" and current > record["peak"]:
-            record.update(peak=current, live=dict(live))
+            record.update(peak=current, at=index)
+    # pass 2: the blocks live at each peak (address -> the index of the event that allocated it)
+    at_peak = {record["at"]: label for label, record in peaks.items() if record["at"] is not None}
+    live: dict[int, int] = {}
+    for index, event in enumerate(trace[: max(at_peak, default=-1) + 1]):
+        if event["action"] == "alloc":
+            live[event["addr"]] = index
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+        if index in at_peak:
+            peaks[at_peak[index]]["live"] = list(live.values())
     report = {}
     for label, record in peaks.items():
         by_site = collections.Counter()
         count = collections.Counter()
-        for size, site in record.get("live", {}).values():
-            by_site[site] += size
+        for index in record.get("live", []):
+            event = trace[index]
+            marks = event["size"] == MARKER_BYTES and any(frame.get("name") == "_phase_marker"
+                                                          for frame in event.get("frames", []))  # fmt: skip
+            site = "marker" if marks else _site(event.get("frames", []))
+            by_site[site] += event["size"]
             count[site] += 1
         tracked = sum(by_site.values())
         report[label] = {

@@ -263,3 +263,42 @@ def test_every_in_process_step_runs_at_a_tiny_shape_on_cpu(name, tmp_path, monke
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| -")]
     assert len(rows) >= 2, out[-2000:]  # a table's head and at least one row
+
+
+def frames(name: str) -> list[dict]:
+    return [{"filename": "/env/site-packages/torch/nn/modules/linear.py", "line": 1, "name": name}]
+
+
+def event(action: str, address: int, size: int, name: str = "forward") -> dict:
+    return {"action": action, "addr": address, "size": size, "frames": frames(name)}
+
+
+def test_memory_history_replays_each_phase_to_its_peak_and_reads_only_the_sites_live_there(monkeypatch, experiments):
+    """The allocator history the device session records, replayed: each phase's peak allocated (from what was allocated
+    before the recording), the blocks live then by site, its peak reserved (segments allocated or mapped, freed or
+    unmapped); and a block's site is read only where it is live at a peak (a recorded step holds millions of events)."""
+    memory_history = importlib.import_module("memory_history")
+    marker = memory_history.MARKER_BYTES
+    trace = [
+        event("alloc", 1, marker, "_phase_marker"), event("free_completed", 1, marker, "_phase_marker"),
+        event("segment_alloc", 100, 4096, "grow"), event("alloc", 2, 1000, "a"), event("alloc", 3, 3000, "b"),
+        event("free_requested", 2, 1000), event("free_completed", 2, 1000),  # the peak was 5000 + 4000
+        event("alloc", 4, 500, "a"), event("free_completed", 9, 2000),  # a block from before the recording
+        event("alloc", 5, marker, "_phase_marker"), event("free_completed", 5, marker, "_phase_marker"),
+        event("segment_map", 101, 8192, "map"), event("alloc", 6, 6000, "c"), event("segment_unmap", 101, 8192),
+        event("free_completed", 6, 6000), event("segment_free", 100, 4096),
+    ]  # fmt: skip
+    read = []
+    site = memory_history._site
+    monkeypatch.setattr(memory_history, "_site", lambda frames, depth=4: read.append(frames) or site(frames, depth))
+    report = memory_history.analyze(trace, ["generation", "train"], start_allocated=5000, start_reserved=10_000)
+    gib = 1024**3
+    generation, train = report["generation"], report["train"]
+    assert generation["peak_allocated_gib"] * gib == 9000 and generation["from_before_the_step_gib"] * gib == 5000
+    assert [(e["gib"] * gib, e["blocks"]) for e in generation["largest"]] == [(3000, 1), (1000, 1)]
+    assert generation["peak_reserved_gib"] * gib == 14096
+    assert train["peak_allocated_gib"] * gib == 5000 + 3000 + 500 - 2000 + 6000  # (the marker freed before)
+    assert [e["gib"] * gib for e in train["largest"]] == [6000, 3000, 500]
+    assert train["peak_reserved_gib"] * gib == 10_000 + 4096 + 8192
+    assert [e["site"].split()[-1] for e in train["reserved_by"]] == ["map"]
+    assert len(read) == 2 + 2 + 3  # the segments' sites, and the blocks live at the two peaks
