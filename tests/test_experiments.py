@@ -200,7 +200,8 @@ def test_bench_gpu_reports_each_run_as_it_ends_and_times_leave_the_recorded_step
             *(["--memory_history", str(tmp_path)] if history else [])]  # fmt: skip
     assert importlib.import_module("bench_gpu").main(argv) == 0
     # steps 2 and 3 alike but for the recorded one
-    assert "ours: step 2.00 (synchronized, the optimizer step included: 2.50), generation 1.00" in printed_before_stock[0]
+    ours = "ours: step 2.00 (synchronized, the optimizer step included: 2.50), generation 1.00"
+    assert ours in printed_before_stock[0]
     table = (tmp_path / "table.md").read_text()
     rows = {line.split(" | ")[1]: line.split(" | ") for line in table.splitlines() if line.startswith("| 0.6B")}
     assert list(rows) == ["ours", "stock"]
