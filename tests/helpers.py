@@ -246,7 +246,7 @@ GENERATION_PROMPT = [4, 6, 8]  # the template's generation prompt, which ends ev
 
 
 def tool_loop(arch, turns: TurnCaches | None, stale: bool = False, once: bool | None = None, static: bool = False,
-              new_tokens: int = 8):  # fmt: skip
+              new_tokens: int = 8, synced: bool = False):  # fmt: skip
     """
     Three turns of a tool loop as TRL runs it: the first from the prompts (a system prompt, tasks in groups of two),
     each later one from every going-on row's history (its tokens, its completion up to its end token, a tool's answer
@@ -254,7 +254,7 @@ def tool_loop(arch, turns: TurnCaches | None, stale: bool = False, once: bool | 
     stock and by ours from the same histories (ours first: nothing stock's call leaves on the model, such as Qwen2-VL's
     rope offsets, helps ours). `once`: the first turn's prompt kept once per group while decoding (True) or as the cost
     model chooses (None: fanned out at these sizes); `static`: ours decodes from static buffers; `new_tokens`: each
-    turn's most. With `stale`, one row's history changes inside what its cache holds before the last turn. Yields
+    turn's most; `synced`: as where every forward gathers sharded parameters (ZeRO-3, FSDP). With `stale`, one row's history changes inside what its cache holds before the last turn. Yields
     `(stock, ours, tokens ours forwarded, the tokens a continued cache must forward, histories)` per turn.
     """
     model = build(arch)
@@ -268,7 +268,7 @@ def tool_loop(arch, turns: TurnCaches | None, stale: bool = False, once: bool | 
         kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True, **extra)
         torch.manual_seed(10 + turn)
         ours, tokens = generate_with_shared_prefill(model, ids, mask, prompt_ids=histories, prompt_cache_once=once,
-                                                    turns=turns, static=static, **kwargs)  # fmt: skip
+                                                    turns=turns, static=static, synced=synced, **kwargs)  # fmt: skip
         torch.manual_seed(10 + turn)
         stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         yield stock, ours, tokens, added, histories

@@ -26,12 +26,14 @@ def test_all_options_off_is_stock_trl(workload, stock_run, tmp_path):
     assert list(ours._logs["completion"]) == list(stock_run._logs["completion"])
 
 
-def test_accepts_a_stock_config(workload, stock_run, tmp_path):
+@pytest.mark.parametrize("trainer_class, stock_config", [(RLOOTrainer, trl.RLOOConfig), (GRPOTrainer, trl.GRPOConfig)])
+def test_accepts_a_stock_config(workload, tmp_path, trainer_class, stock_config):
+    """A stock TRL config (the one-import switch) becomes ours: its settings kept, ours at their defaults."""
     cfg, path, dataset = workload
-    stock_args = training_args(tmp_path, config_class=trl.RLOOConfig)
-    trainer = RLOOTrainer(model=path, reward_funcs=stock_run.reward_funcs, args=stock_args, train_dataset=dataset)
-    assert isinstance(trainer.args, RLOOConfig)
-    assert trainer.args.learning_rate == stock_args.learning_rate and trainer.args.share_prompt_prefix
+    stock_args = training_args(tmp_path, config_class=stock_config, learning_rate=3e-3)
+    trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=stock_args, train_dataset=dataset)
+    assert isinstance(trainer.args, trainer_class._config_class) and trainer.args.share_prompt_prefix
+    assert trainer.args.to_stock().to_dict() == stock_args.to_dict() and trainer.args.learning_rate == 3e-3
 
 
 @pytest.mark.parametrize("trainer_class, stock_class", [(RLOOTrainer, trl.RLOOTrainer), (GRPOTrainer, trl.GRPOTrainer)])
@@ -70,6 +72,9 @@ def test_config_is_a_stock_config_subclass():
         ({"num_generations": 1}, "at least 2 generations"),
         ({"per_device_train_batch_size": 3, "num_generations": 4}, "divisible by num_generations"),
         ({"empty_cache_policy": "sometimes"}, "empty_cache_policy"),
+        # The profiler's phase boundaries release the cache: without it nothing would be released
+        *(({"empty_cache_policy": policy, "profile_memory": False}, f"empty_cache_policy='{policy}' releases")
+          for policy in ("after_generation", "every_phase")),
         # A string is truthy: "false" must not turn the feature on
         *(({name: "false"}, f"{name} must be True or False, got 'false'") for name in (
             "share_prompt_prefix", "share_generation_prefill", "share_prefill_tree", "share_reward_prefix",
@@ -232,3 +237,26 @@ def test_the_mixin_names_every_trl_method_it_wraps(base):
              held_prefix.HeldPrefixes, rewards.RewardScoring, parts.Parts)  # fmt: skip
     assert not any(issubclass(trainer_class, part) for trainer_class in (RLOOTrainer, rloo_efficient.GRPOTrainer)
                    for part in parts)  # fmt: skip
+
+
+@pytest.mark.parametrize("budget, expected", [(None, "quarter"), (1.5, int(1.5 * 2**30)), (0, 0)])
+def test_the_held_prefix_budget_is_a_quarter_of_the_memory_by_default_and_gib_as_given(workload, tmp_path, budget,
+                                                                                       expected):  # fmt: skip
+    """`held_prefix_budget_gib`: None holds up to a quarter of the device's memory (the host's on CPU), a number that
+    many GiB, 0 nothing; the tool loop's budget reads the same way ([`config.default_budget`])."""
+    import os
+
+    _, path, dataset = workload
+    args = training_args(tmp_path, held_prefix_budget_gib=budget)
+    trainer = RLOOTrainer(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert trainer._switches.hold_budget == (int(0.25 * host) if expected == "quarter" else expected)
+
+
+def test_the_default_budget_on_an_accelerator_is_a_quarter_of_its_memory(monkeypatch):
+    from types import SimpleNamespace
+
+    from rloo_efficient.trainers.config import default_budget
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    assert default_budget(torch.device("cuda", 0)) == 20 * 2**30

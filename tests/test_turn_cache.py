@@ -95,6 +95,24 @@ def test_caches_over_the_budget_are_not_held(arch):
     assert turns.over_budget == 3
 
 
+def test_ranks_in_step_hold_no_cache_between_turns(tmp_path):
+    """Where every forward gathers sharded parameters (ZeRO-3, FSDP), no cache is held from turn to turn (one rank
+    continuing its rows while another prefills whole histories would gather different modules): each later turn
+    prefills its rows' histories, with plain generate's samples and logits (one process in step with itself)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        turns = TurnCaches(budget=1 << 40)
+        for turn, (stock, ours, tokens, added, histories) in enumerate(tool_loop("llama", turns, synced=True)):
+            assert_same_generation(stock, ours, "llama", len(stock.logits))
+            assert turns.held is None
+            if turn:
+                assert tokens > added  # more than the tokens added since each row's previous turn
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("arch", NOT_CONTINUED)
 def test_other_caches_prefill_each_later_turn(arch):
     """Latents and recurrent states: later turns prefilled as before, nothing held."""

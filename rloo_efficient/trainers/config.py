@@ -46,8 +46,9 @@ SHARING_DOC = r"""
             TRL's `generate` does, so the same seed gives the same completions. Models where it cannot be exact
             (families outside `MODEL_TYPES`, encoder-decoder, active dropout, caches that are not per-row keys and
             values, a `cache_implementation` other than dynamic) use stock generation, with one warning naming the
-            reason; prompts with images go to stock's `generate` for that call. vLLM and continuous batching are
-            untouched (they share prefixes already).
+            reason; prompts with images are prefilled once with their images where the family's vision path
+            allows (docs/families.md), and otherwise go to stock's `generate` for that call, saying why. vLLM and
+            continuous batching are untouched (they share prefixes already).
         share_prefill_tree (`bool`, *optional*, defaults to `True`):
             With `share_generation_prefill`, prefill each `generate` call's distinct prompts as their prefix tree,
             through the packed forward: a system prompt opening every prompt once per call, a tool turn's rows' shared
@@ -66,7 +67,7 @@ SHARING_DOC = r"""
             0.73x the fanned-out time; in `generate`'s own loop, bound by launches, only for large batches of long
             prompts; both from H200 measurements). Fanned out, the
             prompt's decoding cache takes k times the memory (as stock's does): where those copies would take more
-            than 10% of the accelerator's memory, it is kept once whatever the time. `True` keeps it once always (the
+            than 10% of a CUDA device's memory, it is kept once whatever the time. `True` keeps it once always (the
             least memory), `False` never.
         tool_cache_budget_gib (`float` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill` and tools (GRPO's `tools=` or `environment_factory`), hold each row's KV
@@ -144,8 +145,8 @@ SHARING_DOC = r"""
             (RLOO's; GRPO's `grpo`, `dr_grpo`, `dapo`, `cispo`, `sapo`, `luspo`, `vespo`), with no per-micro-batch
             term (the MoE load-balancing loss, `bnpo`, `top_entropy_quantile`, the entropy bonus). Per-micro-batch
             averages in the logs (`entropy`, the clip ratios) then average other micro-batches. `False` keeps stock's
-            row shuffle exactly; `True` keeps groups together everywhere (the trajectory is then no longer stock TRL's
-            where the rule above does not hold).
+            row shuffle exactly; `True` keeps groups together wherever the packed forwards run (the trajectory is then
+            no longer stock TRL's where the rule above does not hold; where they fall back, TRL's row order).
         share_under_dropout (`bool`, *optional*, defaults to `False`):
             Share prompts while dropout is active (TRL's `ModelConfig.lora_dropout` is 0.05, so `--use_peft` runs
             with LoRA dropout unless `disable_dropout=True`), instead of every sharing path falling back to stock's:
@@ -161,7 +162,8 @@ SHARING_DOC = r"""
             the reward, the training forward/backward and the optimizer step). On an accelerator this is
             `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
             `time/cache_release_s`; the phase profiler releases it, so only with `profile_memory=True` (the memory
-            report records the policy as it ran). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the
+            report records the policy as it ran; `"after_generation"` or `"every_phase"` with `profile_memory=False`
+            is refused, and `"auto"` then releases nothing). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the
             working memory of `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the
             caching allocator must allocate again what was released: on an H200 a `generate` call right after
             `empty_cache()` took 1.13-1.16x the time of one on a warm allocator, stock's included (see README).
@@ -302,6 +304,12 @@ class _SharingConfigMixin:
         if self.empty_cache_policy not in EMPTY_CACHE_POLICIES:
             raise ValueError(
                 f"Unknown empty_cache_policy {self.empty_cache_policy!r}: use one of {', '.join(EMPTY_CACHE_POLICIES)}."
+            )
+        if not self.profile_memory and self.empty_cache_policy in ("after_generation", "every_phase"):
+            raise ValueError(
+                f"empty_cache_policy={self.empty_cache_policy!r} releases the cache at the memory profiler's phase "
+                "boundaries, and profile_memory=False turns the profiler off, so nothing would be released: set "
+                "profile_memory=True (a counter read per phase boundary) or empty_cache_policy='none'."
             )
         try:
             super().__post_init__()  # stock TRL's checks
