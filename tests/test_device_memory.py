@@ -17,6 +17,7 @@ from rloo_efficient.core.generation.generate import generate_with_shared_prefill
 from rloo_efficient.core.transformers_compat import output_cache
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.live_bytes import LiveBytes, PhasePeaks
+from rloo_efficient.profiling.phase_profiler import PhaseProfiler
 from rloo_efficient.trainers.memory_profiling import profiled
 
 from .conftest import run, tiny_workload, training_args
@@ -297,3 +298,30 @@ def test_a_parameter_watched_by_hooks_is_not_aliased():
     loss.backward()
     assert len(seen) == 2 and torch.equal(seen[1], model[1].weight.grad)  # the hook saw the whole gradient
     assert all(torch.equal(p.grad, grad) for p, grad in zip(model.parameters(), expected, strict=True))
+
+
+def test_a_live_bytes_segment_counts_its_peak_from_what_is_alive_when_it_begins():
+    """[`LiveBytes.mark`]: a segment's peak is at least what was alive at its start, even where it frees before it
+    allocates. Catches `mark` setting the peak to 0."""
+    with LiveBytes() as live:
+        big = torch.ones(1000)
+        live.mark()
+        del big
+        small = torch.ones(10)
+        assert live.peak == 4000 and live.current == small.untyped_storage().nbytes()
+
+
+def test_phase_peaks_are_each_phases_own():
+    """[`PhasePeaks`]: a phase after a larger one reports its own peak (each phase's segment starts a new mark).
+    Catches `_close` without `self.live.mark()` (every later phase gets the running maximum)."""
+    profiler = PhaseProfiler(torch.device("cpu"))
+    with PhasePeaks(profiler) as peaks:
+        with profiler.phase("generation"):
+            big = torch.ones(1000)
+            del big
+        with profiler.phase("train"):
+            small = torch.ones(10)
+            del small
+    assert peaks.phases["generation"]["peak_bytes"] == 4000
+    assert peaks.phases["train"]["peak_bytes"] == 40
+

@@ -180,7 +180,7 @@ class StubbedCuda:
 
         self.current = {index: Stream(index) for index in (0, 1)}
         self.made.clear()
-        monkeypatch.setattr(graphs, "_SIDE_STREAMS", {})
+        monkeypatch.setattr(core_graphs, "_SIDE_STREAMS", {})
         monkeypatch.setattr(graphs, "_POOLS", {})
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
@@ -296,3 +296,26 @@ def test_the_graphs_of_a_pass_are_dropped_together(emulated_graphs, monkeypatch)
     forwards._capture(("b", ("p",)), packed)
     forwards._capture(("c", ("p",)), packed)  # past the limit: only the new one lives
     assert list(forwards.graphs) == [("c", ("p",))]
+
+
+def test_a_warm_up_alone_leaves_the_current_stream_waiting_for_the_side_stream(monkeypatch):
+    """[`core.graphs.warm_up`]: its output is read next on the current stream, also where the capture after it fails
+    (the eager fallback returns the warm-up's logits): the current stream waits for the side stream (CUDA's stream
+    calls stood in for). Catches the `current.wait_stream(stream)` dropped from `warm_up` (the suite's other tests
+    pass through `capture`, which waits on its own)."""
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append((self.name, "waits for", other.name))
+
+    current = Stream("current")
+    monkeypatch.setattr(core_graphs, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda index: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    core_graphs.warm_up(lambda: None, torch.device("cuda", 0))
+    assert calls == [("side", "waits for", "current"), ("current", "waits for", "side")]

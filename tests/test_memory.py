@@ -1,4 +1,6 @@
-"""Reading and resetting the CPU peak: per-window peaks, a capability check that changes nothing, a refused reset."""
+"""Reading and resetting the peaks: the CPU's per-window peaks, a capability check that changes nothing, a refused
+reset; an accelerator's stats and each phase's own peak there, with the accelerator's memory API stood in for (the
+branches a CPU run never takes)."""
 
 import os
 
@@ -7,10 +9,13 @@ import torch
 
 import rloo_efficient.profiling.memory as memory
 from rloo_efficient.profiling.memory import get_memory_stats, peak_rss_resettable, reset_peak_memory
+from rloo_efficient.profiling.phase_profiler import PhaseProfiler
 
 
 CPU = torch.device("cpu")
+CUDA = torch.device("cuda", 0)
 MIB = 1024**2
+GIB = memory.GIB
 
 
 @pytest.mark.skipif(not peak_rss_resettable(), reason="the kernel does not let this process reset its RSS peak")
@@ -41,3 +46,86 @@ def test_a_refused_reset_falls_back_to_lifetime_peaks(monkeypatch, tmp_path):
     assert peak_rss_resettable()
     reset_peak_memory(CPU)  # no error escapes
     assert not peak_rss_resettable()  # get_memory_stats reads the lifetime peak from now on
+
+
+class FakeAllocator:
+    """`torch.accelerator`'s memory calls as a caching allocator answers them: allocated and reserved bytes now, their
+    peaks since the last reset."""
+
+    def __init__(self):
+        self.allocated = self.reserved = self.max_allocated = self.max_reserved = 0
+        self.resets = 0
+
+    def alloc(self, gib):
+        self.allocated += gib * GIB
+        self.reserved = max(self.reserved, self.allocated)
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        self.max_reserved = max(self.max_reserved, self.reserved)
+
+    def free(self, gib):
+        self.allocated -= gib * GIB
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def memory_reserved(self, device):
+        return self.reserved
+
+    def max_memory_allocated(self, device):
+        return self.max_allocated
+
+    def max_memory_reserved(self, device):
+        return self.max_reserved
+
+    def reset_peak_memory_stats(self, device):
+        self.resets += 1
+        self.max_allocated, self.max_reserved = self.allocated, self.reserved
+
+    def synchronize(self, device):
+        pass
+
+    def empty_cache(self):
+        self.reserved = self.allocated
+
+
+def fake_allocator(monkeypatch) -> FakeAllocator:
+    fake = FakeAllocator()
+    monkeypatch.setattr(memory, "_device_memory_api", lambda device: fake)
+    return fake
+
+
+def test_an_accelerators_stats_are_its_peaks_and_start_a_new_window(monkeypatch):
+    """Catches `peak_reserved_gib` read from `memory_reserved` (now) instead of `max_memory_reserved`, the
+    accelerator's peaks not reset after they are read, and `current_memory_gib` reading reserved for allocated."""
+    fake = fake_allocator(monkeypatch)
+    fake.alloc(3)
+    fake.free(2)
+    assert memory.current_memory_gib(CUDA) == 1.0  # allocated (3 GiB reserved)
+    fake.empty_cache()  # reserved now 1 GiB, its peak 3
+    fake.alloc(0.5)
+    stats = memory.get_memory_stats(CUDA)
+    assert stats == {"peak_allocated_gib": 3.0, "peak_reserved_gib": 3.0, "fragmentation_gib": 0.0}
+    assert memory.get_memory_stats(CUDA)["peak_allocated_gib"] == 1.5  # a new window
+
+
+def test_each_phases_accelerator_peak_is_its_own(monkeypatch):
+    """Per phase, the accelerator's peak allocated within the phase's own segments: not what was allocated before
+    the first phase (catches the reset at a boundary outside every phase dropped), the most of a phase's segments
+    and not its last (catches `record[name] = value`), and not an earlier phase's (catches the peaks never reset)."""
+    fake = fake_allocator(monkeypatch)
+    profiler = PhaseProfiler(CUDA)
+    fake.alloc(5)  # outside every phase (the model loaded, TRL's own bookkeeping)
+    fake.free(5)
+    profiler.start("train")
+    fake.alloc(3)
+    fake.free(3)
+    with profiler.phase("generation"):  # train paused
+        fake.alloc(1)
+        fake.free(1)
+    fake.alloc(2)
+    fake.free(2)
+    profiler.stop("train")
+    phases = profiler.end_step(1)["phases"]
+    assert phases["generation"]["peak_allocated_gib"] == 1.0
+    assert phases["train"]["peak_allocated_gib"] == 3.0
+

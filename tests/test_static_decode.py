@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
 from rloo_efficient import RLOOTrainer
@@ -470,3 +471,117 @@ def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact
     assert len(calls) == 2  # four steps, a generation every two
     longest = [e["completions/max_length"] for e in stock.state.log_history if "completions/max_length" in e]
     assert len(longest) == 2 and all(length < 48 and length % 8 for length in longest)  # stopped between read-backs
+
+
+def stock_and_ours(model, ids, mask, config, once=False):
+    """Stock's `generate` and ours decoding static, from the same seed, each with the generator's next draw after it."""
+    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
+    torch.manual_seed(123)
+    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    stock_next = torch.rand(4)
+    torch.manual_seed(123)
+    ours, _ = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=once, static=True, **kwargs)
+    return stock, stock_next, ours, torch.rand(4)
+
+
+def test_a_window_longer_than_the_prompts_closes_its_columns_from_the_wrapped_index():
+    """Prompts shorter than the window (8) and 12 tokens decoded past it: the window's closing index starts at
+    `(W - 1 - w) mod columns` (a column not written yet) and must wrap to 0 when it reaches the buffers' end.
+    Catches `closing.add_(1)` without `.remainder_(columns)` (an index past the buffer: IndexError here, a device
+    assert on CUDA)."""
+    model = build("mistral_sliding")
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(2, 64, (n,), generator=g).tolist() for n in (5, 3))
+    ids, mask = left_pad([a] * 3 + [b] * 3)
+    config = generation_config(max_new_tokens=12, suppress_tokens=[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # static decoding ran
+        stock, stock_next, ours, ours_next = stock_and_ours(model, ids, mask, config)
+    assert all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
+    assert_same_generation(stock, ours, "mistral_sliding", 12)
+    torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
+
+
+def test_the_loop_stops_at_the_first_read_back_after_every_row_finished(monkeypatch):
+    """Rows all finished between steps 8 and 16 of 40: the loop reads back every 8 steps and stops at the first read
+    after the finish (16 forwards), not at max_new_tokens. Catches the read-back window not advancing
+    (`checked` left at 0: every call decodes to max_new_tokens, the same output, 2.5x the forwards here)."""
+    forwards = []
+    call = StaticStep.__call__
+    monkeypatch.setattr(StaticStep, "__call__", lambda self: forwards.append(1) or call(self))
+    model = build("llama")
+    ids, mask = left_pad([[5, 9, 13, 17, 21, 25]] * 3 + [[6, 10, 14]] * 3)
+    # Every token after step 9 is an EOS: every row has finished by step 10
+    class EndAfter(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] - ids.shape[1] >= 9:
+                scores = torch.full_like(scores, -float("inf"))
+                scores[:, 1] = 0
+            return scores
+
+    config = generation_config(max_new_tokens=40, eos_token_id=1, suppress_tokens=None)
+    kwargs = dict(generation_config=config, return_dict_in_generate=True,
+                  logits_processor=LogitsProcessorList([EndAfter()]))
+    torch.manual_seed(123)
+    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    torch.manual_seed(123)
+    ours, _ = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=False, static=True, **kwargs)
+    assert torch.equal(ours.sequences, stock.sequences) and ours.sequences.shape[1] - ids.shape[1] == 10
+    assert len(forwards) == 16
+
+
+def test_the_cost_model_takes_the_eager_break_even_once_a_capture_failed(monkeypatch):
+    """After the model's capture failed (`_rloo_graph_failed`), its later calls decode eagerly: the cost model must
+    take the eager break-even (here no prompt reaches it), not the replayed one. Catches `replays_kept_once` dropping
+    its `_rloo_graph_failed` check (on CUDA: the prompt kept once at 88 MB per layer where it is 1.27x slower)."""
+    import rloo_efficient.core.generation.generate as shared_generation
+    from rloo_efficient.core.generation import prompt_cache
+
+    monkeypatch.setattr(static_decode, "CAPTURE_DEVICES", ("cpu",))
+    monkeypatch.setattr(static_decode, "warm_up", lambda step, device, buffers=(): step())
+    monkeypatch.setitem(prompt_cache.BREAK_EVEN_BYTES, "cpu", float("inf"))
+    monkeypatch.setitem(prompt_cache.REPLAYED_BREAK_EVEN_BYTES, "cpu", 0)
+    built = []
+
+    class Recorded(prompt_cache.PrefixCache):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(shared_generation, "PrefixCache", Recorded)
+    model = build("llama")
+    model._rloo_graph_failed = "its step cannot be captured (an earlier call)"
+    ids, mask = left_pad([[5, 9, 13, 17, 21, 25]] * 3 + [[6, 10, 14]] * 3)
+    stock_and_ours(model, ids, mask, generation_config(max_new_tokens=4), once=None)
+    assert not built
+
+
+def test_a_model_in_training_mode_with_dropout_set_to_zero_decodes_static():
+    """TRL's `disable_dropout=True` sets every dropout's p to 0 and leaves the model in training mode while it
+    generates: nothing is drawn, so static decoding runs (no warning). Catches `dropout_active` without its `p > 0`
+    (every model with a dropout module, GPT-2's, Phi-3's, would decode in generate's loop, its graphs off)."""
+    model = build("gpt2").train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    assert any(isinstance(module, torch.nn.Dropout) for module in model.modules())
+    ids, mask = left_pad([[5, 9, 13, 17, 21, 25]] * 3 + [[6, 10, 14]] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # static decoding ran: no fallback's warning
+        ours, _ = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=False, static=True,
+                                               generation_config=generation_config(max_new_tokens=4),
+                                               return_dict_in_generate=True)  # fmt: skip
+    assert all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
+
+
+def test_on_cuda_the_steps_past_the_finish_are_undone_on_cudas_generator(monkeypatch):
+    """On CUDA, `torch.multinomial` draws from the device's generator: the state saved after each step, and put back
+    where the loop ran past the finish, is CUDA's (CUDA's calls stubbed). Catches `_rng_state` reading the CPU
+    generator on CUDA (the device's generator left advanced by the wasted steps: later draws differ from stock's)."""
+    calls = []
+    get = lambda device="cuda": calls.append(("get", device)) or "cuda-state"  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": calls.append(("set", state, device)))
+    assert static_decode._rng_state(torch.device("cuda", 0)) == "cuda-state"
+    static_decode._set_rng_state(torch.device("cuda", 0), "cuda-state")
+    assert calls == [("get", torch.device("cuda", 0)), ("set", "cuda-state", torch.device("cuda", 0))]
