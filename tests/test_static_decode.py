@@ -94,6 +94,7 @@ def test_same_logits_and_samples_as_generate(monkeypatch, arch, once, layout):
              for layer in output_cache(ours).layers} - {LinearAttentionLayer, DummyLayer}  # as they were
     assert kinds == {StaticPrefixLayer if once else StaticLayer}
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
+    assert output_cache(ours).get_seq_length() == output_cache(stock).get_seq_length()
     held = [getattr(layer, "keys", None) for layer in output_cache(ours).layers]
     for layer in output_cache(ours).layers:  # a recurrent layer's states, in dicts by state index
         held += [*getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
@@ -152,6 +153,8 @@ def test_rows_finishing_early_leave_the_random_generator_as_generate_does(attent
         assert finished == steps
     assert_same_generation(stock, ours, "gemma2" if attention == "eager" else "llama", finished)
     torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
+    # the returned cache's length is stock's: the positions forwarded up to the finish (not those of the steps past it)
+    assert output_cache(ours).get_seq_length() == output_cache(stock).get_seq_length()
 
 
 def test_a_step_reads_nothing_back_and_writes_in_place(monkeypatch):
@@ -473,17 +476,6 @@ def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact
     assert len(longest) == 2 and all(length < 48 and length % 8 for length in longest)  # stopped between read-backs
 
 
-def stock_and_ours(model, ids, mask, config, once=False):
-    """Stock's `generate` and ours decoding static, from the same seed, each with the generator's next draw after it."""
-    kwargs = dict(generation_config=config, output_logits=True, return_dict_in_generate=True)
-    torch.manual_seed(123)
-    stock = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-    stock_next = torch.rand(4)
-    torch.manual_seed(123)
-    ours, _ = generate_with_shared_prefill(model, ids, mask, prompt_cache_once=once, static=True, **kwargs)
-    return stock, stock_next, ours, torch.rand(4)
-
-
 def test_a_window_longer_than_the_prompts_closes_its_columns_from_the_wrapped_index():
     """Prompts shorter than the window (8) and 12 tokens decoded past it: the window's closing index starts at
     `(W - 1 - w) mod columns` (a column not written yet) and must wrap to 0 when it reaches the buffers' end.
@@ -496,7 +488,7 @@ def test_a_window_longer_than_the_prompts_closes_its_columns_from_the_wrapped_in
     config = generation_config(max_new_tokens=12, suppress_tokens=[1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # static decoding ran
-        stock, stock_next, ours, ours_next = stock_and_ours(model, ids, mask, config)
+        stock, stock_next, ours, ours_next = static_and_stock(model, ids, mask, config)
     assert all(type(layer) is StaticLayer for layer in output_cache(ours).layers)
     assert_same_generation(stock, ours, "mistral_sliding", 12)
     torch.testing.assert_close(ours_next, stock_next, rtol=0, atol=0)
@@ -552,7 +544,7 @@ def test_the_cost_model_takes_the_eager_break_even_once_a_capture_failed(monkeyp
     model = build("llama")
     model._rloo_graph_failed = "its step cannot be captured (an earlier call)"
     ids, mask = left_pad([[5, 9, 13, 17, 21, 25]] * 3 + [[6, 10, 14]] * 3)
-    stock_and_ours(model, ids, mask, generation_config(max_new_tokens=4), once=None)
+    static_and_stock(model, ids, mask, generation_config(max_new_tokens=4), once=None)
     assert not built
 
 

@@ -360,6 +360,7 @@ def _loop(model, input_ids, logits_processor, stopping_criteria, generation_conf
                 last = checked + int(done[0, 0])  # generate stops after this step
                 if sampling and last != index:  # the draws of the steps past it undone
                     _set_rng_state(device, states[last])
+                step.written[0] = width + last  # the cache's length as generate leaves it: the positions forwarded
                 return sequences[:, : width + last + 1], tuple(recorded[0][: last + 1]), tuple(recorded[1][: last + 1])
             checked, states = index + 1, {}
         step.advance(tokens)
