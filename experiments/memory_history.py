@@ -47,6 +47,12 @@ def _site(frames: list[dict], depth: int = 4) -> str:
     return " < ".join(kept) or "(no Python frame in the code we read)"
 
 
+def _is_marker(event: dict) -> bool:
+    """Whether an allocation event is [`_phase_marker`]'s: a phase boundary, not a tensor."""
+    frames = event.get("frames", [])
+    return event["size"] == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in frames)
+
+
 def analyze(trace: list[dict], markers: list[str], start_allocated: int, start_reserved: int = 0,
             top: int = 10) -> dict:  # fmt: skip
     """Replays `trace` (a device's allocator events) from `start_allocated` bytes allocated and `start_reserved`
@@ -68,7 +74,7 @@ def analyze(trace: list[dict], markers: list[str], start_allocated: int, start_r
             reserved -= size
         elif action == "alloc":
             current += size
-            if size == MARKER_BYTES and any(frame.get("name") == "_phase_marker" for frame in event.get("frames", [])):
+            if _is_marker(event):
                 label = markers[marker] if marker < len(markers) else "after"
                 marker += 1
                 continue
@@ -94,9 +100,7 @@ def analyze(trace: list[dict], markers: list[str], start_allocated: int, start_r
         count = collections.Counter()
         for index in record.get("live", []):
             event = trace[index]
-            marks = event["size"] == MARKER_BYTES and any(frame.get("name") == "_phase_marker"
-                                                          for frame in event.get("frames", []))  # fmt: skip
-            site = "marker" if marks else _site(event.get("frames", []))
+            site = "marker" if _is_marker(event) else _site(event.get("frames", []))
             by_site[site] += event["size"]
             count[site] += 1
         tracked = sum(by_site.values())

@@ -25,7 +25,10 @@ from .helpers import (
     assert_same_run,
     build_reward_adapter,
     build_reward_model,
+    count_vowels,
     grpo_args,
+    scripted_tool_calls,
+    tool_tokenizer,
 )
 
 
@@ -368,54 +371,6 @@ def test_vllm_generation(workload, tmp_path, monkeypatch, exact_head):
 
 
 # -- tools, rollout functions, environments ---------------------------------------------------------------------------
-# The workload's chat template, rendering the tools offered and the calls made (TRL checks both)
-TOOL_TEMPLATE = (
-    "{% if tools %}<|tools|>{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}\n{% endif %}"
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-    "{% for call in message.tool_calls or [] %}<call>{{ call.function.name }}{{ call.function.arguments | tojson }}"
-    "</call>{% endfor %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def count_vowels(text: str) -> int:
-    """
-    Counts the vowels in a text.
-
-    Args:
-        text: The text to count in.
-
-    Returns:
-        The number of vowels.
-    """
-    return sum(ch in "aeiou" for ch in text)
-
-
-def scripted_tool_calls(monkeypatch):
-    """
-    A tiny random model never writes a parsable tool call: TRL's response parser is replaced, for stock and ours
-    alike, by one that reads a call into every completion whose first token is even (the first turn only: the
-    tool's answer is followed by plain text), so that TRL's tool loop runs on some rows and not others.
-    """
-    import trl.trainer.grpo_trainer
-
-    def parse_response(tokenizer, ids, prefix=None, tools=None):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        message = {"role": "assistant", "content": text}
-        first_turn = prefix is not None and "<|tool|>" not in tokenizer.decode(prefix)
-        if tools and first_turn and ids and ids[0] % 2 == 0:
-            name = tools[0].__name__ if callable(tools[0]) else tools[0]["function"]["name"]
-            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": {"text": text}}}]
-        return message
-
-    monkeypatch.setattr(trl.trainer.grpo_trainer, "parse_response", parse_response)
-
-
-def tool_tokenizer():
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.response_template = "scripted"  # parsing is scripted_tool_calls'; TRL only checks that one is set
-    return tokenizer
 
 
 def recorded_continuations(monkeypatch) -> list:

@@ -305,6 +305,26 @@ def emulated_graphs(monkeypatch):
     return graphs
 
 
+@pytest.fixture
+def prompts_kept_once(monkeypatch):
+    """The cost model's break-evens set so that only replayed steps keep a prompt once (0 bytes replayed, an eager one
+    no prompt reaches); returns the list that gets an entry for each prompt cache kept once."""
+    import rloo_efficient.core.generation.generate as shared_generation
+    from rloo_efficient.core.generation import prompt_cache
+
+    monkeypatch.setitem(prompt_cache.BREAK_EVEN_BYTES, "cpu", float("inf"))
+    monkeypatch.setitem(prompt_cache.REPLAYED_BREAK_EVEN_BYTES, "cpu", 0)
+    built = []
+
+    class Recorded(prompt_cache.PrefixCache):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(shared_generation, "PrefixCache", Recorded)
+    return built
+
+
 # Hybrids too: a step advances their recurrent states in place, so the check's eager step must start from the states
 # the replay started from
 @pytest.mark.parametrize("arch, fault", [("llama", None), ("llama", "wrong"), ("llama", "fails"), ("qwen3_next", None),
@@ -360,31 +380,18 @@ def test_static_decoding_by_default_where_steps_are_captured(monkeypatch, reques
 
 @pytest.mark.parametrize("arch, captured, kept", [("llama", True, True), ("llama", False, False),
                                                   ("qwen3_next", True, True), ("mistral_sliding", True, False)])
-def test_the_cost_model_takes_the_replayed_break_even_where_kept_once_steps_replay(monkeypatch, request, arch,
+def test_the_cost_model_takes_the_replayed_break_even_where_kept_once_steps_replay(prompts_kept_once, request, arch,
                                                                                    captured, kept):  # fmt: skip
     """`prompt_cache_once=None`: the break-even of steps replayed from a graph where the call's steps would replay
     with the prompt kept once (here 0 bytes, against an eager break-even no prompt reaches), the eager one where they
     would not: `generate`'s loop, or a cache static decoding cannot hold kept once (windows); stock's samples."""
-    import rloo_efficient.core.generation.generate as shared_generation
-    from rloo_efficient.core.generation import prompt_cache
-
     if captured:
         request.getfixturevalue("emulated_graphs")
-    monkeypatch.setitem(prompt_cache.BREAK_EVEN_BYTES, "cpu", float("inf"))
-    monkeypatch.setitem(prompt_cache.REPLAYED_BREAK_EVEN_BYTES, "cpu", 0)
-    built = []
-
-    class Recorded(prompt_cache.PrefixCache):
-        def __init__(self, *args, **kwargs):
-            built.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(shared_generation, "PrefixCache", Recorded)
     model = build(arch)
     ids, mask = left_pad(prompts_for("mixed_lengths"))
     config = generation_config(max_new_tokens=6)
     stock, _, ours, _ = static_and_stock(model, ids, mask, config, once=None)
-    assert bool(built) == kept
+    assert bool(prompts_kept_once) == kept
     assert_same_generation(stock, ours, arch, config.max_new_tokens)
 
 
@@ -522,30 +529,15 @@ def test_the_loop_stops_at_the_first_read_back_after_every_row_finished(monkeypa
     assert len(forwards) == 16
 
 
-def test_the_cost_model_takes_the_eager_break_even_once_a_capture_failed(monkeypatch):
+def test_the_cost_model_takes_the_eager_break_even_once_a_capture_failed(emulated_graphs, prompts_kept_once):
     """After the model's capture failed (`_rloo_graph_failed`), its later calls decode eagerly: the cost model must
     take the eager break-even (here no prompt reaches it), not the replayed one. Catches `replays_kept_once` dropping
     its `_rloo_graph_failed` check (on CUDA: the prompt kept once at 88 MB per layer where it is 1.27x slower)."""
-    import rloo_efficient.core.generation.generate as shared_generation
-    from rloo_efficient.core.generation import prompt_cache
-
-    monkeypatch.setattr(static_decode, "CAPTURE_DEVICES", ("cpu",))
-    monkeypatch.setattr(static_decode, "warm_up", lambda step, device, buffers=(): step())
-    monkeypatch.setitem(prompt_cache.BREAK_EVEN_BYTES, "cpu", float("inf"))
-    monkeypatch.setitem(prompt_cache.REPLAYED_BREAK_EVEN_BYTES, "cpu", 0)
-    built = []
-
-    class Recorded(prompt_cache.PrefixCache):
-        def __init__(self, *args, **kwargs):
-            built.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(shared_generation, "PrefixCache", Recorded)
     model = build("llama")
     model._rloo_graph_failed = "its step cannot be captured (an earlier call)"
     ids, mask = left_pad([[5, 9, 13, 17, 21, 25]] * 3 + [[6, 10, 14]] * 3)
     static_and_stock(model, ids, mask, generation_config(max_new_tokens=4), once=None)
-    assert not built
+    assert not prompts_kept_once
 
 
 def test_a_model_in_training_mode_with_dropout_set_to_zero_decodes_static():

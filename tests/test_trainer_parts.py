@@ -15,10 +15,10 @@ import trl
 
 from rloo_efficient import GRPOConfig, GRPOTrainer, RLOOTrainer
 from rloo_efficient.core.generation.turn_cache import TurnCaches
-from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, vowel_reward
 
 from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
-from .helpers import build_reward_model, grpo_args
+from .helpers import build_reward_model, count_vowels, grpo_args, scripted_tool_calls, tool_tokenizer
 
 
 F64_RTOL, F64_ATOL = 1e-6, 1e-7  # as tests/test_prefix_sharing.py: TRL's float32 log-prob head on float64 models
@@ -87,49 +87,11 @@ def test_num_iterations_hold_each_prompt_across_both_iterations_of_a_window(work
 
 
 # -- generation (generation.py) --------------------------------------------------------------------------------------
-TOOL_TEMPLATE = (  # (tests/test_grpo.py's)
-    "{% if tools %}<|tools|>{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}\n{% endif %}"
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-    "{% for call in message.tool_calls or [] %}<call>{{ call.function.name }}{{ call.function.arguments | tojson }}"
-    "</call>{% endfor %}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def count_vowels(text: str) -> int:
-    """
-    Counts the vowels in a text.
-
-    Args:
-        text: The text to count in.
-
-    Returns:
-        The number of vowels.
-    """
-    return sum(ch in "aeiou" for ch in text)
-
-
-def _scripted_tool_calls(monkeypatch):
-    """As tests/test_grpo.py's: a call read into every first-turn completion whose first token is even."""
-    import trl.trainer.grpo_trainer
-
-    def parse_response(tokenizer, ids, prefix=None, tools=None):
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        message = {"role": "assistant", "content": text}
-        first_turn = prefix is not None and "<|tool|>" not in tokenizer.decode(prefix)
-        if tools and first_turn and ids and ids[0] % 2 == 0:
-            name = tools[0].__name__ if callable(tools[0]) else tools[0]["function"]["name"]
-            message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": {"text": text}}}]
-        return message
-
-    monkeypatch.setattr(trl.trainer.grpo_trainer, "parse_response", parse_response)
-
-
 def test_a_tool_loops_held_caches_are_released_when_generation_ends(model_cache, tmp_path, monkeypatch):
     """Each turn's KV caches are held for the rows' next turn only while TRL's `_generate` runs: the log-prob and
     training passes run with none alive (a loop's last turn kept its cache, a whole generation's keys and values,
     through the backward where the loop's end did not drop it)."""
-    _scripted_tool_calls(monkeypatch)
+    scripted_tool_calls(monkeypatch)
     kept = []
     keep = TurnCaches.keep
     monkeypatch.setattr(TurnCaches, "keep", lambda self, held: kept.append(held is not None) or keep(self, held))
@@ -141,9 +103,7 @@ def test_a_tool_loops_held_caches_are_released_when_generation_ends(model_cache,
             return super()._compute_loss(model, inputs)
 
     cfg = tiny_workload(model_cache, conversational=True)
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = TOOL_TEMPLATE
-    tokenizer.response_template = "scripted"
+    tokenizer = tool_tokenizer()
     args = grpo_args(tmp_path, config_class=GRPOConfig, max_steps=2, max_completion_length=96)
     trainer = Checking(model=build_model_dir(cfg), args=args, train_dataset=build_dataset(cfg),
                        processing_class=tokenizer, reward_funcs=vowel_reward, tools=[count_vowels])  # fmt: skip

@@ -157,16 +157,16 @@ SHARING_DOC = r"""
             applied as a function (attention probabilities') still falls back. Decoding steps aside from static
             buffers where dropout is active. Never on by default.
         empty_cache_policy (`str`, *optional*, defaults to `"auto"`):
-            When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per
-            generation, when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass,
-            the reward, the training forward/backward and the optimizer step). On an accelerator this is
-            `empty_cache()`; on CPU with glibc, `malloc_trim(0)`. The time spent is logged as
-            `time/cache_release_s`; the phase profiler releases it, so only with `profile_memory=True` (the memory
-            report records the policy as it ran; `"after_generation"` or `"every_phase"` with `profile_memory=False`
-            is refused, and `"auto"` then releases nothing). `"auto"`: `"after_generation"` on CPU, where it gave 0.91x the
-            working memory of `"none"` for 6 ms per step (P=2048, C=64, k=8); `"none"` on an accelerator, where the
-            caching allocator must allocate again what was released: on an H200 a `generate` call right after
-            `empty_cache()` took 1.13-1.16x the time of one on a warm allocator, stock's included (see README).
+            When to return cached allocator memory to the system: `"none"`, `"after_generation"` (once per generation,
+            when decoding's KV cache is dead) or `"every_phase"` (after generation, each log-prob pass, the reward, the
+            training forward/backward and the optimizer step). On an accelerator this is `empty_cache()`; on CPU with
+            glibc, `malloc_trim(0)`. The time spent is logged as `time/cache_release_s`; the phase profiler releases it,
+            so only with `profile_memory=True` (the memory report records the policy as it ran; `"after_generation"` or
+            `"every_phase"` with `profile_memory=False` is refused, and `"auto"` then releases nothing). `"auto"`:
+            `"after_generation"` on CPU, where it gave 0.91x the working memory of `"none"` for 6 ms per step (P=2048,
+            C=64, k=8); `"none"` on an accelerator, where the caching allocator must allocate again what was released:
+            on an H200 a `generate` call right after `empty_cache()` took 1.13-1.16x the time of one on a warm
+            allocator, stock's included (see README).
         profile_memory (`bool`, *optional*, defaults to `True`):
             Record each phase's peak memory and time (`memory/<phase>/<stat>` and `time/<phase>_s` in the logs) and
             write `memory_report.json` to `output_dir`. Costs a counter reset and a read per phase boundary."""
