@@ -11,16 +11,24 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from trl.trainer.utils import add_fused_lm_head
 
-from rloo_efficient import RLOOTrainer
+from rloo_efficient import GRPOTrainer, RLOOTrainer
 from rloo_efficient.core.forward.packing import pack_rows
 from rloo_efficient.core.layers.families import forward_unsupported_reason as unsupported_reason
 from rloo_efficient.core.layers.families import position_period
 from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.layers.rope import rope_length
 from rloo_efficient.core.tree.rows import group_ids_for, prompt_images, row_groups, table_of
-from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_processing_class, build_tokenizer
+from rloo_efficient.demo.workload import (
+    build_dataset,
+    build_model_dir,
+    build_processing_class,
+    build_tokenizer,
+    vowel_reward,
+)
 from rloo_efficient.trainers.config import ROWS_KEY
 from rloo_efficient.trainers.group_shuffle import ordered_for_group_shuffle
+from rloo_efficient.trainers.hydra import HydraReward
+from rloo_efficient.trainers.hydra_checks import bitsandbytes_repacks_on_cpu
 
 from .conftest import (
     assert_metrics_close,
@@ -31,7 +39,7 @@ from .conftest import (
     tiny_workload,
     training_args,
 )
-from .helpers import TRAINING_FAMILIES, assert_same_run, grpo_args
+from .helpers import ATOL, POLICY_LORA, RTOL, TRAINING_FAMILIES, assert_same_run, grpo_args
 from .trees import random_rows, split_rows, stock_batch
 
 
@@ -243,6 +251,97 @@ def test_matches_stock_trl_with_peft_lora(workload, tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     # The reference is the base model with the adapter disabled; the adapter learns fast at this learning rate
     _compare(path, dataset, tmp_path, run_kwargs={"peft_config": lora}, learning_rate=5e-2)
+
+
+# LoRA as users vary it: DoRA's magnitude (a weight norm per layer in each forward), and an LM head and embedding
+# trained whole beside the adapter (PEFT's `modules_to_save`, as for added tokens; on a tied model PEFT trains a copy
+# of each), whose gradients ours adds in place ([`core.forward.in_place_grads`]); two rows per micro-batch, each
+# prompt held across its group's micro-batches
+LORA_VARIANTS = {
+    "dora": ({"use_dora": True}, {}),
+    "modules_to_save_tied": ({"modules_to_save": ["lm_head", "embed_tokens"]}, {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+def test_matches_stock_trl_with_lora_variants(model_cache, tmp_path, exact_head, variant):
+    from peft import LoraConfig
+
+    lora, model = LORA_VARIANTS[variant]
+    cfg = tiny_workload(model_cache, **model)
+    overrides = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=8,
+                     learning_rate=5e-2)  # fmt: skip
+    _, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, RTOL, ATOL,
+                       run_kwargs={"peft_config": LoraConfig(**POLICY_LORA, **lora)}, **overrides)  # fmt: skip
+    assert ours.held_forward_tokens > 0
+    if variant == "modules_to_save_tied":  # the trained copy's gradient added in place (the head is the test's own)
+        assert ours._counts.in_place_embedding_grads > 0
+
+
+def test_two_epochs_with_a_short_last_window_match_stock_trl(model_cache, tmp_path, exact_head):
+    """Two epochs of 4 micro-batches in optimizer windows of 3: each epoch ends with a window of 1, and the second's
+    first window starts mid-generation."""
+    cfg = tiny_workload(model_cache, num_prompts=5)  # 2 generations of 2 prompts (k=4, 4 rows a micro-batch) an epoch
+    overrides = dict(max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=3, steps_per_generation=2)
+    stock, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, RTOL, ATOL, **overrides)
+    assert ours.state.global_step == 4 and ours.held_forward_tokens > 0
+
+
+# QLoRA as TRL's scripts run it (`--load_in_4bit --use_peft`): the trainer's `quantization_config` argument, or the
+# config's `model_init_kwargs` (then stock loads a reward adapter's model quantized too, the case Hydra would share)
+QLORA_CASES = {
+    "rloo_trainer_argument": (RLOOTrainer, trl.RLOOTrainer, trl.RLOOConfig, False, {}),
+    "grpo_trainer_argument": (GRPOTrainer, trl.GRPOTrainer, trl.GRPOConfig, False, {"beta": 0.0}),
+    "rloo_init_kwargs_and_reward_adapter": (RLOOTrainer, trl.RLOOTrainer, trl.RLOOConfig, True, {}),
+    # the memory-bound user's setting: one row per micro-batch, each prompt held across its group's micro-batches
+    "grpo_one_row_per_micro_batch": (GRPOTrainer, trl.GRPOTrainer, trl.GRPOConfig, False,
+                                     {"beta": 0.0, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8,
+                                      "steps_per_generation": 16}),
+}
+
+
+@pytest.mark.parametrize("case", list(QLORA_CASES))
+def test_matches_stock_trl_with_qlora(model_cache, tmp_path, case):
+    """A 4-bit base (bitsandbytes on CPU) with a LoRA adapter, which TRL casts to bfloat16 for a quantized model: the
+    adapter's products round to bfloat16, and packed and padded rows round apart by an ulp of it. Where a reward
+    adapter would score on the policy's base, on CPU bitsandbytes would repack that base for inference, for good, and
+    the policy would train with no gradient: ours loads the reward model as stock does, with one warning."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    from .helpers import build_reward_adapter
+
+    ours_class, stock_class, stock_config, adapter, layout = QLORA_CASES[case]
+    # float32 (bitsandbytes quantizes nothing wider); hidden 64: bitsandbytes' CPU packing reads 64-wide blocks
+    cfg = tiny_workload(model_cache, model_dtype="float32", hidden_size=64, intermediate_size=128)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    run_kwargs = {"peft_config": LoraConfig(**POLICY_LORA)}
+    init_kwargs = {"dtype": torch.float32}
+    if adapter:
+        init_kwargs["quantization_config"] = quantization
+        reward_adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
+    else:
+        run_kwargs["quantization_config"] = quantization
+    rewards = lambda: [vowel_reward, reward_adapter] if adapter else vowel_reward  # noqa: E731 (TRL loads in place)
+    overrides = dict(max_steps=2, learning_rate=5e-2, model_init_kwargs=init_kwargs, **layout)
+    stock = run(stock_class, path, training_args(tmp_path / "stock", config_class=stock_config, **overrides), dataset,
+                reward=rewards(), **run_kwargs)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(ours_class, path, training_args(tmp_path / "ours", config_class=ours_class._config_class,
+                                                   **overrides), dataset, reward=rewards(), **run_kwargs)  # fmt: skip
+    assert any(type(parameter).__name__ == "Params4bit" for parameter in ours.model.parameters())
+    assert ours._switches.prefix and ours.packed_forward_tokens > 0 and ours.shared_prefill_tokens > 0
+    assert (ours.held_forward_tokens > 0) == ("one_row" in case)  # prompts held across micro-batches there
+    repacked = [w for w in caught if "bitsandbytes repacks a 4-bit layer" in str(w.message)]
+    if adapter:  # Hydra where bitsandbytes does not repack on this CPU, stock's loading (and one warning) where it does
+        assert len(repacked) == bitsandbytes_repacks_on_cpu() != isinstance(ours.reward_funcs[1], HydraReward)
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+    # A bfloat16 gradient norm an ulp apart (2**-10 at 0.23), and the loss's float32 terms
+    assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-2, 1e-4, per_micro_batch(ours))
 
 
 def test_matches_stock_trl_with_a_chat_template(model_cache, tmp_path):

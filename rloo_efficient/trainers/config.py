@@ -133,8 +133,9 @@ SHARING_DOC = r"""
             classification adapter on the same base (as TRL's `RewardTrainer` saves it), load it onto the policy's
             base as a second, frozen adapter with its score head, instead of a second copy of the base model
             (Hydra-RLHF). Rewards are computed with it active and the policy's adapter off, under no gradient. An
-            adapter on another base, or in another dtype or quantization than the policy's base, is loaded as its
-            own model as stock TRL loads it, with one warning.
+            adapter on another base, or in another dtype or quantization than the policy's base, or on a 4-bit
+            policy on a CPU with AVX512-BF16 (where bitsandbytes repacks a layer for inference for good), is loaded
+            as its own model as stock TRL loads it, with one warning.
         shuffle_groups (`bool` or `None`, *optional*, defaults to `None`):
             When the generation batch is shuffled into micro-batches, move whole prompt groups instead of single
             rows, so a group's completions share a micro-batch (and so its prefix tree) wherever the batch sizes

@@ -10,133 +10,24 @@ import contextlib
 import copy
 import functools
 import inspect
-import json
-import os
 import warnings
-from pathlib import Path
 
 import torch
 from accelerate.utils import is_peft_model
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 from trl.trainer.utils import get_config_model_id
 
-
-def reward_adapter_config(path) -> dict | None:
-    """The `adapter_config.json` of a PEFT sequence-classification adapter directory, or None for anything else."""
-    if not isinstance(path, (str, os.PathLike)) or not (Path(path) / "adapter_config.json").is_file():
-        return None
-    config = json.loads((Path(path) / "adapter_config.json").read_text())
-    return config if config.get("task_type") == "SEQ_CLS" else None
-
-
-def _same_model(a: str, b: str) -> bool:
-    if os.path.isdir(a) and os.path.isdir(b):
-        return os.path.realpath(a) == os.path.realpath(b)
-    return a.rstrip("/") == b.rstrip("/")
-
-
-def _adapter_weights(path) -> dict[str, torch.Tensor]:
-    """The saved weights of a PEFT adapter directory (safetensors, or PEFT's older `adapter_model.bin`)."""
-    from safetensors.torch import load_file
-
-    state_file = Path(path) / "adapter_model.safetensors"
-    if state_file.exists():
-        return load_file(state_file)
-    return torch.load(Path(path) / "adapter_model.bin", weights_only=True)
-
-
-def _adapter_keys(path) -> list[str]:
-    """The names of a PEFT adapter directory's saved weights, read without loading them where the format allows."""
-    from safetensors import safe_open
-
-    state_file = Path(path) / "adapter_model.safetensors"
-    if state_file.exists():
-        with safe_open(state_file, framework="pt") as saved:
-            return list(saved.keys())
-    return list(_adapter_weights(path))
-
-
-def _score_keys(state) -> list[str]:
-    """The keys of a sequence-classification adapter's saved score head (PEFT saves it as a module to save)."""
-    return [key for key in state if key.split(".")[-2] in ("score", "classifier") or ".score." in key]
-
-
-def rewrites_base(init, on_load: bool = False) -> bool:
-    """
-    Whether PEFT 0.21 rewrites the base layers' weights when it creates a LoRA adapter with `init_lora_weights=init`
-    (`pissa_init`, `corda_init`, `olora_init`, `loftq_init`, `lora_ga_init` in `peft/tuners/lora/layer.py` subtract
-    the new adapter's product; "eva", "orthogonal" and "mica" set the adapter's own weights only), matching the names
-    as PEFT does. `on_load`: when the adapter is loaded from a directory, where LoRA-GA, without the gradients its
-    preprocessing leaves on the layers, falls back to the default init.
-    """
-    if not isinstance(init, str):
-        return False
-    return init.startswith(("pissa", "corda")) or init.lower() == "olora" or init == "loftq" or (
-        init == "lora_ga" and not on_load)  # fmt: skip
-
-
-def policy_hydra_reason(policy_configs) -> str | None:
-    """Why no reward adapter can run on the policy's base, given the PEFT configs of the policy's own adapters."""
-    for config in policy_configs:
-        peft_type = getattr(config, "peft_type", "LORA")
-        peft_type = getattr(peft_type, "value", peft_type)  # PEFT's str enum: its value, for the message
-        if peft_type != "LORA":  # PEFT adds a LoRA adapter only to a model whose adapters are all LoRA
-            return f"the policy's adapter is {peft_type}, not LoRA"
-        init = getattr(config, "init_lora_weights", True)
-        if rewrites_base(init):
-            # Stock's reward model loads the base as saved; the policy's base holds the residual of its adapter's init
-            return f"the policy's adapter was created with init_lora_weights={init}, which rewrote its base's weights"
-    return None
-
-
-def hydra_reason(adapter: dict, policy_base: str, policy_dtype, policy_quantization, model_init_kwargs,
-                 path=None) -> str | None:  # fmt: skip
-    """
-    Why the reward adapter `adapter` (its config; saved in `path`) cannot run on the policy's base and give stock's
-    rewards: stock TRL loads it on its own copy of `adapter["base_model_name_or_path"]` with `model_init_kwargs`.
-    """
-    if adapter.get("peft_type") != "LORA":
-        return f"it is a {adapter.get('peft_type')} adapter, not LoRA"
-    init = adapter.get("init_lora_weights", True)
-    if rewrites_base(init, on_load=True):
-        # PEFT rewrites the base layers' weights when it creates such an adapter: on the policy's own weights here,
-        # on stock's separate copy there
-        return f"its init_lora_weights ({init}) rewrites the base model's weights when the adapter is loaded"
-    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
-        return f"its init_lora_weights ({init}) has not been checked against stock TRL"
-    if path is not None and not any(key.endswith("weight") for key in _score_keys(_adapter_keys(path))):
-        # Stock's model gets a score head initialized from the global generator at load time: only loading it the
-        # same way reproduces it
-        return "it holds no score head weights (stock TRL gives such an adapter a freshly initialized one)"
-    base = adapter.get("base_model_name_or_path") or ""
-    if not _same_model(base, policy_base):
-        return f"its base ({base}) is not the policy's ({policy_base})"
-    quantization = (model_init_kwargs or {}).get("quantization_config")
-    if (quantization is None) != (policy_quantization is None):
-        return "the policy's base and the reward model stock TRL would load are not quantized alike"
-    dtype = resolved_dtype((model_init_kwargs or {}).get("dtype", "auto"), base)  # transformers' default: auto
-    if dtype is None:
-        return f"the dtype stock TRL would load {base} in cannot be read from its config"
-    if dtype != policy_dtype:
-        return f"stock TRL would load the reward model in {dtype}, the policy's base is {policy_dtype}"
-    return None
-
-
-def resolved_dtype(spec, path: str) -> torch.dtype | None:
-    """The dtype `from_pretrained(path, dtype=spec)` gives: `"auto"` reads the saved config (a local directory's, or
-    the Hub's); None when it cannot be read."""
-    if spec in ("auto", None):
-        config = Path(path) / "config.json"
-        if config.is_file():
-            saved = json.loads(config.read_text())
-        else:
-            try:
-                saved = AutoConfig.from_pretrained(path).to_dict()
-            except (OSError, ValueError):
-                return None
-        spec = saved.get("dtype") or saved.get("torch_dtype") or "float32"
-    return getattr(torch, spec) if isinstance(spec, str) else spec
+from .hydra_checks import (
+    adapter_weights,
+    hydra_reason,
+    loads_on_cpu,
+    policy_hydra_reason,
+    quantized_policy_reason,
+    resolved_dtype,
+    reward_adapter_config,
+    score_keys,
+)
 
 
 class HydraReward:
@@ -165,10 +56,10 @@ class HydraReward:
     def _load(self, policy) -> None:
         from peft import LoraConfig, set_peft_model_state_dict
 
-        state = _adapter_weights(self.path)
-        score_keys = _score_keys(state)
-        score_weight = state[next(key for key in score_keys if key.endswith("weight"))]
-        for key in score_keys:
+        state = adapter_weights(self.path)
+        score = score_keys(state)
+        score_weight = state[next(key for key in score if key.endswith("weight"))]
+        for key in score:
             del state[key]
         fields = {k: v for k, v in self.adapter.items() if k in LoraConfig.__dataclass_fields__}
         config = LoraConfig(**{**fields, "modules_to_save": None, "task_type": "CAUSAL_LM", "inference_mode": True})
@@ -217,13 +108,15 @@ class HydraReward:
 
 
 def split_hydra_rewards(reward_funcs: list, policy_base: str | None, policy_dtype, policy_quantization,
-                        model_init_kwargs, enabled: bool, warn, policy_configs=()) -> list:  # fmt: skip
+                        model_init_kwargs, enabled: bool, warn, policy_configs=(), *, on_cpu: bool) -> list:  # fmt: skip
     """
     `reward_funcs` with each reward adapter that can run on the policy's base replaced by a [`HydraReward`].
-    `policy_base` is None when the policy is not a PEFT model; `policy_configs` are its adapters' PEFT configs.
+    `policy_base` is None when the policy is not a PEFT model; `policy_configs` are its adapters' PEFT configs;
+    `on_cpu`: the policy's layers are on the CPU.
     """
     out = list(reward_funcs)
-    shared_reason = "the policy is not a PEFT model" if policy_base is None else policy_hydra_reason(policy_configs)
+    shared_reason = "the policy is not a PEFT model" if policy_base is None else (
+        policy_hydra_reason(policy_configs) or quantized_policy_reason(policy_quantization, on_cpu))  # fmt: skip
     for index, func in enumerate(out):
         adapter = reward_adapter_config(func)
         if adapter is None or not enabled:
@@ -270,21 +163,24 @@ def hydra_reward_funcs(trl_init, model, reward_funcs, args, positional, kwargs, 
     init_kwargs = getattr(args, "model_init_kwargs", None) or {}
     peft_config = bound.arguments.get("peft_config")
     base = dtype = quantization = None
+    on_cpu = False
     if isinstance(model, str) and peft_config is not None:
         # TRL loads the policy with `model_init_kwargs` (float32 unless they say otherwise)
         base, dtype = model, resolved_dtype(init_kwargs.get("dtype", "float32"), model)
         quantization = init_kwargs.get("quantization_config") or bound.arguments.get("quantization_config")
+        on_cpu = loads_on_cpu(init_kwargs.get("device_map"))  # (the Trainer leaves a quantized model where it loads)
     elif is_peft_model(model) or (peft_config is not None and isinstance(model, PreTrainedModel)):
         # A PeftModel, or a model object that TRL wraps with `peft_config` further down its constructor
         policy_base = model.get_base_model() if is_peft_model(model) else model
         base, dtype = get_config_model_id(policy_base.config), policy_base.dtype
         quantization = getattr(policy_base.config, "quantization_config", None)
+        on_cpu = policy_base.device.type == "cpu"
     # The policy's adapters: the ones it comes with (a PeftModel's, or a model's loaded through transformers'
     # `load_adapter`), and the one TRL creates from `peft_config`
     configs = list(getattr(model, "peft_config", {}).values())  # a path has none
     configs += [peft_config] if peft_config is not None else []
     return split_hydra_rewards(funcs, base, dtype, quantization, init_kwargs, enabled,
-                               lambda message: warnings.warn(message, stacklevel=5), configs)  # fmt: skip
+                               lambda message: warnings.warn(message, stacklevel=5), configs, on_cpu=on_cpu)  # fmt: skip
 
 
 def attach_hydra_rewards(reward_funcs: list, processing_classes: list, policy, trust_remote_code: bool) -> None:
