@@ -14,12 +14,12 @@ import rloo_efficient
 import rloo_efficient.profiling.phase_profiler as phase_profiler
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.once import WarnOnce
-from rloo_efficient.demo.workload import build_tokenizer, vowel_reward
+from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
 from rloo_efficient.profiling.phase_profiler import PHASES, PhaseProfiler
 from rloo_efficient.profiling.results import git_commit
 from rloo_efficient.profiling.trainer_profiling import SHARING_COUNTERS
 
-from .conftest import run, training_args
+from .conftest import assert_metrics_close, per_micro_batch, run, step_metrics, tiny_workload, training_args
 
 
 class _FileWatcher(TrainerCallback):
@@ -234,8 +234,6 @@ def test_settings_json_cannot_hold_train_to_the_end_as_stock_with_checkpoints(wo
     engaged; the report holds the key as its repr, and no temporary file is left behind."""
     import trl
 
-    from .conftest import assert_metrics_close, step_metrics
-
     cfg, path, dataset = workload
     settings = dict(generation_kwargs={"sequence_bias": {(2,): 10.0}}, save_strategy="steps", save_steps=1)
     stock = run(trl.RLOOTrainer, path, training_args(tmp_path / "stock", config_class=trl.RLOOConfig, **settings),
@@ -306,6 +304,99 @@ def test_a_profiled_stock_trainer_logs_and_writes_what_ours_does(workload, tmp_p
     assert report["trainer"] == "rloo_efficient.trainers.memory_profiling.ProfiledRLOOTrainer"
     with pytest.raises(TypeError, match="profiled already"):
         profiled(RLOOTrainer)
+
+
+@pytest.mark.parametrize("trainer", ["ours", "profiled_stock"])
+def test_the_optimizer_phase_follows_each_optimizer_step_across_epochs(model_cache, tmp_path, monkeypatch, trainer):
+    """Two epochs of 4 micro-batches in windows of 3: each epoch ends with a window of 1, after which a count of
+    micro-batches since the start would put the optimizer phase mid-window. It opens right after each micro-batch
+    that ends a window, and only there, for ours and for the profiled stock baseline alike."""
+    import trl
+
+    from rloo_efficient import profiled
+
+    cfg = tiny_workload(model_cache, num_prompts=5)  # 2 generations of 2 prompts (k=4, 4 rows a micro-batch) an epoch
+    trainer_class, config_class = (RLOOTrainer, None) if trainer == "ours" else (profiled(trl.RLOOTrainer), trl.RLOOConfig)
+    args = training_args(tmp_path, **({"config_class": config_class} if config_class else {}), max_steps=-1,
+                         num_train_epochs=2, gradient_accumulation_steps=3, steps_per_generation=2)  # fmt: skip
+    micro_batches, optimizer_at = [], []  # whether each micro-batch ends a window; where the optimizer phase opens
+    start = PhaseProfiler.start
+
+    def recorded(self, phase, evaluating=False):
+        if phase == "optimizer":
+            optimizer_at.append(len(micro_batches))  # (as the micro-batch under way ends)
+        return start(self, phase, evaluating)
+
+    step = trainer_class.training_step
+
+    def training_step(self, *args):
+        ends_window = self.accelerator.sync_gradients  # transformers sets it before the call
+        try:
+            return step(self, *args)
+        finally:
+            micro_batches.append(ends_window)
+
+    monkeypatch.setattr(PhaseProfiler, "start", recorded)
+    monkeypatch.setattr(trainer_class, "training_step", training_step)
+    trained = run(trainer_class, build_model_dir(cfg), args, build_dataset(cfg))
+    assert micro_batches == [False, False, True, True] * 2 and trained.state.global_step == 4
+    assert optimizer_at == [2, 3, 6, 7]  # as each window's last micro-batch ends
+
+
+def test_a_resumed_run_matches_stock_and_keeps_its_steps_before_the_checkpoint(workload, tmp_path, exact_head):
+    """Four steps checkpointed at each, then resumed from the first checkpoint (mid-generation: TRL generates anew):
+    the resumed steps are stock's resumed steps, and the steps file and report keep step 1's record from the first
+    run, as the Trainer's log history does, with the steps after it from the resumed run only."""
+    import trl
+
+
+    _, path, dataset = workload
+    resumed = {}
+    for name, trainer_class, config_class in (("stock", trl.RLOOTrainer, trl.RLOOConfig), ("ours", RLOOTrainer, None)):
+        args = training_args(tmp_path / name, **({"config_class": config_class} if config_class else {}), max_steps=4,
+                             save_strategy="steps", save_steps=1)  # fmt: skip
+        run(trainer_class, path, args, dataset)
+        first_run = (tmp_path / name / "memory_steps.jsonl").read_text().splitlines() if name == "ours" else None
+        trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+                                processing_class=build_tokenizer())  # fmt: skip
+        trainer.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-1"))
+        resumed[name] = trainer
+    ours = resumed["ours"]
+    assert ours.packed_forward_tokens > 0
+    assert [entry["step"] for entry in ours.state.log_history if "loss" in entry] == [1, 2, 3, 4]  # restored
+    assert_metrics_close(step_metrics(resumed["stock"]), step_metrics(ours), 1e-9, 1e-12, per_micro_batch(ours))
+    lines = (tmp_path / "ours" / "memory_steps.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert lines[0] == first_run[0] and lines[1:] != first_run[1:]  # step 1 kept as written; 2 to 4 run again
+    report = json.loads((tmp_path / "ours" / "memory_report.json").read_text())
+    assert report["num_steps"] == 4 and report["first_steps"] == [json.loads(line) for line in lines]
+    peaks = {}  # the summary: each phase's largest peaks over the four records
+    for line in lines:
+        for phase, record in json.loads(line)["phases"].items():
+            for stat, value in record.items():
+                if stat.endswith("_gib"):
+                    peaks.setdefault(phase, {})[stat] = max(peaks.get(phase, {}).get(stat, value), value)
+    assert report["summary"]["per_phase"] == peaks
+
+
+def test_a_resumed_run_keeps_only_its_readable_records_up_to_the_checkpoint(tmp_path):
+    """The steps file as a killed run leaves it: records past the checkpoint, then a line cut mid-write."""
+    from types import SimpleNamespace
+
+    from rloo_efficient.profiling.trainer_profiling import TrainerProfiling
+
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0, is_main_process=True)
+    profiling = TrainerProfiling(accelerator, tmp_path)
+    records = [{"step": step, "time_s": 1.0, "phases": {"train": {"peak_rss_gib": float(step), "time_s": 1.0}}}
+               for step in (1, 2, 3)]  # fmt: skip
+    cut = '{"step": 2}\n{"step": 4, "ti'  # a record without phases, then a line cut mid-write
+    (tmp_path / "memory_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + cut)
+    profiling.train_begins(resumed_step=2)
+    assert profiling.step_records() == records[:2]
+    assert profiling.profiler.summary()["per_phase"]["train"]["peak_rss_gib"] == 2.0
+    assert profiling.profiler.num_steps == 2
+    profiling.train_begins()  # a new run: afresh
+    assert profiling.step_records() == [] and profiling.profiler.num_steps == 0
 
 
 def test_a_peft_models_reference_pass_is_the_reference_phase(workload, tmp_path):

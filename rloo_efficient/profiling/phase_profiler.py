@@ -195,6 +195,19 @@ class PhaseProfiler:
         self._step_start = now
         return entry
 
+    def restore(self, entries: list[dict]) -> None:
+        """Starts the run's record anew (a `train()` call's) from the records [`end_step`] returned for its earlier
+        steps (a resumed run's, or none): they count as ended steps in the summary, the step count and the first
+        steps, not in the timeline (their segments are gone) or the logs."""
+        self._run, self._since_log, self.num_steps, self.first_steps = _Aggregate(), _Aggregate(), 0, []
+        self._first_segments, self._last_segments, self._open_segments = [], [], []
+        self._current = defaultdict(dict)
+        for entry in entries:
+            self._run.add(entry["phases"])
+            self.num_steps += 1
+            if self.num_steps <= self.keep_first_steps:
+                self.first_steps.append(entry)
+
     @property
     def timeline(self) -> list[dict]:
         """The phase segments of the first `keep_first_steps` steps, then those of the last ended step."""

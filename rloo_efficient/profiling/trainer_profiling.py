@@ -50,7 +50,7 @@ class StepBoundaries(TrainerCallback):
         self.profiling = profiling
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.profiling.train_begins()
+        self.profiling.train_begins(state.global_step)  # (a resumed run's: its checkpoint's)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.profiling.step_begins()
@@ -80,7 +80,8 @@ class TrainerProfiling:
 
     What it writes to `output_dir` (main process only), at a cost per step that does not grow with the run:
     - `memory_steps.jsonl`: one line per optimizer step (its `step`, wall `time_s` and per-phase `phases`), appended
-      as the step ends. Started afresh by each `train()` call (a resumed run holds the steps from the resume on).
+      as the step ends. Started afresh by each `train()` call; a run resumed from a checkpoint keeps the steps up to
+      the checkpoint's, as the Trainer's own log history does, and its report covers them too.
     - `memory_report.json`: the whole-run summary, environment, config, the first steps' records and the bounded
       timeline (see [`PhaseProfiler`]), the number of steps and the JSONL's name; rewritten atomically at every
       checkpoint save and at the end of training.
@@ -212,13 +213,36 @@ class TrainerProfiling:
     def report_path(self) -> Path:
         return Path(self.output_dir) / self.report_name
 
-    def train_begins(self) -> None:
-        """Starts the steps file afresh."""
+    def train_begins(self, resumed_step: int = 0) -> None:
+        """Starts the steps file afresh; resuming after optimizer step `resumed_step`, with the records of the steps up
+        to it that the file holds (those of a run stopped later are left out: they run again), which the report's
+        summary then covers too."""
+        kept = self._records_up_to(resumed_step) if resumed_step > 0 else []
         try:
             self.steps_path.parent.mkdir(parents=True, exist_ok=True)
-            self.steps_path.write_text("")
+            self.steps_path.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
         except OSError as error:
             _warn_unwritten(self.steps_path.name, error)
+            kept = []
+        self.profiler.restore(kept)
+
+    def _records_up_to(self, step: int) -> list[dict]:
+        """The steps file's records of steps 1 to `step`, in order; none where the file is missing or unreadable, and
+        none from a malformed line on (a run killed mid-write)."""
+        records = []
+        try:
+            with open(self.steps_path) as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                    except json.JSONDecodeError:
+                        break
+                    if (isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step
+                            and isinstance(entry.get("phases"), dict)):  # fmt: skip
+                        records.append(entry)
+        except OSError:
+            return []
+        return records
 
     def step_begins(self) -> None:
         self.profiler.begin_step()
@@ -236,7 +260,8 @@ class TrainerProfiling:
             _warn_unwritten(self.steps_path.name, error)
 
     def step_records(self) -> list[dict]:
-        """Every step's record of the last `train()` call on this process, read back from its steps file."""
+        """Every step's record of the last `train()` call on this process (a resumed one's from step 1), read back
+        from its steps file."""
         with open(self.steps_path) as f:
             return [json.loads(line) for line in f]
 

@@ -42,8 +42,8 @@ class _ProfiledStock:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch):
-        # The accumulation's last micro-batch (TRL counts `_step` in its `training_step`): the optimizer step follows
-        with self.memory_profiling.micro_batch(lambda: self._step % self.current_gradient_accumulation_steps == 0):
+        # The optimizer phase follows a window's last micro-batch, as transformers marks it (an epoch's short one too)
+        with self.memory_profiling.micro_batch(lambda: self.accelerator.sync_gradients):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
