@@ -37,6 +37,10 @@ LAYOUTS = {
     # EOS made likely in sampling (the same for both): most completions are the EOS token alone
     "completions_end_at_first_token": dict(per_device_train_batch_size=8, steps_per_generation=1,
                                            generation_kwargs={"sequence_bias": [[[EOS], 9.0]]}),
+    # RLOO's own reward and advantage options: rewards clipped (the vowel rewards run 0 to ~0.3), advantages
+    # normalized (over a batch with little spread: any difference between the runs is magnified)
+    "rewards_clipped_and_advantages_normalized": dict(per_device_train_batch_size=4, steps_per_generation=2,
+                                                     reward_clip_range=(0.02, 0.2), normalize_advantages=True),
     # EOS made impossible and truncated completions masked: nothing is scored at all
     "all_truncated_and_masked": dict(per_device_train_batch_size=8, steps_per_generation=1,
                                      mask_truncated_completions=True,

@@ -64,6 +64,12 @@ FEATURES = {
     "mask_truncated_completions": dict(mask_truncated_completions=True, max_completion_length=48, max_steps=2),
     "off_policy_mask": dict(off_policy_mask_threshold=0.01, num_iterations=2),
     "scale_rewards_batch": dict(scale_rewards="batch"),
+    # generation reading every earlier token of a row (the prompt's kept once while decoding), the completions padded
+    # to a multiple, another KL estimator, and an entropy bonus whose coefficient follows the entropy
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "pad_to_multiple_of": dict(pad_to_multiple_of=8),
+    "bias_correction_kl": dict(use_bias_correction_kl=True, beta=0.1),
+    "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01),
     "scale_rewards_none_per_micro_batch_of_2": dict(scale_rewards="none", per_device_train_batch_size=2,
                                                     steps_per_generation=4),
 }
@@ -81,6 +87,32 @@ def test_grpo_matches_stock(workload, tmp_path, exact_head, feature):
     expected = {"defaults_no_scoring_pass": set(), "reference_pass_only": {"reference_logps"}}.get(
         feature, {"policy_logps", "reference_logps"} if FEATURES[feature].get("beta") else {"policy_logps"})
     assert phases_run(ours) & {"policy_logps", "reference_logps"} == expected
+
+
+def test_evaluation_with_its_own_group_size_matches_stock(workload, tmp_path, exact_head):
+    """`num_generations_eval` (2) other than training's (4): each evaluation's groups are its own, shared as such."""
+    cfg, path, dataset = workload
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
+                                              ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
+        args = grpo_args(tmp_path / name, config_class=config_class, num_generations_eval=2, eval_strategy="steps",
+                         eval_steps=1, per_device_eval_batch_size=4, max_steps=2)  # fmt: skip
+        runs[name] = trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=args, train_dataset=dataset,
+                                             eval_dataset=dataset.select(range(4)),
+                                             processing_class=build_tokenizer())  # fmt: skip
+        trainer.train()
+        prefilled = getattr(trainer, "shared_prefill_tokens", 0)
+        trainer.evaluate()  # (before the other run: both draw from the global generator)
+        trainer.evaluation_prefilled = getattr(trainer, "shared_prefill_tokens", 0) - prefilled
+    stock, ours = runs["stock"], runs["ours"]
+    assert ours.evaluation_prefilled > 0  # the evaluation's generation shared its prompts
+    assert_same_run(stock, ours)
+    logged = [[{key: value for key, value in entry.items() if key.startswith("eval_") and "time" not in key
+                and "runtime" not in key and "per_second" not in key and "memory" not in key}
+               for entry in trainer.state.log_history if "eval_reward" in entry] for trainer in (stock, ours)]  # fmt: skip
+    assert len(logged[0]) == 3 and logged[0][0]  # two evaluations during training, one after
+    for a, b in zip(*logged, strict=True):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-12)
 
 
 def test_a_completion_cut_on_the_pad_token_is_scored_as_stocks(workload, tmp_path, exact_head, monkeypatch):
