@@ -156,9 +156,9 @@ def _assert_added_in_place_as_autograd(path, dataset, tmp_path, monkeypatch, tie
 class _Model(torch.nn.Module):
     """An input embedding and an LM head (tied or not), as a causal LM names them."""
 
-    def __init__(self, vocab: int, hidden: int, tied: bool = False):
+    def __init__(self, vocab: int, hidden: int, tied: bool = False, bias: bool = False):
         super().__init__()
-        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+        self.embed, self.head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=bias)
         if tied:
             self.head.weight = self.embed.weight
 
@@ -171,7 +171,8 @@ class _Model(torch.nn.Module):
 
 def _heads_backward(model, heads: int, in_place: bool) -> tuple:
     """`heads` calls of TRL's fused head on one weight in one graph (3 vocabulary chunks), backpropagated onto a
-    `.grad` already there: the weight's and the inputs' gradients, and the in-place additions counted."""
+    `.grad` already there (with the head's bias, where it has one): the weight's and the inputs' gradients, and the
+    in-place additions counted."""
     weight = model.head.weight
     generator = torch.Generator().manual_seed(1)
     weight.grad = torch.randn(weight.shape, generator=generator)
@@ -181,8 +182,9 @@ def _heads_backward(model, heads: int, in_place: bool) -> tuple:
     with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
         loss = 0
         for head in range(heads):
-            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden[head], weight, None, targets[head],
-                                                                         0.7, 16, None, 1.0, ("entropy",))  # fmt: skip
+            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden[head], weight, model.head.bias,
+                                                                         targets[head], 0.7, 16, None, 1.0,
+                                                                         ("entropy",))  # fmt: skip
             loss = loss + logps.sum() + 0.1 * entropy.sum()
     loss.backward()
     return weight.grad, hidden.grad, counts.in_place_head_grads
@@ -199,6 +201,28 @@ def test_a_head_is_added_in_place_only_alone_in_its_graph(heads):
     assert added == (1 if heads == 1 else 0)
     assert torch.equal(grad, stock_grad) and torch.equal(hidden_grad, stock_hidden_grad)
     assert not in_place_grads._pending  # every recorded head released with its graph
+
+
+@pytest.mark.parametrize("token_chunk", [2, 6])  # (2: three token chunks, whose sum's order shows past two terms)
+def test_a_heads_gradient_with_a_bias_over_token_chunks_under_autocast_is_autograds(monkeypatch, token_chunk):
+    """
+    A head with a bias (Phi-2's), under TRL's bf16 autocast, its six tokens in one or three token chunks: added in
+    place, the weight's, bias's and inputs' gradients are autograd's bit for bit (each vocabulary chunk's gradient
+    summed over the token chunks in TRL's order, the bias's in float32 as TRL sums it).
+    """
+    monkeypatch.setattr(chunked_logprob, "TOKEN_CHUNK_SIZE", token_chunk)
+    torch.manual_seed(0)
+    model = _Model(40, 8, bias=True)
+    results = {}
+    for in_place in (True, False):
+        model.head.bias.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grad, hidden_grad, added = _heads_backward(model, 1, in_place)
+        results[in_place] = grad, hidden_grad, model.head.bias.grad.clone(), added
+    (grad, hidden_grad, bias_grad, added), (stock_grad, stock_hidden_grad, stock_bias_grad, _) = results.values()
+    assert added == 1
+    assert torch.equal(grad, stock_grad) and torch.equal(hidden_grad, stock_hidden_grad)
+    assert torch.equal(bias_grad, stock_bias_grad)
 
 
 @pytest.mark.parametrize("hook", ["tensor", "post_accumulate"])
@@ -220,7 +244,8 @@ def test_a_head_whose_weight_a_hook_watches_is_left_to_autograd(hook):
     assert torch.equal(ours[0], seen[0]) and torch.equal(grad, stock_grad)
 
 
-@pytest.mark.parametrize("padding_idx", [None, 0, 3])  # (0: Gemma's)
+# (0: Gemma's; -37: row 3 counted from the end, as `F.embedding` takes it from a caller that does not normalize it)
+@pytest.mark.parametrize("padding_idx", [None, 0, 3, -37])
 def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
     """The input embedding's gradient added on the rows its tokens touch (repeated tokens, the padding token among
     them): bit for bit autograd's addition of the dense gradient, tied to the head or not (no head read it here)."""
@@ -246,10 +271,32 @@ def test_an_embeddings_rows_added_in_place_are_autograds(padding_idx):
     assert not in_place_grads._pending
 
 
-def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: bool, vocab: int = 256) -> tuple:
+@pytest.mark.parametrize("option", [{"scale_grad_by_freq": True}, {"max_norm": 1.0}])
+def test_an_embedding_that_scales_or_renormalizes_is_left_to_torch(option):
+    """A lookup that scales its gradient by the tokens' frequencies, or renormalizes the rows it reads, has a backward
+    other than the dense one added in place: left to torch, the same bits, nothing added in place."""
+    tokens = torch.randint(12, (3, 50), generator=torch.Generator().manual_seed(0))  # (repeated tokens: scaled)
+    results = {}
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = _Model(40, 8)
+        for name, value in option.items():
+            setattr(model.embed, name, value)
+        model.embed.weight.grad = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+        counts = PassCounts()
+        with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+            out = model.embed(tokens)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        results[in_place] = model.embed.weight.grad, counts.in_place_embedding_grads
+        del out
+    assert results[True][1] == 0 and torch.equal(results[True][0], results[False][0])
+
+
+def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: bool, vocab: int = 256,
+                   heads: int = 1) -> tuple:
     """A tied embedding's lookup of 60 tokens, a layer, and TRL's fused head on the same weight (vocabulary chunks of
-    16), in one graph, backpropagated onto no `.grad` or one already there (its untouched rows with some -0.0): the
-    weight's gradient, and the in-place additions counted."""
+    16; `heads` of them, each on half the tokens where 2), in one graph, backpropagated onto no `.grad` or one already
+    there (its untouched rows with some -0.0): the weight's gradient, and the in-place additions counted."""
     generator = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     model = _Model(vocab, 8, tied=True)
@@ -265,9 +312,12 @@ def _tied_backward(grad: str, padding_idx: int | None, first: int, in_place: boo
     counts = PassCounts()
     with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
         hidden = torch.tanh(model.embed(tokens) @ mix).reshape(60, 8)
-        logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.7, 16, None, 1.0,
-                                                                     ("entropy",))  # fmt: skip
-    (logps.sum() + 0.1 * entropy.sum()).backward()
+        loss = 0
+        for part, part_targets in zip(hidden.chunk(heads), targets.chunk(heads), strict=True):
+            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(part, weight, None, part_targets, 0.7, 16,
+                                                                         None, 1.0, ("entropy",))  # fmt: skip
+            loss = loss + logps.sum() + 0.1 * entropy.sum()
+    loss.backward()
     return weight.grad, (counts.in_place_head_grads, counts.in_place_embedding_grads)
 
 
@@ -287,12 +337,24 @@ def test_a_tied_weights_two_gradients_are_added_as_autograd_sums_them(grad, padd
     assert not in_place_grads._pending and not in_place_grads._unpaired
 
 
-def test_a_tied_lookup_of_many_tokens_is_left_to_autograd():
+# 60 tokens: more than a quarter of 200 rows, or exactly a quarter of 240 (cheaper to hold than two whole gradients)
+@pytest.mark.parametrize("vocab, expected", [(200, (0, 0)), (240, (1, 1))])
+def test_a_tied_lookup_of_many_tokens_is_left_to_autograd(vocab, expected):
     """More tokens than a quarter of the vocabulary: holding their rows would cost more than the two whole gradients
-    autograd makes. Left to autograd, the same bits."""
-    ours, added = _tied_backward("some", None, 1, in_place=True, vocab=200)
-    stock, _ = _tied_backward("some", None, 1, in_place=False, vocab=200)
+    autograd makes. Left to autograd, the same bits; at a quarter, added in place, the same bits again."""
+    ours, added = _tied_backward("some", None, 1, in_place=True, vocab=vocab)
+    stock, _ = _tied_backward("some", None, 1, in_place=False, vocab=vocab)
+    assert added == expected and torch.equal(ours, stock)
+
+
+def test_a_tied_weight_read_by_two_heads_is_left_to_autograd():
+    """A tied lookup and two heads on its weight in one graph: autograd sums the three gradients before adding them, so
+    neither the heads' nor the lookup's is added in place (the first head paired with the lookup would add their sum,
+    then autograd the second head's). The same bits."""
+    ours, added = _tied_backward("some", None, 1, in_place=True, heads=2)
+    stock, _ = _tied_backward("some", None, 1, in_place=False, heads=2)
     assert added == (0, 0) and torch.equal(ours, stock)
+    assert not in_place_grads._pending
 
 
 def test_a_gradient_added_between_a_tied_heads_and_lookups_backwards_is_refused():
@@ -316,6 +378,89 @@ def test_a_gradient_added_between_a_tied_heads_and_lookups_backwards_is_refused(
         logps.sum().backward()
 
 
+@pytest.mark.parametrize("grad", ["none", "some"])
+def test_aliased_parameters_add_their_gradients_as_autograd(grad):
+    """A held prompt's forward through [`param_alias.aliased_parameters`]: a tied weight read by the lookup and the head
+    (one alias: autograd sums its two gradients before adding them) gets autograd's bits, and a frozen parameter (a
+    PEFT base's) gets no gradient."""
+    from rloo_efficient.core.forward.param_alias import aliased_parameters
+
+    tokens = torch.randint(40, (2, 20), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for aliased in (True, False):
+        torch.manual_seed(0)
+        model = _Model(40, 8, tied=True, bias=True)
+        model.head.bias.requires_grad_(False)
+        if grad == "some":
+            model.head.weight.grad = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+        with aliased_parameters(model) if aliased else contextlib.nullcontext():
+            out = model.head(torch.tanh(model.embed(tokens)))
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
+        results[aliased] = model.head.weight.grad
+        assert model.head.bias.grad is None
+    assert torch.equal(results[True], results[False])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("call", ["autograd_grad", "backward_inputs"])
+def test_a_backward_to_other_tensors_leaves_the_weights_grad_alone(tied, call):
+    """A backward that accumulates into no weight (a user's `autograd.grad` of the loss by the embeddings' output, a
+    gradient penalty's; or `backward(inputs=...)`): nothing is added to the weights' `.grad` in place, as autograd
+    adds nothing there, and the output's gradient is autograd's."""
+    tokens = torch.randint(160, (30,), generator=torch.Generator().manual_seed(0))  # (30: under a quarter of 160)
+    targets = torch.randint(160, (30,), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = _Model(160, 8, tied=tied)
+        for parameter in model.parameters():
+            parameter.grad = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2))
+        before = [parameter.grad.clone() for parameter in model.parameters()]
+        counts = PassCounts()
+        with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+            embedded = model.embed(tokens)
+            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(torch.tanh(embedded), model.head.weight, None,
+                                                                         targets, 0.7, 16, None, 1.0,
+                                                                         ("entropy",))  # fmt: skip
+        loss = logps.sum() + 0.1 * entropy.sum()
+        if call == "autograd_grad":
+            (grad,) = torch.autograd.grad(loss, [embedded])
+        else:
+            embedded.retain_grad()
+            loss.backward(inputs=[embedded])
+            grad = embedded.grad
+        after = [parameter.grad for parameter in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        results[in_place] = grad, (counts.in_place_head_grads, counts.in_place_embedding_grads)
+    assert torch.equal(results[True][0], results[False][0]) and results[True][1] == (0, 0)
+
+
+@pytest.mark.parametrize("grad", ["none", "some"])
+def test_a_weight_with_a_wider_grad_dtype_is_left_to_autograd(grad):
+    """A bfloat16 tied weight whose gradient torch keeps in float32 (`grad_dtype`): autograd's gradient is float32,
+    which a `.grad` made or added to in the weight's dtype would not be (torch refuses to take one). Left to autograd,
+    the same bits, nothing in place."""
+    tokens = torch.randint(160, (30,), generator=torch.Generator().manual_seed(0))  # (30: under a quarter of 160)
+    targets = torch.randint(160, (30,), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for in_place in (True, False):
+        torch.manual_seed(0)
+        model = _Model(160, 8, tied=True).to(torch.bfloat16)
+        weight = model.head.weight
+        weight.grad_dtype = torch.float32
+        if grad == "some":
+            weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(2))
+        counts = PassCounts()
+        with in_place_grads.adding_in_place(model, counts) if in_place else contextlib.nullcontext():
+            hidden = torch.tanh(model.embed(tokens))
+            logps, entropy, *_ = trl_utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 0.7, 16, None,
+                                                                         1.0, ("entropy",))  # fmt: skip
+        (logps.sum() + 0.1 * entropy.sum()).backward()
+        results[in_place] = weight.grad, (counts.in_place_head_grads, counts.in_place_embedding_grads)
+    assert results[True][0].dtype == torch.float32 and torch.equal(results[True][0], results[False][0])
+    assert results[True][1] == (0, 0)
+
+
 def test_another_trls_backward_is_left_as_it_is(monkeypatch):
     """A TRL whose fused head backward is not the one read: its own, said once."""
     monkeypatch.setattr(in_place_grads, "READ_BACKWARDS", set())
@@ -325,5 +470,9 @@ def test_another_trls_backward_is_left_as_it_is(monkeypatch):
         with pytest.warns(UserWarning, match="not the one rloo_efficient read"):
             _, _, added = _heads_backward(_Model(40, 8), 1, in_place=True)
         assert added == 0
+        # Tied to that head, the lookup is left to autograd too: it sums the two before adding them
+        ours, added = _tied_backward("some", None, 1, in_place=True)
+        stock, _ = _tied_backward("some", None, 1, in_place=False)
+        assert added == (0, 0) and torch.equal(ours, stock)
     finally:
         in_place_grads.reason.cache_clear()

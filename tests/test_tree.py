@@ -72,9 +72,29 @@ def test_a_node_is_kept_only_where_it_saves_enough():
     assert copied.depth.max() == 0 and copied.num_tokens == 3 * 11
 
 
-def test_rows_with_other_keys_share_nothing():
+def test_a_node_with_a_row_ending_in_it_counts_that_row_as_a_branch():
+    """A run one row ends with and another continues: two branches, saving its length once (10 tokens)."""
+    system = list(range(3, 13))
+    rows = [system, system + [20, 21]]
+    kept = build_tree(rows, min_saved=10)
+    # The run less its last token once, then the continuing row's copy of it and its own first; the ended row's last
+    # token predicts nothing
+    assert kept.depth.max() == 1 and kept.num_tokens == 9 + 2
+
+
+def test_a_keys_first_node_is_kept_whatever_it_saves_with_keep_roots():
+    """With `keep_roots` (an image's tokens, encoded once), a root below the threshold is kept, not copied."""
+    rows = [[5, 6, 7, 8, 20 + i, 30 + i] for i in range(3)]  # 4 shared tokens: saves 6, below 64
+    assert build_tree(rows).depth.max() == 0
+    kept = build_tree(rows, keep_roots=True)
+    assert kept.depth.max() == 1 and (kept.parent == -1).sum() == 1 and kept.num_tokens == 3 + 3 * 2
+
+
+# (interleaved: rows of one key share even where a row of another key sorts between them)
+@pytest.mark.parametrize("keys", [[0, 0, 1, 1], [0, 1, 0, 1]])
+def test_rows_with_other_keys_share_nothing(keys):
     rows = [[5, 6, 7, 8]] * 4
-    tree = build_tree(rows, keys=[0, 0, 1, 1], min_saved=0)
+    tree = build_tree(rows, keys=keys, min_saved=0)
     assert (tree.parent == -1).sum() == 2 and tree.num_tokens == 2 * 3
 
 

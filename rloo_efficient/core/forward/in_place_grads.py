@@ -18,8 +18,9 @@ one-row micro-batch's backward, stock's and ours alike.
 The same additions, elementwise, as autograd's: the same bits, with one chunk alive instead of the whole.
 
 Only where autograd would add that gradient alone, in one step: a leaf weight that already has a `.grad` of its own
-shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, and no other use of the
-weight pending in a graph. A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read by one lookup and then one head in a
+shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, no other use of the
+weight pending in a graph, and a backward that accumulates into it (`backward()`; not `autograd.grad`, nor
+`backward(inputs=...)` without it, which leave `.grad` as it is). A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read by one lookup and then one head in a
 graph, gets their sum as autograd makes it ([`embedding_rows.Tied`]): the head adds its gradient to the rows the
 lookup's tokens do not touch, and the lookup writes the touched rows as `grad + (head's + lookup's)`; from the first
 micro-batch on, as the two whole gradients would otherwise be alive at once. The caller decides the rest: one process
@@ -84,7 +85,7 @@ class _InPlaceHead(ChunkedLogProbFunction):
         outputs = ChunkedLogProbFunction.forward(ctx, hidden, weight, *args)
         ctx.counts, ctx.tied = _InPlaceHead.counts, None
         if ctx.needs_input_grad[1]:
-            ctx.key = id(weight)
+            ctx.key, ctx.read = id(weight), weight
             tied = _unpaired.pop(ctx.key, None)  # the tied embedding's lookup before it in this forward ...
             ctx.tied = tied if _pending.get(ctx.key) == 1 else None  # ... and the weight's only other use in a graph
             _pending[ctx.key] = _pending.get(ctx.key, 0) + 1
@@ -107,15 +108,28 @@ def _accumulates(weight: torch.Tensor) -> bool:
     """Whether autograd, in this backward, would add a new gradient to `weight.grad` in place (`grad += new`), or take
     it as `weight.grad` where there is none."""
     grad = weight.grad
+    # (a `grad_dtype` other than the weight's, torch's option for gradients wider than the weight: a `.grad` made or
+    # added here in the weight's dtype would not be autograd's)
     return (weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
+            and getattr(weight, "grad_dtype", weight.dtype) == weight.dtype
             and (grad is None or grad.shape == weight.shape and grad.dtype == weight.dtype
                  and grad.layout == torch.strided))  # fmt: skip
+
+
+def _runs_accumulator(read: torch.Tensor) -> bool:
+    """Whether this backward runs the gradient accumulation of `read` (the leaf a forward read: a parameter, or its
+    alias): `backward()` does; `autograd.grad`, and `backward(inputs=...)` without it, leave its `.grad` as it is."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(read).node)
+    except RuntimeError:  # (torch cannot tell within `autograd.grad` given leaves, which accumulates none)
+        return False
 
 
 def _adds_alone(ctx, weight: torch.Tensor) -> bool:
     """Whether autograd would add this head's (or lookup's) weight gradient, and only it, to `weight.grad` now, in
     place."""
-    return weight.grad is not None and _accumulates(weight) and _pending.get(ctx.key) == 1
+    return (weight.grad is not None and _accumulates(weight) and _pending.get(ctx.key) == 1
+            and _runs_accumulator(ctx.read))  # fmt: skip
 
 
 def _adds_with(ctx, weight: torch.Tensor) -> bool:
@@ -125,7 +139,8 @@ def _adds_with(ctx, weight: torch.Tensor) -> bool:
     enough (a quarter of the vocabulary: the rows held per token cost less than the two whole gradients)."""
     tied = ctx.tied
     return (tied is not None and tied.parameter is weight and tied.head_rows is None and _pending.get(ctx.key) == 2
-            and tied.indices.numel() * 4 <= weight.shape[0] and _accumulates(weight))  # fmt: skip
+            and tied.indices.numel() * 4 <= weight.shape[0] and _accumulates(weight)
+            and _runs_accumulator(ctx.read))  # fmt: skip
 
 
 # Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
@@ -249,7 +264,7 @@ class _InPlaceEmbedding(torch.autograd.Function):
     def forward(ctx, indices, weight, padding_idx: int, parameter, tied: bool):
         ctx.save_for_backward(indices)
         ctx.parameter, ctx.padding_idx, ctx.counts = parameter, padding_idx, _InPlaceHead.counts
-        ctx.key = id(weight)
+        ctx.key, ctx.read = id(weight), weight
         ctx.tied = None
         if tied:  # for the head that reads the weight next in this forward
             ctx.tied = _unpaired[ctx.key] = Tied(indices, padding_idx, parameter)
