@@ -395,9 +395,12 @@ def test_aliased_parameters_add_their_gradients_as_autograd(grad):
             model.head.weight.grad = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
         with aliased_parameters(model) if aliased else contextlib.nullcontext():
             out = model.head(torch.tanh(model.embed(tokens)))
+            aliases = [parameter for parameter in model.parameters() if parameter.requires_grad]
         (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
         results[aliased] = model.head.weight.grad
         assert model.head.bias.grad is None
+        if aliased:  # each alias's gradient handed to its parameter, not also kept (one more gradient held each)
+            assert aliases and all(alias._alias_of is not None and alias.grad is None for alias in aliases)
     assert torch.equal(results[True], results[False])
 
 
