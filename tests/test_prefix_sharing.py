@@ -293,6 +293,9 @@ QLORA_CASES = {
     "rloo_trainer_argument": (RLOOTrainer, trl.RLOOTrainer, trl.RLOOConfig, False, {}),
     "grpo_trainer_argument": (GRPOTrainer, trl.GRPOTrainer, trl.GRPOConfig, False, {"beta": 0.0}),
     "rloo_init_kwargs_and_reward_adapter": (RLOOTrainer, trl.RLOOTrainer, trl.RLOOConfig, True, {}),
+    # GRPO's own config as on a GPU: bf16 weights, compute and autocast (on CPU processes)
+    "grpo_bf16": (GRPOTrainer, trl.GRPOTrainer, trl.GRPOConfig, False,
+                  {"beta": 0.0, "bf16": True, "use_cpu": True, "dtype": torch.bfloat16}),
     # the memory-bound user's setting: one row per micro-batch, each prompt held across its group's micro-batches
     "grpo_one_row_per_micro_batch": (GRPOTrainer, trl.GRPOTrainer, trl.GRPOConfig, False,
                                      {"beta": 0.0, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8,
@@ -313,13 +316,14 @@ def test_matches_stock_trl_with_qlora(model_cache, tmp_path, case):
     from .helpers import build_reward_adapter
 
     ours_class, stock_class, stock_config, adapter, layout = QLORA_CASES[case]
+    layout = dict(layout)
+    dtype = layout.pop("dtype", torch.float32)
     # float32 (bitsandbytes quantizes nothing wider); hidden 64: bitsandbytes' CPU packing reads 64-wide blocks
     cfg = tiny_workload(model_cache, model_dtype="float32", hidden_size=64, intermediate_size=128)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     run_kwargs = {"peft_config": LoraConfig(**POLICY_LORA)}
-    init_kwargs = {"dtype": torch.float32}
+    init_kwargs = {"dtype": dtype}
     if adapter:
         init_kwargs["quantization_config"] = quantization
         reward_adapter = build_reward_adapter(tmp_path / "reward_adapter", path)
