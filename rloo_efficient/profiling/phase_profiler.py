@@ -91,21 +91,12 @@ class PhaseProfiler:
         if keep_first_steps is not None:
             self.keep_first_steps = keep_first_steps
         self.baseline_gib = current_memory_gib(device)  # memory right after the models were loaded
-        self.num_steps = 0  # optimizer steps ended
-        self.first_steps: list[dict] = []  # the records of the first `keep_first_steps` steps
         self.release_boundaries: list[str] = []  # phases after which memory was released, in order (for tests)
-        self._run = _Aggregate()  # every step, for the summary
-        self._since_log = _Aggregate()  # the steps since the last log_metrics()
-        # Closed segments (when, which phase, its peak, memory at its end): of the first steps, of the last ended step,
-        # and of the step in progress
-        self._first_segments: list[dict] = []
-        self._last_segments: list[dict] = []
-        self._open_segments: list[dict] = []
+        self.restore([])  # the run's record, empty
         self._t0 = time.perf_counter()
         self._step_start = self._t0
         self._stack: list[tuple[str, bool]] = []  # (phase, evaluating)
         self._segment_start = 0.0
-        self._current: dict[str, dict[str, float]] = defaultdict(dict)  # the training step in progress
         self._eval: dict[str, dict[str, float]] = defaultdict(dict)  # evaluation since the last eval_metrics()
 
     # -- phase boundaries ---------------------------------------------------------------------------------------
@@ -199,9 +190,16 @@ class PhaseProfiler:
         """Starts the run's record anew (a `train()` call's) from the records [`end_step`] returned for its earlier
         steps (a resumed run's, or none): they count as ended steps in the summary, the step count and the first
         steps, not in the timeline (their segments are gone) or the logs."""
-        self._run, self._since_log, self.num_steps, self.first_steps = _Aggregate(), _Aggregate(), 0, []
-        self._first_segments, self._last_segments, self._open_segments = [], [], []
-        self._current = defaultdict(dict)
+        self.num_steps = 0  # optimizer steps ended
+        self.first_steps: list[dict] = []  # the records of the first `keep_first_steps` steps
+        self._run = _Aggregate()  # every step, for the summary
+        self._since_log = _Aggregate()  # the steps since the last log_metrics()
+        # Closed segments (when, which phase, its peak, memory at its end): of the first steps, of the last ended step,
+        # and of the step in progress
+        self._first_segments: list[dict] = []
+        self._last_segments: list[dict] = []
+        self._open_segments: list[dict] = []
+        self._current: dict[str, dict[str, float]] = defaultdict(dict)  # the training step in progress
         for entry in entries:
             self._run.add(entry["phases"])
             self.num_steps += 1

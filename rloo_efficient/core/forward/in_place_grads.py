@@ -18,14 +18,14 @@ one-row micro-batch's backward, stock's and ours alike.
 The same additions, elementwise, as autograd's: the same bits, with one chunk alive instead of the whole.
 
 Only where autograd would add that gradient alone, in one step: a leaf weight that already has a `.grad` of its own
-shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, no other use of the
-weight pending in a graph, and a backward that accumulates into it (`backward()`; not `autograd.grad`, nor
-`backward(inputs=...)` without it, which leave `.grad` as it is). A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read by one lookup and then one head in a
-graph, gets their sum as autograd makes it ([`embedding_rows.Tied`]): the head adds its gradient to the rows the
-lookup's tokens do not touch, and the lookup writes the touched rows as `grad + (head's + lookup's)`; from the first
-micro-batch on, as the two whole gradients would otherwise be alive at once. The caller decides the rest: one process
-and no torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a TRL whose backward is not
-the one read here, torch's and TRL's own.
+shape and dtype (the first micro-batch's gradient is taken as it is, with no copy), no hooks, no other use of the weight
+pending in a graph, and a backward that accumulates into it (`backward()`; not `autograd.grad`, nor
+`backward(inputs=...)` without it, which leave `.grad` as it is). A tied weight (Qwen3 up to 4B, Llama 3.2, Gemma), read
+by one lookup and then one head in a graph, gets their sum as autograd makes it ([`embedding_rows.Tied`]): the head adds
+its gradient to the rows the lookup's tokens do not touch, and the lookup writes the touched rows as `grad + (head's +
+lookup's)`; from the first micro-batch on, as the two whole gradients would otherwise be alive at once. The caller
+decides the rest: one process and no torch.compile (DDP, DeepSpeed and FSDP hook the accumulation). Elsewhere, and for a
+TRL whose backward is not the one read here, torch's and TRL's own.
 """
 
 import contextlib
@@ -104,16 +104,17 @@ class _InPlaceHead(ChunkedLogProbFunction):
         return grad_hidden, None, grad_bias, *(None,) * 6
 
 
-def _accumulates(weight: torch.Tensor) -> bool:
+def _accumulates(weight: torch.Tensor, read: torch.Tensor) -> bool:
     """Whether autograd, in this backward, would add a new gradient to `weight.grad` in place (`grad += new`), or take
-    it as `weight.grad` where there is none."""
+    it as `weight.grad` where there is none (`read`: the leaf the forward read, `weight` or its alias)."""
     grad = weight.grad
     # (a `grad_dtype` other than the weight's, torch's option for gradients wider than the weight: a `.grad` made or
     # added here in the weight's dtype would not be autograd's)
     return (weight.grad_fn is None and not torch.is_grad_enabled() and not watched(weight)
             and getattr(weight, "grad_dtype", weight.dtype) == weight.dtype
             and (grad is None or grad.shape == weight.shape and grad.dtype == weight.dtype
-                 and grad.layout == torch.strided))  # fmt: skip
+                 and grad.layout == torch.strided)
+            and _runs_accumulator(read))  # fmt: skip
 
 
 def _runs_accumulator(read: torch.Tensor) -> bool:
@@ -128,8 +129,7 @@ def _runs_accumulator(read: torch.Tensor) -> bool:
 def _adds_alone(ctx, weight: torch.Tensor) -> bool:
     """Whether autograd would add this head's (or lookup's) weight gradient, and only it, to `weight.grad` now, in
     place."""
-    return (weight.grad is not None and _accumulates(weight) and _pending.get(ctx.key) == 1
-            and _runs_accumulator(ctx.read))  # fmt: skip
+    return weight.grad is not None and _pending.get(ctx.key) == 1 and _accumulates(weight, ctx.read)
 
 
 def _adds_with(ctx, weight: torch.Tensor) -> bool:
@@ -139,8 +139,7 @@ def _adds_with(ctx, weight: torch.Tensor) -> bool:
     enough (a quarter of the vocabulary: the rows held per token cost less than the two whole gradients)."""
     tied = ctx.tied
     return (tied is not None and tied.parameter is weight and tied.head_rows is None and _pending.get(ctx.key) == 2
-            and tied.indices.numel() * 4 <= weight.shape[0] and _accumulates(weight)
-            and _runs_accumulator(ctx.read))  # fmt: skip
+            and tied.indices.numel() * 4 <= weight.shape[0] and _accumulates(weight, ctx.read))  # fmt: skip
 
 
 # Adapted from trl 1.16 `ChunkedLogProbFunction.backward`; changes marked "# in place:"
