@@ -519,19 +519,20 @@ def count_vowels(text: str) -> int:
     return sum(ch in "aeiou" for ch in text)
 
 
-def scripted_tool_calls(monkeypatch):
+def scripted_tool_calls(monkeypatch, turns: int = 1):
     """
     A tiny random model never writes a parsable tool call: TRL's response parser is replaced, for stock and ours
-    alike, by one that reads a call into every completion whose first token is even (the first turn only: the
-    tool's answer is followed by plain text), so that TRL's tool loop runs on some rows and not others.
+    alike, by one that reads a call into every first turn whose first token is even, and into each of that row's
+    next turns until it has called `turns` times (then the tool's answer is followed by plain text), so that TRL's
+    tool loop runs on some rows and not others.
     """
     import trl.trainer.grpo_trainer
 
     def parse_response(tokenizer, ids, prefix=None, tools=None):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         message = {"role": "assistant", "content": text}
-        first_turn = prefix is not None and "<|tool|>" not in tokenizer.decode(prefix)
-        if tools and first_turn and ids and ids[0] % 2 == 0:
+        called = tokenizer.decode(prefix).count("<|tool|>") if prefix is not None else turns
+        if tools and called < turns and ids and (called or ids[0] % 2 == 0):
             name = tools[0].__name__ if callable(tools[0]) else tools[0]["function"]["name"]
             message["tool_calls"] = [{"type": "function", "function": {"name": name, "arguments": {"text": text}}}]
         return message

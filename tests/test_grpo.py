@@ -13,6 +13,7 @@ from rloo_efficient.demo.workload import (
     build_model_dir,
     build_processing_class,
     build_tokenizer,
+    completion_text,
     vowel_reward,
 )
 
@@ -45,6 +46,10 @@ def compare(path, dataset, tmp_path, reward=vowel_reward, run_kwargs=None, stock
     return stock, ours
 
 
+def length_reward(completions, **kwargs) -> list[float]:
+    return [len(completion_text(completion)) / 20 for completion in completions]
+
+
 def phases_run(trainer) -> set[str]:
     return {phase for step in trainer.memory_profiling.step_records() for phase in step["phases"]}
 
@@ -72,6 +77,14 @@ FEATURES = {
     "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01),
     "scale_rewards_none_per_micro_batch_of_2": dict(scale_rewards="none", per_device_train_batch_size=2,
                                                     steps_per_generation=4),
+    # sampling's filters, read by our decoding as by generate's; two reward functions weighted
+    "sampling_filters": dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05),
+    "reward_weights": dict(reward=[vowel_reward, length_reward], reward_weights=[0.3, 1.0], beta=0.1),
+    # a generation batch of 4 groups named by its size, the prompts in the dataset's order. SGD: AdamW divides each
+    # gradient entry by its size plus 1e-8, which magnifies float64 rounding (the kl's gradient, 0 in stock's first
+    # step, is ~1e-14 in ours', whose reference pass packs rows unlike its training pass) to 2e-9 in the next kl
+    "generation_batch_size_unshuffled": dict(generation_batch_size=16, steps_per_generation=None,
+                                             shuffle_dataset=False, beta=0.1, optim="sgd"),
 }
 
 
@@ -495,6 +508,50 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     # A system prompt is a node shared by prompts of other lengths in the packed forwards: positions shift by a
     # constant, which float32 rotary tables round at ~1e-7 relative (README, Limits)
     assert_same_run(stock, ours, **(dict(rtol=3e-6, atol=1e-9) if system else {}))
+
+
+def test_a_tool_loop_of_several_turns_continues_each_turns_cache(model_cache, tmp_path, monkeypatch, exact_head):
+    """A row that keeps calling its tool: each later turn continues the cache the turn before it left (its own
+    history's, not the first turn's), up to `max_tool_calling_iterations` (2, where the rows would call 3 times)."""
+    scripted_tool_calls(monkeypatch, turns=3)
+    continued = recorded_continuations(monkeypatch)
+    calls = {}  # per run: the rows of each `_generate_single_turn` call, a later turn's as negative
+    single_turn = trl.GRPOTrainer._generate_single_turn
+
+    def counting(self, *args, **kwargs):
+        call = inspect.signature(single_turn).bind(self, *args, **kwargs).arguments
+        rows = len(call["prompt_ids"]) * (-1 if call["num_generations"] == 1 else 1)
+        calls.setdefault(isinstance(self, GroupSharingMixin), []).append(rows)
+        return single_turn(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
+    cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=100)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    eos = tool_tokenizer().eos_token_id
+    # EOS made likelier (the same for both): TRL continues a row only where its turn ended before the length limit
+    settings = dict(max_steps=4, max_completion_length=160, beta=0.1, max_tool_calling_iterations=2,
+                    generation_kwargs={"sequence_bias": [[[eos], 4.0]]})  # fmt: skip
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.GRPOTrainer, trl.GRPOConfig),
+                                              ("ours", GRPOTrainer, GRPOConfig)):  # fmt: skip
+        args = grpo_args(tmp_path / name, config_class=config_class, **settings)
+        runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
+                              tools=[count_vowels])  # fmt: skip
+    stock, ours = runs["stock"], runs["ours"]
+    assert calls[True] == calls[False]  # the same turns, of the same rows
+    generations = []  # per generation: its later turns' rows
+    for rows in calls[True]:
+        if rows > 0:
+            generations.append([])
+        else:
+            generations[-1].append(-rows)
+    # Rows called twice (the second later turn is exercised), and never a third time (the limit holds)
+    assert max(len(turns) for turns in generations) == 2
+    later = [rows for turns in generations for rows in turns]
+    # Every later turn's rows continued their caches, the second from the first later turn's
+    assert [rows for rows, _ in continued] == later and all(reusing == rows for rows, reusing in continued)
+    assert ours.shared_prefill_tokens > 0 and ours.packed_forward_tokens > 0
+    assert_same_run(stock, ours, rtol=3e-6, atol=1e-9)  # the system prompt's shifted positions (above)
 
 
 def test_rollout_func(workload, tmp_path, exact_head):

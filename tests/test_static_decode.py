@@ -462,10 +462,10 @@ def test_trainer_decodes_from_static_buffers_as_stock_trl(workload, stock_run, t
 
 
 def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact_head, monkeypatch):
-    """GRPO with its defaults, and end tokens common enough (a third of the vocabulary, through TRL's
-    `generation_kwargs`) that every row of a generation finishes early, between two read-backs: stock TRL's
-    completions and metrics (float64), the second generation's draws included (the first's draws past its finish
-    undone), both generations decoded from static buffers."""
+    """GRPO with its defaults but sampling's options, and end tokens common enough (a third of the vocabulary,
+    through TRL's `generation_kwargs`) that every row of a generation finishes early, between two read-backs: stock
+    TRL's completions and metrics (float64), the second generation's draws included (the first's draws past its
+    finish undone), both generations decoded from static buffers."""
     import trl
 
     from rloo_efficient import GRPOTrainer
@@ -474,7 +474,10 @@ def test_grpo_decodes_from_static_buffers_as_stock_trl(workload, tmp_path, exact
     calls = []
     decode = static_decode._decode
     monkeypatch.setattr(static_decode, "_decode", lambda *args: calls.append(1) or decode(*args))
-    settings = dict(max_completion_length=48, max_steps=4, generation_kwargs={"eos_token_id": list(range(40, 120))})
+    # Sampling's filters and a penalty reading each row's earlier tokens: the processors `generate` prepared, applied
+    # to the static buffers' sequences view
+    settings = dict(max_completion_length=48, max_steps=4, generation_kwargs={"eos_token_id": list(range(40, 120))},
+                    temperature=0.7, top_k=50, top_p=0.95, min_p=0.02, repetition_penalty=1.3)  # fmt: skip
     stock = run(trl.GRPOTrainer, path, grpo_args(tmp_path / "stock", config_class=trl.GRPOConfig, **settings), dataset)
     ours = run(GRPOTrainer, path, grpo_args(tmp_path / "ours", static_decoding=True, **settings), dataset)
     assert_same_run(stock, ours)
