@@ -85,6 +85,11 @@ FEATURES = {
     # step, is ~1e-14 in ours', whose reference pass packs rows unlike its training pass) to 2e-9 in the next kl
     "generation_batch_size_unshuffled": dict(generation_batch_size=16, steps_per_generation=None,
                                              shuffle_dataset=False, beta=0.1, optim="sgd"),
+    # micro-batches that are neither a group nor a divisor of one: 3 groups of 4 over micro-batches of 3 and of 6 rows,
+    # every one of them holding part of a group whose other rows another micro-batch holds (SGD: as above)
+    "three_rows_per_micro_batch": dict(per_device_train_batch_size=3, steps_per_generation=4,
+                                       gradient_accumulation_steps=2, beta=0.1, optim="sgd"),
+    "six_rows_per_micro_batch": dict(per_device_train_batch_size=6, steps_per_generation=2, optim="sgd"),
 }
 
 
