@@ -186,6 +186,23 @@ def test_small_micro_batches_hold_each_prompt_once_and_match_stock(workload, tmp
     assert not scope or not scope.held or not scope.held.sources  # all released
 
 
+@pytest.mark.parametrize("layout", ["whole_batch", "one_row_stock_order"])
+def test_one_prompt_drawn_for_both_groups_of_a_batch_is_shared_by_all_their_rows(workload, tmp_path, exact_head,
+                                                                               layout):  # fmt: skip
+    """A dataset that repeats its prompt (as a small one does, drawn into several groups of a generation batch): the
+    batch's 2 groups of 4 are 8 rows of one prompt, prefilled once and forwarded once per pass, as stock's numbers."""
+    from datasets import Dataset
+
+    cfg, path, dataset = workload
+    repeated = Dataset.from_dict({"prompt": dataset["prompt"][:1] * 16})
+    overrides, ours_only, rtol = HELD_LAYOUTS.get(layout, (dict(per_device_train_batch_size=8), {}, EXACT_RTOL))
+    overrides = {"steps_per_generation": overrides.get("gradient_accumulation_steps", 1), **overrides}
+    stock, ours = compare(path, repeated, tmp_path, rtol=rtol, ours_only=ours_only, **overrides)
+    prompt = len(build_tokenizer()(repeated["prompt"][0])["input_ids"])
+    assert ours.shared_prefill_tokens == prompt - 1  # one prefill for both groups (it stops one token short)
+    assert (ours.held_forward_tokens > 0) == (layout != "whole_batch")
+
+
 @pytest.fixture(scope="module")
 def tied_workload(model_cache):
     """The workload's model with its LM head tied to its input embedding, as Qwen3 up to 4B, Llama 3.2 and Gemma."""
