@@ -14,6 +14,7 @@ import pytest
 import torch
 import trl
 
+import rloo_efficient
 from rloo_efficient import RLOOTrainer
 from rloo_efficient.core.tree.rows import table_of
 from rloo_efficient.demo.workload import build_dataset, build_model_dir, build_tokenizer, vowel_reward
@@ -201,6 +202,46 @@ def test_one_prompt_drawn_for_both_groups_of_a_batch_is_shared_by_all_their_rows
     prompt = len(build_tokenizer()(repeated["prompt"][0])["input_ids"])
     assert ours.shared_prefill_tokens == prompt - 1  # one prefill for both groups (it stops one token short)
     assert (ours.held_forward_tokens > 0) == (layout != "whole_batch")
+
+
+class Interrupted(Exception):
+    """What a user's ^C (or an error in their code) raises inside a step."""
+
+
+@pytest.mark.parametrize("where", ["training_micro_batch", "generation"])
+def test_a_run_interrupted_mid_window_then_trained_again_is_stocks(workload, tmp_path, exact_head, where):
+    """A notebook's run stopped inside a step, then `train()` again on the same trainer: in the third micro-batch of a
+    window whose prompts are held (one row per micro-batch), or in the second generation. Nothing of the stopped
+    window (its held prompts, their pending backward, the model's generate) reaches the next run: stock's numbers."""
+    cfg, path, dataset = workload
+    settings = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8, max_steps=2)
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.RLOOTrainer, trl.RLOOConfig),
+                                              ("ours", RLOOTrainer, rloo_efficient.RLOOConfig)):  # fmt: skip
+        trainer = trainer_class(model=path, reward_funcs=vowel_reward, args=training_args(
+            tmp_path / name, config_class=config_class, **settings), train_dataset=dataset,
+            processing_class=build_tokenizer())  # fmt: skip
+        method = "_compute_loss" if where == "training_micro_batch" else "_generate_single_turn"
+        stop_at, calls, original = 3 if where == "training_micro_batch" else 2, [], getattr(trainer, method)
+
+        def stopping(*args, original=original, calls=calls, stop_at=stop_at, **kwargs):
+            calls.append(1)
+            if len(calls) == stop_at:
+                raise Interrupted
+            return original(*args, **kwargs)
+
+        setattr(trainer, method, stopping)
+        with pytest.raises(Interrupted):
+            trainer.train()
+        assert "generate" not in vars(trainer.model)  # the class's generate again
+        trainer.train()
+        runs[name] = trainer
+    stock, ours = runs["stock"], runs["ours"]
+    assert ours.held_forward_tokens > 0
+    for step, (a, b) in enumerate(zip(step_metrics(stock), step_metrics(ours), strict=True)):
+        for key in METRICS:
+            if a[key] is not None:
+                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), f"step {step} {key}: {a[key]} {b[key]}"
 
 
 @pytest.fixture(scope="module")
