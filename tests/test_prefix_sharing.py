@@ -461,6 +461,15 @@ def test_an_image_groups_prompt_is_packed_once_whatever_it_saves():
     assert image.first_rows.tolist() == [0, 2]
 
 
+def test_an_empty_prompt_is_not_packed():
+    """A row with an empty prompt has no position to predict its first completion token from (stock's reads a padding
+    column): the batch is not packed, and says why (the stock forward runs), whatever the other rows."""
+    prompts = [[5, 6, 7], [5, 6, 7], [], []]
+    input_ids, _, width_c, structure = stock_batch(prompts, [[11, 12], [13], [14, 15], [16, 17]])
+    for rows in (slice(None), slice(2, None)):
+        assert "empty prompt" in pack_rows(input_ids[rows], width_c, structure[rows])
+
+
 def test_shuffle_groups_keeps_groups_together_and_draws_like_the_row_shuffle():
     """The batch is ordered before TRL shuffles it, so that TRL's own row shuffle (drawn next) keeps each group's rows
     together; the generator is drawn exactly as for stock's shuffle."""

@@ -282,6 +282,37 @@ def test_supported_models_have_no_reason():
     assert "only verified" in prefix_cache_unsupported_reason(build("gpt2"))
 
 
+def test_models_whose_prompt_cache_cannot_be_kept_once_say_why():
+    """The trainer keeps the prompt's cache once only where this says nothing: told to keep it once, generation fails
+    for these (Falcon-H1's layers are no attention layers a split can read)."""
+    assert "Falcon-H1's parallel blocks" in prefix_cache_unsupported_reason(build("falcon_h1"))
+    assistant = build("gemma4")
+    config = assistant.config.get_text_config(decoder=True)
+    config.num_kv_shared_layers = config.num_hidden_layers  # every layer "reuse", none "store": an assistant model's
+    assert "no layer of this model stores" in prefix_cache_unsupported_reason(assistant)
+
+
+def test_a_tokens_key_and_value_bytes_are_what_a_cache_stores_per_token():
+    """[`kv_token_bytes`] (what holding a prompt token costs the hold planner), from the config alone: the bytes a
+    forward's cache stores per token, keys and values, Gemma 4's layers that read another's counted as nothing and its
+    global layers at their wider heads. Under-counting would hold more prompts than the budget allows."""
+    from transformers import DynamicCache
+
+    from rloo_efficient.core.generation.prompt_cache import kv_token_bytes
+
+    rows, tokens = 2, 6  # fewer tokens than every window (8): each layer stores every one
+    for arch in ("llama", "mistral_sliding", "gemma4", "gpt_oss_sliding"):
+        model = build(arch)
+        config = model.config.get_text_config(decoder=True)
+        cache = DynamicCache(config=config)
+        with torch.no_grad():
+            model(input_ids=torch.randint(12, VOCAB, (rows, tokens)), past_key_values=cache, use_cache=True)
+        stored = {id(t): t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                  if t is not None and t.numel()}  # fmt: skip
+        expected = rows * tokens * kv_token_bytes(config, next(model.parameters()).element_size())
+        assert sum(stored.values()) == expected, arch
+
+
 def test_prompt_cache_once_keeps_one_copy_and_leaves_the_model_as_it_was():
     model = build("llama")
     ids, mask = left_pad(prompts_for("mixed_lengths"))  # 3 prompts, 2 rows each

@@ -3,6 +3,7 @@ every turn, only the tokens added since a row's previous turn forwarded, nothing
 
 import numpy as np
 import pytest
+import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from rloo_efficient.core.generation.turn_cache import TurnCaches, continue_reason, plan_continuation
@@ -121,3 +122,50 @@ def test_other_caches_prefill_each_later_turn(arch):
     for turn, (stock, ours, tokens, added, histories) in enumerate(tool_loop(arch, turns)):
         assert_same_generation(stock, ours, arch, len(stock.logits))
         assert turns.held is None
+
+
+def test_a_tool_loop_under_bf16_autocast(monkeypatch):
+    """Under accelerate's bf16 autocast (TRL's default mixed precision), Qwen3's keys leave its q/k norms and rotary
+    embedding in float32: stock's cache stores them so, ours in bf16, as attention reads them ([`ReadDtypeCache`]: a
+    third less), and a continued prefill lays the model's float32 keys into that bf16 cache. Stock's samples, its logits
+    to bf16's rounding of the prefill's other shapes, only the added tokens forwarded."""
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from rloo_efficient.core.transformers_compat import output_cache
+
+    from . import helpers
+
+    def autocast_model(arch):  # as accelerate wraps the policy's forward
+        model = build(arch, dtype=torch.float32)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        model.forward = MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+        return model
+
+    monkeypatch.setattr(helpers, "build", autocast_model)
+    for turn, (stock, ours, tokens, added, _) in enumerate(tool_loop("qwen3", TurnCaches(budget=1 << 40), once=True)):
+        assert torch.equal(ours.sequences, stock.sequences)
+        for a, b in zip(stock.logits, ours.logits, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-2)  # 2e-3 apart here: bf16's rounding
+        if turn:
+            assert tokens == added
+        assert output_cache(stock).layers[0].keys.dtype == torch.float32
+        assert {layer.keys.dtype for layer in output_cache(ours).layers} == {torch.bfloat16}
+
+
+def test_a_windowed_models_whole_history_bytes_are_what_its_turn_cache_stores():
+    """What [`windows_over_budget`] estimates before a call, per row and token, from the config: the bytes the call's
+    cache then stores (every layer's whole history, Gemma 4's layers reading another's none, its global layers wider);
+    nothing for a model without windows. Under-counting would keep whole histories past the budget."""
+    from rloo_efficient.core.generation.turn_cache import _whole_token_bytes, turn_cache
+
+    rows, tokens = 2, 20  # past every window (8): a windowed layer of stock's cache would keep 7
+    for arch in ("llama", "mistral_sliding", "gemma4", "gpt_oss_sliding"):
+        model = build(arch)
+        cache = turn_cache(model)
+        with torch.no_grad():
+            model(input_ids=torch.randint(12, 60, (rows, tokens)), past_key_values=cache, use_cache=True)
+        stored = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                     if t is not None)  # fmt: skip
+        assert _whole_token_bytes(model) * rows * tokens == (0 if arch == "llama" else stored), arch
