@@ -295,19 +295,22 @@ def test_models_whose_prompt_cache_cannot_be_kept_once_say_why():
 def test_a_tokens_key_and_value_bytes_are_what_a_cache_stores_per_token():
     """[`kv_token_bytes`] (what holding a prompt token costs the hold planner), from the config alone: the bytes a
     forward's cache stores per token, keys and values, Gemma 4's layers that read another's counted as nothing and its
-    global layers at their wider heads. Under-counting would hold more prompts than the budget allows."""
+    global layers at their wider heads, a hybrid's recurrent layers (a state per sequence) and Nemotron-H's MLP layers
+    as nothing. Under-counting would hold more prompts than the budget allows, over-counting fewer."""
     from transformers import DynamicCache
 
     from rloo_efficient.core.generation.prompt_cache import kv_token_bytes
 
     rows, tokens = 2, 6  # fewer tokens than every window (8): each layer stores every one
-    for arch in ("llama", "mistral_sliding", "gemma4", "gpt_oss_sliding"):
+    for arch in ("llama", "mistral_sliding", "gemma4", "gpt_oss_sliding", "qwen3_next", "nemotron_h", "falcon_h1"):
         model = build(arch)
         config = model.config.get_text_config(decoder=True)
         cache = DynamicCache(config=config)
         with torch.no_grad():
             model(input_ids=torch.randint(12, VOCAB, (rows, tokens)), past_key_values=cache, use_cache=True)
-        stored = {id(t): t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+        # (a recurrent layer has states, no keys)
+        stored = {id(t): t.numel() * t.element_size() for layer in cache.layers
+                  for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
                   if t is not None and t.numel()}  # fmt: skip
         expected = rows * tokens * kv_token_bytes(config, next(model.parameters()).element_size())
         assert sum(stored.values()) == expected, arch

@@ -205,12 +205,17 @@ def kv_sources(config) -> list[int]:
 
 
 def kv_token_bytes(config, element_size: int) -> int:
-    """The bytes of one token's keys and values over the layers of a text `config` that store them (a layer reading
-    another's stores none), from the config; per layer where it varies by layer (Gemma 4's global layers)."""
+    """The bytes of one token's keys and values over the layers of a text `config` that store them, from the config:
+    not a layer reading another's (Gemma 4's), a recurrent one (its state is per sequence, not per token) nor one
+    without attention (Nemotron-H's MLP layers); per layer where it varies by layer (Gemma 4's global layers)."""
     configs = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
+    layers = DynamicCache(config=config).layers
+    stores = [isinstance(layer, DynamicLayer) for layer in layers]  # (a hybrid's attention layers only)
+    if len(stores) != config.num_hidden_layers:  # a cache whose layers are made as they are filled: every layer
+        stores = [True] * config.num_hidden_layers
     width = 0
     for index, source in enumerate(kv_sources(config)):
-        if source == index:
+        if source == index and stores[index]:
             layer = configs[index]
             heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
             width += heads * (getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)

@@ -34,7 +34,7 @@ from ..tree.layout import tree_layout
 from ..tree.parts import Blocks, HistoryPart
 from ..tree.runs import bucketed_blocks
 from ..tree.radix import Tree, ranges
-from .prompt_cache import PrefixCache, PrefixLayer, ReadDtypeCache, cache_limit, kv_sources
+from .prompt_cache import PrefixCache, PrefixLayer, ReadDtypeCache, cache_limit, kv_sources, kv_token_bytes
 from .tree_prefill import forward_capturing, tree_prefill_reason
 
 
@@ -75,21 +75,12 @@ def windows_over_budget(model: nn.Module, rows: int, longest: int, budget: int) 
 
 
 def _whole_token_bytes(model: nn.Module) -> int:
-    """The bytes of one row's token in [`generation.turn_cache`]'s layers (keys and values, every layer storing them), from the
-    config; 0 for a model without sliding windows (nothing beyond stock's cache)."""
+    """The bytes of one row's token in [`generation.turn_cache`]'s layers (keys and values, every layer storing them),
+    from the config ([`kv_token_bytes`]); 0 for a model without sliding windows (nothing beyond stock's cache)."""
     config = model.config.get_text_config(decoder=True)
-    layers = DynamicCache(config=config).layers
-    if not any(type(layer) is DynamicSlidingWindowLayer for layer in layers):
+    if not any(type(layer) is DynamicSlidingWindowLayer for layer in DynamicCache(config=config).layers):
         return 0
-    # Per layer where the config varies by layer (Gemma 4's global layers have other head dims and counts)
-    configs = getattr(config, "per_layer_config", None) or [config] * len(layers)
-    width = 0
-    for layer, layer_config in zip(layers, configs, strict=True):
-        if not isinstance(layer, DummyLayer):
-            heads = getattr(layer_config, "num_key_value_heads", None) or layer_config.num_attention_heads
-            width += heads * (getattr(layer_config, "head_dim", None) or
-                              layer_config.hidden_size // layer_config.num_attention_heads)  # fmt: skip
-    return 2 * width * next(model.parameters()).element_size()
+    return kv_token_bytes(config, next(model.parameters()).element_size())
 
 
 @dataclass
