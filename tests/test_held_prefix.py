@@ -29,16 +29,17 @@ from .conftest import emulate_varlen, tiny_workload
 from .trees import stock_batch
 
 
-def bare_planner(agree=None):
-    """A [`HoldPlanner`] outside a trainer: no budget limit, each held token costing 1 byte, every width within the
-    position period; `agree(values)`: what the all-reduce says (default: every process agrees). Its warnings go to
-    `.warned`."""
+def bare_planner(agree=None, node_bytes: int = 0):
+    """A [`HoldPlanner`] outside a trainer: no budget limit, each held token costing 1 byte (and each node
+    `node_bytes`: a hybrid's states), every width within the position period; `agree(values)`: what the all-reduce
+    says (default: every process agrees). Its warnings go to `.warned`."""
     from types import SimpleNamespace
 
     from rloo_efficient.core.forward.hold_planner import HoldPlanner
 
     warned = []
-    costs = SimpleNamespace(within_period=lambda width: True, token_bytes=lambda training: 1, kv_source=lambda: None)
+    costs = SimpleNamespace(within_period=lambda width: True, token_bytes=lambda training: 1,
+                            node_bytes=lambda training: node_bytes, kv_source=lambda: None)
     planner = HoldPlanner(2**40, costs, agree or (lambda values: True), warned.append)
     planner.warned = warned
     return planner
@@ -504,6 +505,27 @@ def test_a_scope_with_an_empty_prompt_holds_and_merges_nothing(empty):
     assert (merged is None) == empty
     if not empty:
         assert merged.scope is None and len(merged.chunks) < len(chunks)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_hybrids_held_node_counts_its_recurrent_states_against_the_budget(training):
+    """The planner charges each held node its recurrent states ([`HoldCosts.node_bytes`]) in a no-grad pass and in
+    training alike: prompts worth holding one row per chunk are held, and not where a node's states pass the budget."""
+    from rloo_efficient.core.forward.scope import chunk_tables
+
+    prompts, completions = rl_rows(seed=3, groups=2, k=8, system=70, task=40)
+    input_ids, _, _, structure = stock_batch(prompts, completions)
+    chunks = [(row, row + 1) for row in range(len(prompts))]
+    for node_bytes, held in ((0, True), (2**41, False)):
+        planner = bare_planner(node_bytes=node_bytes)
+        if training:
+            tables = chunk_tables(structure, [np.arange(*chunk) for chunk in chunks])
+            assert (planner.plan_training(list(range(len(chunks))), tables, input_ids.shape[1], None).held
+                    is not None) == held  # fmt: skip
+        else:
+            with torch.no_grad():
+                plan = planner.pass_plan(structure, chunks, False, None, input_ids.shape[1])
+            assert (plan.scope is not None or len(plan.chunks) < len(chunks)) == held  # held, or merged around holds
 
 
 def test_a_prompt_sharing_a_source_with_a_longer_lived_one_is_counted_until_its_release():

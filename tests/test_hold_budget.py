@@ -7,6 +7,7 @@ import pytest
 
 from rloo_efficient.core.tree.hold_budget import (
     held_image_bytes,
+    held_node_bytes,
     held_peak,
     held_token_bytes,
     hoisted_sources,
@@ -44,6 +45,22 @@ def test_a_held_image_token_costs_its_patches_saved_activations_in_every_tower_l
     clip = types.SimpleNamespace(hidden_size=None, embed_dim=16, depth=None, num_hidden_layers=2)
     assert held_image_bytes(clip, 4, checkpointing=True) == 16 * 2 * 4
     assert held_image_bytes(None, 2, checkpointing=True) == 0
+
+
+def test_a_held_node_of_a_hybrid_costs_its_recurrent_states_beside_its_tokens():
+    """A node's final scan states (float32) and convolution tails (the compute dtype), and in training their float32
+    gradients: what [`plan_holds`] adds to each node's tokens. With the states left out, a budget that holds one
+    prompt's tokens and states would hold all three prompts."""
+    assert held_node_bytes(100, 10, 2, training=False) == 100 * 4 + 10 * 2
+    assert held_node_bytes(100, 10, 2, training=True) == 100 * 4 + 10 * 2 + 110 * 4
+    assert held_node_bytes(0, 0, 2, training=True) == 0  # no recurrent layer
+    prompts = {g: list(range(10 + 30 * g, 30 + 30 * g)) for g in range(3)}  # 20 tokens each, 19 held
+    chunks = [(np.array([g]), np.array([20]), np.array([2]), [np.array(prompts[g] + [1, 2])])
+              for g in (0, 1, 2, 0, 1, 2)]  # fmt: skip
+    held = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, budget=19 * 3)
+    assert len(held.nodes.source) == 3  # the three prompts' tokens fit
+    held = plan_holds(chunks, full=False, min_saved=0, token_bytes=1, node_bytes=19, budget=19 * 3)
+    assert len(held.nodes.source) == 1  # with their states, one
 
 
 def test_a_source_forwards_later_chunks_nodes_within_stocks_forward_and_the_budget():

@@ -110,6 +110,33 @@ def test_a_forked_layer_is_the_layer_on_each_row(layer, tree_name):
         name: f"{error:.1e}" for name, error in found.items() if error > _allowed(layer, name)}  # fmt: skip
 
 
+def test_a_held_nodes_states_are_what_the_hold_budget_counts(layer, monkeypatch):
+    """What a source forward holds per node of a recurrent layer (its final scan state, float32, and its convolution's
+    tail, in the layer's dtype) is what the hold budget charges a held node ([`recurrent.held_state_values`], read from
+    the module's attributes): a hybrid's node costs that beside its tokens."""
+    module, fork_fn = layer
+    held = {}
+
+    class Recorder:
+        def recurrent(self, layer, kind, values):
+            held[kind] = values
+
+    monkeypatch.setattr(recurrent, "capturing", Recorder)
+    layout, tree = packed_tree("ragged")
+    dim = next(p for n, p in module.named_parameters() if "proj" in n and p.dim() == 2).shape[1]
+    dtype = next(module.parameters()).dtype
+    with torch.no_grad():
+        fork_fn(module, torch.randn(1, tree.num_tokens, dim, dtype=dtype), layout)
+    states, tails = recurrent.held_state_values(module)
+    nodes = len(held["tail"])
+    assert held["tail"][0].numel() == tails and held["tail"].dtype == dtype
+    if states:
+        assert len(held["state"]) == nodes and held["state"][0].numel() == states
+        assert held["state"].dtype == torch.float32
+    else:  # a convolution alone (LFM2)
+        assert "state" not in held
+
+
 MUTATIONS = {
     "state_from_the_wrong_parent": ("inherit", lambda own: staticmethod(
         lambda values, level: own(values, type(level)(level.blocks, level.length, level.parent.roll(1), level.real)))),

@@ -16,7 +16,8 @@ import torch
 
 from ..generation.prompt_cache import kv_sources, kv_token_bytes
 from ..layers.families import position_period
-from ..tree.hold_budget import held_image_bytes, held_token_bytes
+from ..layers.recurrent import held_state_values
+from ..tree.hold_budget import held_image_bytes, held_node_bytes, held_token_bytes
 from ..tree.holds import HoldPlan, plan_holds
 from ..tree.pass_chunks import chunks_encoding, prompts_held, scoring_chunks
 from ..tree.rows import row_tokens
@@ -55,6 +56,10 @@ class HoldCosts:
         size = self._size()
         return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
                                 training, self.checkpointing)  # fmt: skip
+
+    def node_bytes(self, training: bool) -> int:
+        """[`tree.hold_budget.held_node_bytes`] of the policy's recurrent layers (0 without any)."""
+        return held_node_bytes(*held_state_values(self.policy()), self._size(), training)
 
     def image_bytes(self) -> int:
         """[`tree.hold_budget.held_image_bytes`] of the policy's vision config."""
@@ -114,7 +119,8 @@ class HoldPlanner:
             if tables is None:
                 return None
             return plan_holds(tables, full=self.aux_loss, budget=self.budget,
-                              token_bytes=self.costs.token_bytes(training=True), by_group=image_tokens is not None,
+                              token_bytes=self.costs.token_bytes(training=True),
+                              node_bytes=self.costs.node_bytes(training=True), by_group=image_tokens is not None,
                               image_cost=image_cost, source_cap=cap if hoist else None)  # fmt: skip
 
         plan = self._agreed_plan(plan_for, len(batches), training=True) or None
@@ -221,7 +227,8 @@ class HoldPlanner:
         if not self.costs.within_period(width):
             return None
         return plan_holds([row_tokens(rows[start:end]) for start, end in chunks], full=compute_aux_loss,
-                          token_bytes=self.costs.token_bytes(training=False), budget=self.budget,
+                          token_bytes=self.costs.token_bytes(training=False),
+                          node_bytes=self.costs.node_bytes(training=False), budget=self.budget,
                           by_group=images is not None, training=False,
                           source_cap=batch_size * width if batch_size is not None else None)  # fmt: skip
 

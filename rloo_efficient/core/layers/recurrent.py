@@ -332,6 +332,23 @@ def recurrent_layers(model: nn.Module):
             yield module, fork
 
 
+def held_state_values(model: nn.Module) -> tuple[int, int]:
+    """What a held node keeps of `model`'s forked recurrent layers, summed over them, in values per node: its final
+    scan states (float32 in the kernels forked to) and its convolution tails (its last `K - 1` inputs, in the compute
+    dtype). Read from the modules' attributes, not their weights (a sharded model's are placeholders)."""
+    states = tails = 0
+    for module, _ in _known_recurrent_layers(model):
+        conv = getattr(module, FORKS[type(module).__name__][1])
+        tails += conv.in_channels * (conv.kernel_size[0] - 1)
+        if hasattr(module, "ssm_state_size"):  # Mamba2: (heads, head dim, state size)
+            states += module.num_heads * module.head_dim * module.ssm_state_size
+        elif hasattr(module, "head_v_dim"):  # Gated DeltaNet: (value heads, key dim, value dim)
+            states += module.num_v_heads * module.head_k_dim * module.head_v_dim
+        elif hasattr(module, "qkv_dim"):  # Kimi: (heads, head dim, head dim)
+            states += module.num_heads * module.head_dim * module.head_dim
+    return states, tails
+
+
 def _known_recurrent_layers(model: nn.Module) -> list:
     """[`recurrent_layers`] of `model`, found once per model (every packed forward asks, and routes them again)."""
     known = model.__dict__.get("_rloo_recurrent_layers")

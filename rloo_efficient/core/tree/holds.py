@@ -265,14 +265,14 @@ def _chunk_holds(chunks: list[tuple], chunk_of: np.ndarray, local: np.ndarray, d
 
 
 def _node_costs(kept: list[tuple], chunk_of: np.ndarray, sequences: list[np.ndarray], token_bytes: int,
-                image_cost: tuple[set[int], int] | None) -> tuple[np.ndarray, ...]:  # fmt: skip
+                node_bytes: int, image_cost: tuple[set[int], int] | None) -> tuple[np.ndarray, ...]:  # fmt: skip
     """`(first, last, length, cost)` of each searched node ([`_search`]): the first and last chunk reading it, its
-    tokens, and the bytes holding it costs (`token_bytes` per token, and `image_cost`'s bytes per image placeholder
-    token it holds)."""
+    tokens, and the bytes holding it costs (`token_bytes` per token, `node_bytes`, and `image_cost`'s bytes per image
+    placeholder token it holds)."""
     first = np.array([chunk_of[rows].min() for _, _, rows, _ in kept])
     last = np.array([chunk_of[rows].max() for _, _, rows, _ in kept])
     length = np.array([end - begin for begin, end, _, _ in kept])
-    cost = length * token_bytes
+    cost = length * token_bytes + node_bytes
     if image_cost is not None:
         placeholders = np.fromiter(image_cost[0], dtype=np.int64)
         cost = cost + image_cost[1] * np.array([np.isin(sequences[rows[0]][begin:end], placeholders).sum()
@@ -301,15 +301,16 @@ def _held_tree(kept: list[tuple], keep: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]], full: bool,
-               token_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
+               token_bytes: int = 0, node_bytes: int = 0, budget: int | None = None, min_saved: int = MIN_SAVED_TOKENS,
                by_group: bool = False, image_cost: tuple[set[int], int] | None = None,
                source_cap: int | None = None, training: bool = True) -> HoldPlan | None:  # fmt: skip
     """
     The [`HoldPlan`] of a scope's chunks, each `(group, prompt length, scored length, tokens)` per row as
     [`tree.rows.row_tokens`] reads them, or None where nothing is worth holding. `full`: every row is a member of its
     chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
-    scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, and `budget` the
-    bytes held at once (None: no limit). `by_group`: rows of other groups share nothing (an image batch: their
+    scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, `node_bytes` what a
+    held node costs beside its tokens (a hybrid's recurrent states), and `budget` the bytes held at once (None: no
+    limit). `by_group`: rows of other groups share nothing (an image batch: their
     placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
     vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
@@ -333,7 +334,7 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     kept = _search(root, chunk_of, plens, min_saved)
     if not kept:
         return None
-    first, last, length, cost = _node_costs(kept, chunk_of, sequences, token_bytes, image_cost)
+    first, last, length, cost = _node_costs(kept, chunk_of, sequences, token_bytes, node_bytes, image_cost)
     held = budgeted(np.array([parent for _, _, _, parent in kept], dtype=np.int64), first, last, cost, budget,
                     len(chunks), training)  # fmt: skip
     if not held.any():
