@@ -316,6 +316,31 @@ def test_a_tokens_key_and_value_bytes_are_what_a_cache_stores_per_token():
         assert sum(stored.values()) == expected, arch
 
 
+def test_a_held_tokens_key_and_value_bytes_are_what_attention_reads(monkeypatch):
+    """What a held prompt keeps per token is what each layer's attention reads ([`attention.held.Capture`] takes the
+    keys and values handed to the attention function): for multi-head latent attention, the keys and values expanded
+    per query head, not the latents its cache stores (counting those, or GQA's heads and `head_dim`, under-counts
+    DeepSeek-V3's 2.5 times, and the budget would hold that much more than it allows)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from rloo_efficient.core.generation.prompt_cache import kv_token_bytes
+
+    read = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module, query, key, value, *args, **kwargs):
+        read.append(key[0, :, 0].numel() * key.element_size() + value[0, :, 0].numel() * value.element_size())
+        return sdpa(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", recording)
+    for arch in ("llama", "deepseek_v3", "kimi_linear", "qwen3_next"):  # (sdpa's families)
+        model, read[:] = build(arch), []
+        with torch.no_grad():
+            model(input_ids=torch.randint(12, VOCAB, (1, 4)))
+        config = model.config.get_text_config(decoder=True)
+        assert sum(read) == kv_token_bytes(config, next(model.parameters()).element_size()), arch
+
+
 def test_prompt_cache_once_keeps_one_copy_and_leaves_the_model_as_it_was():
     model = build("llama")
     ids, mask = left_pad(prompts_for("mixed_lengths"))  # 3 prompts, 2 rows each
