@@ -300,6 +300,45 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
         torch.testing.assert_close(got, want, rtol=tolerance * 10, atol=tolerance * 10 * scale)
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "qwen3_next", "kimi_linear", "nemotron_h", "falcon_h1",
+                                  "lfm2"])  # fmt: skip
+def test_a_source_holds_the_bytes_its_plan_was_charged(model_cache, arch):
+    """What the hold budget charges a source forward ([`HoldCosts`]: each token's keys and values as attention reads
+    them, each node's recurrent states) is what it holds, in float32 and under bf16 autocast (Mamba2's torch scan hands
+    its states over in bf16 there, charged as float32: at most the states' half over)."""
+    import transformers
+
+    from rloo_efficient.core.forward.hold_planner import HoldCosts
+    from rloo_efficient.core.layers.recurrent import has_recurrent_layers, held_state_values
+
+    from .helpers import TRAINING_FAMILIES
+
+    cfg = tiny_workload(model_cache, arch=arch, **{**TRAINING_FAMILIES.get(arch, {}), "model_dtype": "float32"})
+    path = build_model_dir(cfg)
+    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
+    model = architecture.from_pretrained(path, dtype=torch.float32)
+    add_fused_lm_head(model, outputs=("log_probs",))
+    install(model)
+    prompts, completions = rl_rows(seed=7, groups=2, k=3, system=20, task=30, vocab=120)
+    input_ids, _, width_c, structure = stock_batch(prompts, completions)
+    plan = plan_holds(chunk_tables(structure, np.split(np.arange(len(prompts)), len(prompts))), full=False,
+                      training=False)  # fmt: skip
+    wide = held_state_values(model)[0]
+    for autocast in (False, True):
+        costs = HoldCosts(lambda: model, 2 if autocast else None, checkpointing=False)
+        scope = HeldScope(plan, training=False)
+        for source in range(len(plan.source_chunk)):
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                scope.forward_source(source, lambda **inputs: model(**inputs, fused_lm_head=True),
+                                     input_ids.shape[1] - width_c, "cpu", has_recurrent_layers(model))  # fmt: skip
+            nodes, held = len(plan.source_nodes(source)), scope.sources.pop(source).nbytes
+            charged = plan.source_tokens(source) * costs.token_bytes(False) + nodes * costs.node_bytes(False)
+            if autocast and arch in ("nemotron_h", "falcon_h1"):  # (wide: the states and Falcon-H1's tails)
+                assert charged - nodes * wide * 2 <= held < charged
+            else:
+                assert held == charged, (arch, autocast)
+
+
 @pytest.mark.parametrize("case", ["reentrant_checkpointing", "fsdp1"])
 def test_where_training_cannot_hold_prompts_it_says_so_once_and_scoring_still_holds(workload, tmp_path, case):
     """Reentrant checkpointing keeps no graph of a layer's keys, and FSDP1 gathers a layer's parameters only for a

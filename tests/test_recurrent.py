@@ -110,10 +110,14 @@ def test_a_forked_layer_is_the_layer_on_each_row(layer, tree_name):
         name: f"{error:.1e}" for name, error in found.items() if error > _allowed(layer, name)}  # fmt: skip
 
 
-def test_a_held_nodes_states_are_what_the_hold_budget_counts(layer, monkeypatch):
-    """What a source forward holds per node of a recurrent layer (its final scan state, float32, and its convolution's
-    tail, in the layer's dtype) is what the hold budget charges a held node ([`recurrent.held_state_values`], read from
-    the module's attributes): a hybrid's node costs that beside its tokens."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_held_nodes_states_are_what_the_hold_budget_counts(layer, monkeypatch, autocast):
+    """What a source forward holds for every node of a recurrent layer (its final scan state and its convolution's
+    tail) is what the hold budget charges a held node ([`recurrent.held_state_values`], read from the module's
+    attributes), in the layer's dtype and under bf16 autocast (the compute dtype 2 bytes) alike; Mamba2's torch scan
+    hands its state over in bf16 there, charged as float32."""
+    from rloo_efficient.core.tree.hold_budget import held_node_bytes
+
     module, fork_fn = layer
     held = {}
 
@@ -125,16 +129,22 @@ def test_a_held_nodes_states_are_what_the_hold_budget_counts(layer, monkeypatch)
     layout, tree = packed_tree("ragged")
     dim = next(p for n, p in module.named_parameters() if "proj" in n and p.dim() == 2).shape[1]
     dtype = next(module.parameters()).dtype
-    with torch.no_grad():
-        fork_fn(module, torch.randn(1, tree.num_tokens, dim, dtype=dtype), layout)
-    states, tails = recurrent.held_state_values(module)
-    nodes = len(held["tail"])
-    assert held["tail"][0].numel() == tails and held["tail"].dtype == dtype
+    if autocast and dtype != torch.float32:
+        pytest.skip("autocast casts float32 weights")
+    hidden = torch.randn(1, tree.num_tokens, dim, dtype=dtype)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        fork_fn(module, hidden, layout)
+    nodes = len(tree.start)
+    assert all(len(values) == nodes for values in held.values())  # every node's
+    assert ("state" in held) == (fork_fn is not recurrent.short_conv)
+    wide, narrow = recurrent.held_state_values(module)
+    states = held["state"][0].numel() if "state" in held else 0
+    # The tails exactly (Falcon-H1's float32 ones under autocast as such), once the states' values are taken out
+    tails = held["tail"][0].numel() * held["tail"].element_size()
+    assert tails == held_node_bytes(wide - states, narrow, 2 if autocast else dtype.itemsize, training=False)
     if states:
-        assert len(held["state"]) == nodes and held["state"][0].numel() == states
-        assert held["state"].dtype == torch.float32
-    else:  # a convolution alone (LFM2)
-        assert "state" not in held
+        bf16 = autocast and fork_fn is recurrent.mamba2
+        assert held["state"].dtype == (torch.bfloat16 if bf16 else torch.float32)
 
 
 MUTATIONS = {

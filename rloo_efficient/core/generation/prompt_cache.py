@@ -213,7 +213,7 @@ def kv_token_bytes(config, element_size: int) -> int:
     configs = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
     layers = DynamicCache(config=config).layers
     stores = [isinstance(layer, DynamicLayer) for layer in layers]  # (a hybrid's attention layers only)
-    if len(stores) != config.num_hidden_layers:  # a cache whose layers are made as they are filled: every layer
+    if len(stores) != config.num_hidden_layers:  # (a config whose cache has no layer per layer): every layer charged
         stores = [True] * config.num_hidden_layers
     width = 0
     for index, source in enumerate(kv_sources(config)):

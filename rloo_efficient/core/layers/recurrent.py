@@ -333,20 +333,32 @@ def recurrent_layers(model: nn.Module):
 
 
 def held_state_values(model: nn.Module) -> tuple[int, int]:
-    """What a held node keeps of `model`'s forked recurrent layers, summed over them, in values per node: its final
-    scan states (float32 in the kernels forked to) and its convolution tails (its last `K - 1` inputs, in the compute
-    dtype). Read from the modules' attributes, not their weights (a sharded model's are placeholders)."""
-    states = tails = 0
-    for module, _ in _known_recurrent_layers(model):
+    """
+    What a held node keeps of `model`'s forked recurrent layers, summed over them, in values per node: `(wide,
+    narrow)`, those charged as float32 and those in the compute dtype. Its final scan states are float32 (Gated
+    DeltaNet's and Kimi's; Mamba2's torch scan under autocast hands its state over in bf16, charged as float32: at
+    most twice over), its convolution tails (its last `K - 1` inputs) in the compute dtype (Falcon-H1's float32
+    multiplier makes them float32 beside float32 weights). Read from the modules' attributes, not their weights (a
+    sharded model's are placeholders).
+    """
+    wide = narrow = 0
+    for module, fork in _known_recurrent_layers(model):
         conv = getattr(module, FORKS[type(module).__name__][1])
-        tails += conv.in_channels * (conv.kernel_size[0] - 1)
-        if hasattr(module, "ssm_state_size"):  # Mamba2: (heads, head dim, state size)
-            states += module.num_heads * module.head_dim * module.ssm_state_size
-        elif hasattr(module, "head_v_dim"):  # Gated DeltaNet: (value heads, key dim, value dim)
-            states += module.num_v_heads * module.head_k_dim * module.head_v_dim
-        elif hasattr(module, "qkv_dim"):  # Kimi: (heads, head dim, head dim)
-            states += module.num_heads * module.head_dim * module.head_dim
-    return states, tails
+        tail = conv.in_channels * (conv.kernel_size[0] - 1)
+        multiplier = getattr(module, "mup_vector", None)
+        if multiplier is not None and multiplier.dtype == torch.float32:
+            wide += tail
+        else:
+            narrow += tail
+        if fork is mamba2:  # (heads, head dim, state size)
+            wide += module.num_heads * module.head_dim * module.ssm_state_size
+        elif fork is gated_delta_net:  # (value heads, key dim, value dim)
+            wide += module.num_v_heads * module.head_k_dim * module.head_v_dim
+        elif fork is kimi_delta_attention:  # (heads, head dim, head dim)
+            wide += module.num_heads * module.head_dim * module.head_dim
+        elif fork is not short_conv:  # (a convolution alone: no state)
+            raise NotImplementedError(f"rloo_efficient: the held state of {type(module).__name__} is not counted.")
+    return wide, narrow
 
 
 def _known_recurrent_layers(model: nn.Module) -> list:

@@ -25,12 +25,12 @@ def held_token_bytes(kv_bytes: int, hidden_size: int, layers: int, element_size:
     return kv_bytes + kv_bytes // element_size * 4 + saved * element_size
 
 
-def held_node_bytes(state_values: int, tail_values: int, element_size: int, training: bool) -> int:
+def held_node_bytes(wide_values: int, narrow_values: int, element_size: int, training: bool) -> int:
     """What holding one node costs beside its tokens ([`tree.holds.plan_holds`]' `node_bytes`): a hybrid's recurrent
-    layers' final states (float32) and convolution tails (`element_size`-byte values) per node
-    ([`layers.recurrent.held_state_values`]); in training also a float32 bank of their gradients."""
-    held = state_values * 4 + tail_values * element_size
-    return held + (state_values + tail_values) * 4 if training else held
+    layers' final states and convolution tails per node ([`layers.recurrent.held_state_values`]: `wide_values` float32,
+    `narrow_values` of `element_size` bytes); in training also a float32 bank of their gradients."""
+    held = wide_values * 4 + narrow_values * element_size
+    return held + (wide_values + narrow_values) * 4 if training else held
 
 
 def held_image_bytes(vision_config, element_size: int, checkpointing: bool) -> int:

@@ -310,8 +310,8 @@ def plan_holds(chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray, list[np.nd
     chunk's tree (a loss over every token, [`forward.packing.pack_rows`]'s `token_weights`); else the rows with something
     scored, or all of a chunk's rows where none has. `token_bytes`: what a held input token costs, `node_bytes` what a
     held node costs beside its tokens (a hybrid's recurrent states), and `budget` the bytes held at once (None: no
-    limit). `by_group`: rows of other groups share nothing (an image batch: their
-    placeholder tokens agree where their images differ), so that each held node is one group's prompt. `image_cost`:
+    limit). `by_group`: rows of other groups share nothing (an image batch: their placeholder tokens agree where their
+    images differ), so that each held node is one group's prompt. `image_cost`:
     `(placeholder ids, bytes)`, what holding each image placeholder token costs beside `token_bytes` (in training, the
     vision tower's saved activations for its patches). `source_cap`: the tokens a source forward may take (one of
     stock's forwards) when it forwards nodes first read by later chunks too ([`tree.hold_budget.hoisted_sources`]);
