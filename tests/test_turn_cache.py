@@ -169,3 +169,38 @@ def test_a_windowed_models_whole_history_bytes_are_what_its_turn_cache_stores():
         stored = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                      if t is not None)  # fmt: skip
         assert _whole_token_bytes(model) * rows * tokens == (0 if arch == "llama" else stored), arch
+
+
+def test_a_held_layer_is_released_as_soon_as_it_is_copied(monkeypatch):
+    """A continued turn copies each layer's held keys and values into the new cache's storage and releases that
+    layer's held ones before the next layer's storage is made: one layer's keys alive twice at most, not the cache's."""
+    from rloo_efficient.core.generation import turn_cache as module
+
+    events, copy, zeros = [], module._copy_held, torch.Tensor.new_zeros
+
+    class Watched(list):
+        def __setitem__(self, index, value):
+            if value is None:
+                events.append("R")
+            super().__setitem__(index, value)
+
+    def making(self, *args, **kwargs):
+        events.append("M")
+        return zeros(self, *args, **kwargs)
+
+    def watching(cache, held, *args):
+        held.own = Watched(held.own)
+        monkeypatch.setattr(torch.Tensor, "new_zeros", making)
+        try:
+            return copy(cache, held, *args)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "new_zeros", zeros)
+            events.append("|")
+
+    monkeypatch.setattr(module, "_copy_held", watching)
+    for _ in tool_loop("llama", TurnCaches(budget=1 << 40)):
+        pass
+    calls = "".join(events).split("|")[:-1]
+    layers = build("llama").config.num_hidden_layers
+    # Two later turns; per layer its keys' and values' storage made, then its held ones released
+    assert calls == ["MMR" * layers] * 2
