@@ -3,6 +3,7 @@ reset; an accelerator's stats and each phase's own peak there, with the accelera
 branches a CPU run never takes)."""
 
 import gc
+import mmap
 import os
 
 import pytest
@@ -21,15 +22,19 @@ GIB = memory.GIB
 
 @pytest.mark.skipif(not peak_rss_resettable(), reason="the kernel does not let this process reset its RSS peak")
 def test_cpu_peak_is_per_window():
-    # No collection inside the windows: an earlier test's garbage (a model's weights) freed while the block is made
-    # would lower the resident set by as much as the block raises it (seen once in the quick pass)
+    # The block is a mapping of its own, unmapped when closed: one from the allocator may stay in the process after
+    # its free (the quick pass saw the resident set not fall, after earlier tests), and then no window could tell it
+    # apart. No collection inside the windows: an earlier test's garbage freed while the block is made would lower the
+    # resident set by as much as the block raises it
     gc.collect()
     gc.disable()
     try:
         get_memory_stats(CPU)  # start a window
-        block = torch.ones(64 * MIB, dtype=torch.uint8)  # 64 MiB, touched
+        block = mmap.mmap(-1, 64 * MIB)
+        for page in range(0, 64 * MIB, 4096):  # 64 MiB, every page touched
+            block[page] = 1
         peak_with = get_memory_stats(CPU)["peak_rss_gib"]
-        del block
+        block.close()
         get_memory_stats(CPU)  # a reset sets the peak to the RSS now: open the window after the free
         peak_after = get_memory_stats(CPU)["peak_rss_gib"]
     finally:
