@@ -9,6 +9,7 @@ a scope ([`HoldPlanner.plan_training`]) and makes it the active one ([`HoldPlann
 chunks ([`HoldPlanner.pass_plan`]) and report each pass done ([`HoldPlanner.pass_done`]).
 """
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -50,12 +51,18 @@ class HoldCosts:
         """Per attention layer, the layer whose keys it reads ([`generation.prompt_cache.kv_sources`])."""
         return kv_sources(self.policy().config.get_text_config(decoder=True))
 
+    @functools.cached_property
+    def _kv_values(self) -> int:
+        """A token's key and value values over the layers ([`generation.prompt_cache.kv_token_bytes`] at one byte a
+        value): the config's alone, found once rather than per plan (it builds a cache's layers from the config)."""
+        return kv_token_bytes(self.policy().config.get_text_config(decoder=True), 1)
+
     def token_bytes(self, training: bool) -> int:
         """[`tree.hold_budget.held_token_bytes`] of the policy's text config."""
         config = self.policy().config.get_text_config(decoder=True)
         size = self._size()
-        return held_token_bytes(kv_token_bytes(config, size), config.hidden_size, config.num_hidden_layers, size,
-                                training, self.checkpointing)  # fmt: skip
+        return held_token_bytes(self._kv_values * size, config.hidden_size, config.num_hidden_layers, size, training,
+                                self.checkpointing)  # fmt: skip
 
     def node_bytes(self, training: bool) -> int:
         """[`tree.hold_budget.held_node_bytes`] of the policy's recurrent layers (0 without any)."""
