@@ -101,11 +101,16 @@ def compare(path, dataset, tmp_path, rtol=EXACT_RTOL, ours_only=None, **override
             assert_close(a_entropy, b_entropy, rtol)
     for a, b in zip(stock_deltas, our_deltas, strict=True):  # SGD: each update is -lr times the gradient
         assert_close(a, b, rtol)
+    assert_same_metrics(stock, ours, rtol)
+    return stock, ours
+
+
+def assert_same_metrics(stock, ours, rtol, atol=1e-12):
+    """Every logged step's metrics of `ours` those of `stock`."""
     for step, (a, b) in enumerate(zip(step_metrics(stock), step_metrics(ours), strict=True)):
         for key in METRICS:
             if a[key] is not None:
-                assert b[key] == pytest.approx(a[key], rel=rtol, abs=1e-12), f"step {step} {key}: {a[key]} {b[key]}"
-    return stock, ours
+                assert b[key] == pytest.approx(a[key], rel=rtol, abs=atol), f"step {step} {key}: {a[key]} {b[key]}"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -238,10 +243,7 @@ def test_a_run_interrupted_mid_window_then_trained_again_is_stocks(workload, tmp
         runs[name] = trainer
     stock, ours = runs["stock"], runs["ours"]
     assert ours.held_forward_tokens > 0
-    for step, (a, b) in enumerate(zip(step_metrics(stock), step_metrics(ours), strict=True)):
-        for key in METRICS:
-            if a[key] is not None:
-                assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), f"step {step} {key}: {a[key]} {b[key]}"
+    assert_same_metrics(stock, ours, rtol=1e-6, atol=1e-9)
 
 
 @pytest.fixture(scope="module")

@@ -438,6 +438,22 @@ def recorded_continuations(monkeypatch) -> list:
     return continued
 
 
+def recorded_turns(monkeypatch) -> dict:
+    """Per run (ours: True), the rows of each `_generate_single_turn` call in order, a tool loop's later turn's (one
+    generation per row, each its own history) as negative."""
+    turns = {}
+    single_turn = trl.GRPOTrainer._generate_single_turn
+
+    def counting(self, *args, **kwargs):
+        call = inspect.signature(single_turn).bind(self, *args, **kwargs).arguments
+        rows = len(call["prompt_ids"]) * (-1 if call["num_generations"] == 1 else 1)
+        turns.setdefault(isinstance(self, GroupSharingMixin), []).append(rows)
+        return single_turn(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
+    return turns
+
+
 def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
     trainer = trainer_class(model=path, args=args, train_dataset=dataset, processing_class=tokenizer, **kwargs)
     trainer.train()
@@ -469,17 +485,8 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
 
     monkeypatch.setattr(mixin, "generate_with_shared_prefill", recorded)
     # TRL continues a row only where its completion and the tool's answer fit in max_completion_length: the row must
-    # have ended early; the later turns' calls are counted (each row its own history: one generation per row)
-    later_turns = {}
-    single_turn = trl.GRPOTrainer._generate_single_turn
-
-    def counting(self, *args, **kwargs):
-        call = inspect.signature(single_turn).bind(self, *args, **kwargs).arguments
-        if call["num_generations"] == 1:
-            later_turns.setdefault(isinstance(self, GroupSharingMixin), []).append(len(call["prompt_ids"]))
-        return single_turn(self, *args, **kwargs)
-
-    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
+    # have ended early; the later turns' calls are counted
+    turns = recorded_turns(monkeypatch)
     window = dict(arch="mistral", sliding_window=16) if arch == "mistral" else {}
     cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=system, **window)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
@@ -495,6 +502,7 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
             runs[name] = run_with(trainer_class, path, args, dataset, tool_tokenizer(), reward_funcs=vowel_reward,
                                   tools=[count_vowels])  # fmt: skip
     stock, ours = runs["stock"], runs["ours"]
+    later_turns = {run: [-rows for rows in calls if rows < 0] for run, calls in turns.items()}
     over_budget = [w for w in caught if "were not held across the tool call" in str(w.message)]
     assert len(over_budget) == (budget == 1e-9)  # ours' run: one warning, not one per call
     calls = [e["tools/call_frequency"] for e in stock.state.log_history if "tools/call_frequency" in e]
@@ -520,16 +528,7 @@ def test_a_tool_loop_of_several_turns_continues_each_turns_cache(model_cache, tm
     history's, not the first turn's), up to `max_tool_calling_iterations` (2, where the rows would call 3 times)."""
     scripted_tool_calls(monkeypatch, turns=3)
     continued = recorded_continuations(monkeypatch)
-    calls = {}  # per run: the rows of each `_generate_single_turn` call, a later turn's as negative
-    single_turn = trl.GRPOTrainer._generate_single_turn
-
-    def counting(self, *args, **kwargs):
-        call = inspect.signature(single_turn).bind(self, *args, **kwargs).arguments
-        rows = len(call["prompt_ids"]) * (-1 if call["num_generations"] == 1 else 1)
-        calls.setdefault(isinstance(self, GroupSharingMixin), []).append(rows)
-        return single_turn(self, *args, **kwargs)
-
-    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", counting)
+    calls = recorded_turns(monkeypatch)
     cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=100)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     eos = tool_tokenizer().eos_token_id
