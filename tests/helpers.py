@@ -200,6 +200,24 @@ def build(arch: str, dtype=torch.float64, attention="sdpa"):
     return model.to(dtype).eval()
 
 
+def load_as_trl(cfg, dtype: torch.dtype | None = None):
+    """The model of `cfg`'s saved directory as TRL loads it (the class `config.architectures[0]` names, so that a
+    multimodal checkpoint is its `*ForConditionalGeneration`), in `dtype` (default: `cfg.model_dtype`), with TRL's
+    fused log-prob head and our layers installed."""
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    from rloo_efficient.core.layers.install import install
+    from rloo_efficient.demo.workload import build_model_dir
+
+    path = build_model_dir(cfg)
+    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])
+    model = architecture.from_pretrained(path, dtype=dtype or getattr(torch, cfg.model_dtype))
+    add_fused_lm_head(model, outputs=("log_probs",))
+    install(model)
+    return model
+
+
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])

@@ -23,9 +23,9 @@ from rloo_efficient.core.layers.install import install
 from rloo_efficient.core.tree import layout as layouts
 from rloo_efficient.core.tree.holds import plan_holds
 from rloo_efficient.core.tree.pass_chunks import chunks_encoding
-from rloo_efficient.demo.workload import build_model_dir
 
 from .conftest import emulate_varlen, tiny_workload
+from .helpers import load_as_trl
 from .trees import stock_batch
 
 
@@ -222,8 +222,6 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
                                                                      sizes):  # fmt: skip
     """Chunks of `sizes` rows, each prompt held: the same log-probs, load-balancing loss (MoE) and gradients as each
     chunk packed on its own."""
-    import transformers
-
     from rloo_efficient.core.layers.moe import aux_loss_reason, recording_router_logits, weighted_aux_loss
     from rloo_efficient.core.layers.recurrent import has_recurrent_layers, recurrent_layers
 
@@ -231,11 +229,7 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
 
     calls = emulate_varlen(monkeypatch) if varlen else None
     cfg = tiny_workload(model_cache, arch=arch, **TRAINING_FAMILIES[arch])
-    path = build_model_dir(cfg)
-    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
-    model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
-    add_fused_lm_head(model, outputs=("log_probs",))
-    install(model)
+    model = load_as_trl(cfg)
     recurrent, moe = has_recurrent_layers(model), aux_loss_reason(model) is None
     torch.manual_seed(0)
     with torch.no_grad():  # parameters off their init (tests/test_recurrent.py), decays slow: the state carries the prompt
@@ -306,19 +300,13 @@ def test_a_source_holds_the_bytes_its_plan_was_charged(model_cache, arch):
     """What the hold budget charges a source forward ([`HoldCosts`]: each token's keys and values as attention reads
     them, each node's recurrent states) is what it holds, in float32 and under bf16 autocast (Mamba2's torch scan hands
     its states over in bf16 there, charged as float32: at most the states' half over)."""
-    import transformers
-
     from rloo_efficient.core.forward.hold_planner import HoldCosts
     from rloo_efficient.core.layers.recurrent import has_recurrent_layers, held_state_values
 
     from .helpers import TRAINING_FAMILIES
 
-    cfg = tiny_workload(model_cache, arch=arch, **{**TRAINING_FAMILIES.get(arch, {}), "model_dtype": "float32"})
-    path = build_model_dir(cfg)
-    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
-    model = architecture.from_pretrained(path, dtype=torch.float32)
-    add_fused_lm_head(model, outputs=("log_probs",))
-    install(model)
+    model = load_as_trl(tiny_workload(model_cache, arch=arch, **{**TRAINING_FAMILIES.get(arch, {}),
+                                                                  "model_dtype": "float32"}))  # fmt: skip
     prompts, completions = rl_rows(seed=7, groups=2, k=3, system=20, task=30, vocab=120)
     input_ids, _, width_c, structure = stock_batch(prompts, completions)
     plan = plan_holds(chunk_tables(structure, np.split(np.arange(len(prompts)), len(prompts))), full=False,

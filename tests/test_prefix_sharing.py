@@ -39,7 +39,7 @@ from .conftest import (
     tiny_workload,
     training_args,
 )
-from .helpers import ATOL, POLICY_LORA, RTOL, TRAINING_FAMILIES, assert_same_run, grpo_args
+from .helpers import ATOL, POLICY_LORA, RTOL, TRAINING_FAMILIES, assert_same_run, grpo_args, load_as_trl
 from .trees import random_rows, split_rows, stock_batch
 
 
@@ -169,14 +169,8 @@ def test_a_node_shared_across_groups_of_other_lengths_shifts_positions_within_ro
     constant shift of every position of those rows. Rotary attention (each family's: YaRN, llama3 scaling, partial
     rotary, interleaved, Gemma 4's, Qwen's multimodal sections) reads only the differences: the log-probs agree to the
     rounding of rotary tables computed in float32 (1e-7), where a wrong position is off by 1e-2 and more."""
-    import transformers
-
     cfg = tiny_workload(model_cache, arch=arch, **TRAINING_FAMILIES[arch])
-    path = build_model_dir(cfg)
-    architecture = getattr(transformers, transformers.AutoConfig.from_pretrained(path).architectures[0])  # as TRL
-    model = architecture.from_pretrained(path, dtype=getattr(torch, cfg.model_dtype))
-    add_fused_lm_head(model, outputs=("log_probs",))
-    install(model)
+    model = load_as_trl(cfg)
     generator = torch.Generator().manual_seed(0)
     draw = lambda n: torch.randint(5, 120, (n,), generator=generator).tolist()  # noqa: E731
     system = draw(40)
