@@ -298,8 +298,10 @@ def test_every_mechanism_is_held_as_the_per_chunk_trees_compute_it(model_cache, 
                                   "lfm2"])  # fmt: skip
 def test_a_source_holds_the_bytes_its_plan_was_charged(model_cache, arch):
     """What the hold budget charges a source forward ([`HoldCosts`]: each token's keys and values as attention reads
-    them, each node's recurrent states) is what it holds, in float32 and under bf16 autocast (Mamba2's torch scan hands
-    its states over in bf16 there, charged as float32: at most the states' half over)."""
+    them or its latents, each node's recurrent states) is what it holds, in float32 and under bf16 autocast (Mamba2's
+    torch scan hands its states over in bf16 there, charged as float32: at most the states' half over). Latent attention
+    holds its latents, in float32 under autocast (a norm's and the rotary embedding's outputs): charging the keys and
+    values they expand to, or the latents at autocast's size, fails for DeepSeek-V3 and Kimi-Linear."""
     from rloo_efficient.core.forward.hold_planner import HoldCosts
     from rloo_efficient.core.layers.recurrent import has_recurrent_layers, held_state_values
 
@@ -311,7 +313,7 @@ def test_a_source_holds_the_bytes_its_plan_was_charged(model_cache, arch):
     input_ids, _, width_c, structure = stock_batch(prompts, completions)
     plan = plan_holds(chunk_tables(structure, np.split(np.arange(len(prompts)), len(prompts))), full=False,
                       training=False)  # fmt: skip
-    wide = held_state_values(model)[0]
+    wide, text_config = held_state_values(model)[0], model.config.get_text_config()
     for autocast in (False, True):
         costs = HoldCosts(lambda: model, 2 if autocast else None, checkpointing=False)
         scope = HeldScope(plan, training=False)
@@ -323,6 +325,9 @@ def test_a_source_holds_the_bytes_its_plan_was_charged(model_cache, arch):
             charged = plan.source_tokens(source) * costs.token_bytes(False) + nodes * costs.node_bytes(False)
             if autocast and arch in ("nemotron_h", "falcon_h1"):  # (wide: the states and Falcon-H1's tails)
                 assert charged - nodes * wide * 2 <= held < charged
+            elif autocast and arch == "kimi_linear":  # its latents' rope part (no rotary: bf16) charged as float32
+                layers = sum(layer == "full_attention" for layer in text_config.layer_types)
+                assert held == charged - plan.source_tokens(source) * layers * text_config.qk_rope_head_dim * 2
             else:
                 assert held == charged, (arch, autocast)
 

@@ -29,8 +29,9 @@ def test_a_held_tokens_bytes_are_its_keys_and_values_their_float32_bank_and_its_
                                                                                             expected):  # fmt: skip
     """Fails with the bank counted in the model's dtype, or the checkpoint inputs left out. In float32 the bank is the
     keys' and values' own size (a bank counted as twice them, whatever the dtype, fails there)."""
-    assert held_token_bytes(KV_BYTES, HIDDEN, LAYERS, 2, training, checkpointing) == expected
-    assert held_token_bytes(2 * KV_BYTES, HIDDEN, LAYERS, 4, True, True) == 2 * KV_BYTES * 2 + HIDDEN * LAYERS * 4
+    assert held_token_bytes(KV_BYTES, KV_BYTES // 2, HIDDEN, LAYERS, 2, training, checkpointing) == expected
+    assert held_token_bytes(2 * KV_BYTES, KV_BYTES // 2, HIDDEN, LAYERS, 4, True, True) == (2 * KV_BYTES * 2 +
+                                                                                            HIDDEN * LAYERS * 4)
 
 
 def test_a_held_image_token_costs_its_patches_saved_activations_in_every_tower_layer():

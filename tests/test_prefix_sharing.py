@@ -131,6 +131,23 @@ def test_variable_length_calls_match_stock_trl(model_cache, tmp_path, exact_head
     assert calls and set(calls) == {"math_varlen"}
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "kimi_linear"])
+def test_latent_attention_holds_latents_across_one_row_micro_batches(model_cache, tmp_path, monkeypatch, arch):
+    """One row per micro-batch: each prompt is held across its group's micro-batches as its latents, not the keys and
+    values they expand to (each reader expands them, as each of stock's rows does), with stock TRL's numbers."""
+    from rloo_efficient.core.attention.held import HeldSource
+
+    held, init = [], HeldSource.__init__
+    monkeypatch.setattr(HeldSource, "__init__", lambda self, tensors, tokens: held.append(
+        {name[0] for name in tensors}) or init(self, tensors, tokens))  # fmt: skip
+    cfg = tiny_workload(model_cache, arch=arch, **TRAINING_FAMILIES[arch])
+    overrides = dict(per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8, max_steps=2)
+    # float32 (the experts' torch._grouped_mm has no float64): the family test's tolerance
+    _, ours = _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path, rtol=1e-4, atol=1e-5, **overrides)
+    assert ours.held_forward_tokens > 0 and ours._held.training
+    assert held and all({"latent", "rot"} <= names and "key" not in names for names in held)
+
+
 def _family_matches_stock_trl(model_cache, tmp_path, monkeypatch, arch, layout):
     import rloo_efficient.core.forward.passes as mixin  # the packed pass: its pack_rows
 

@@ -25,7 +25,9 @@ model's own attention implementation, so the model behaves as before.
 import contextlib
 import contextvars
 import copy
+import functools
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +182,30 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
                            sinks)  # fmt: skip
 
 
+def _expand(module):
+    """Multi-head latent attention's own expansion of latents into keys and values (the class's: not the recording
+    one [`install_attention`] sets on the module, since a source forward reading another's latents must not record
+    them as its own); None for other attention."""
+    expand = getattr(type(module), "expand_kv", None)
+    return None if expand is None else functools.partial(expand, module)
+
+
+def _expand_kv_holding_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+    """An installed latent-attention module's `expand_kv` ([`install_attention`]): in a source forward, hands
+    [`held.Capture.latents`] the latents first, held in place of the keys and values they expand to."""
+    (_record_outside_graph if torch.compiler.is_compiling() else _record_latents)(module, kv_nope, k_rot)
+    return type(module).expand_kv(module, kv_nope, k_rot)
+
+
+def _record_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
+    capture = capturing()
+    if capture is not None:
+        capture.latents(module.layer_idx, kv_nope, k_rot)
+
+
+_record_outside_graph = torch._dynamo.disable(_record_latents)  # (a compiled layer: what the context holds now)
+
+
 def _one_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """
     Queries, keys and values padded with zeros to one head dim, as the fused kernels need (DeepSeek-V3's values are
@@ -233,7 +259,8 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
         capture = capturing()
         if capture is not None:  # a source forward: these keys are held for later micro-batches ([`tree.holds`])
             capture.attention(module.layer_idx, key, value)
-        held = _compute_dtype(query, *layout.held.attention(module.layer_idx))[1:] if layout.held_parts else ()
+        held = _compute_dtype(query, *layout.held.attention(module.layer_idx, _expand(module)))[1:] if (
+            layout.held_parts) else ()  # fmt: skip
         query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
         history, held = rest[: len(history)], rest[len(history) :]
         with _softcapped(kwargs.get("softcap")):  # Gemma 2's attention-logit cap: the math path's
@@ -315,6 +342,9 @@ def install_attention(model: nn.Module) -> int:
             proxy = copy.copy(module.config)
             proxy._attn_implementation_internal = ATTENTION_NAME
             module._rloo_base_config, module.config = module.config, proxy
+        if hasattr(type(module), "expand_kv") and "expand_kv" not in vars(module):  # latent attention: held as latents
+            # (a method bound to the module: a deep copy of the model binds its copy)
+            module.expand_kv = types.MethodType(_expand_kv_holding_latents, module)
         count += 1
     return count
 

@@ -144,11 +144,15 @@ class HeldReads:
         self.slots = slots
         self.kv_source = kv_source
 
-    def attention(self, layer: int) -> list[torch.Tensor]:
-        """`[key, value]` of every slot for attention layer `layer`, `(1, Hkv, Ns, D)` each."""
+    def attention(self, layer: int, expand=None) -> list[torch.Tensor]:
+        """`[key, value]` of every slot for attention layer `layer`, `(1, Hkv, Ns, D)` each; a slot holding latents
+        (multi-head latent attention) expanded by `expand(kv_nope, k_rot)`, the layer's own `expand_kv`."""
         layer = layer if self.kv_source is None else self.kv_source[layer]
         out = []
         for slot in self.slots:
+            if ("latent", layer) in slot and expand is not None:
+                out += expand(slot[("latent", layer)], slot[("rot", layer)])
+                continue
             if ("key", layer) not in slot:
                 raise RuntimeError(f"No keys were held for attention layer {layer}: its attention did not go through "
                                    "rloo_efficient's attention function in the source forward.")  # fmt: skip
@@ -191,7 +195,19 @@ class Capture:
     def attention(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         if self.kv_source is not None and self.kv_source[layer] != layer:
             return  # a layer reading another's keys: its source's are held
+        if ("latent", layer) in self.tensors:
+            return  # latent attention: the latents these keys expand from are held ([`latents`])
         self.tensors[("key", layer)], self.tensors[("value", layer)] = self.guard(key), self.guard(value)
+
+    def latents(self, layer: int, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
+        """Multi-head latent attention's latents, `(1, 1, N, rank)` and `(1, 1, N, rope dims)`, as its `expand_kv`
+        takes them (each reader expands them again, as stock's rows each expand their own): held in place of the keys
+        and values, which have `heads * (qk_head_dim + v_head_dim) / (rank + rope dims)` times as many values (71 at
+        DeepSeek-V3's widths). In the dtype they come in: narrowing them would change the gradients' sums (the rope
+        part's over heads, a LoRA `kv_b_proj`'s two paths', both float32 in stock's). A view of a wider tensor
+        (Kimi-Linear's rope part, split from the projection) is copied, so that it does not keep the rest alive."""
+        self.tensors[("latent", layer)] = self.guard(kv_nope.contiguous())
+        self.tensors[("rot", layer)] = self.guard(k_rot.contiguous())
 
     def recurrent(self, layer, kind: str, value: torch.Tensor) -> None:
         """Every node's final `"state"` or convolution `"tail"` of a recurrent layer, in [`tree.runs.level_order`]."""

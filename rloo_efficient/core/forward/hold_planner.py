@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..generation.prompt_cache import kv_sources, kv_token_bytes
+from ..generation.prompt_cache import held_token_values, kv_sources
 from ..layers.families import position_period
 from ..layers.recurrent import held_state_values
 from ..tree.hold_budget import held_image_bytes, held_node_bytes, held_token_bytes
@@ -52,16 +52,20 @@ class HoldCosts:
         return kv_sources(self.policy().config.get_text_config(decoder=True))
 
     @functools.cached_property
-    def _kv_values(self) -> int:
-        """A token's key and value values over the layers ([`generation.prompt_cache.kv_token_bytes`] at one byte a
-        value): the config's alone, found once rather than per plan (it builds a cache's layers from the config)."""
-        return kv_token_bytes(self.policy().config.get_text_config(decoder=True), 1)
+    def _kv_values(self) -> tuple[int, int]:
+        """A token's held values over the layers ([`generation.prompt_cache.held_token_values`]: keys and values,
+        latents): the config's alone, found once rather than per plan (it builds a cache's layers from the config)."""
+        return held_token_values(self.policy().config.get_text_config(decoder=True))
 
     def token_bytes(self, training: bool) -> int:
-        """[`tree.hold_budget.held_token_bytes`] of the policy's text config."""
+        """[`tree.hold_budget.held_token_bytes`] of the policy's text config: keys and values at `element_size`
+        bytes, latents at the parameters' (latent attention's come out of a norm or the rotary embedding, in the
+        parameters' dtype under autocast; Kimi-Linear's rope part, in autocast's, is charged the wider size)."""
         config = self.policy().config.get_text_config(decoder=True)
         size = self._size()
-        return held_token_bytes(self._kv_values * size, config.hidden_size, config.num_hidden_layers, size, training,
+        keys, latents = self._kv_values
+        held = keys * size + latents * next(self.policy().parameters()).element_size()
+        return held_token_bytes(held, keys + latents, config.hidden_size, config.num_hidden_layers, size, training,
                                 self.checkpointing)  # fmt: skip
 
     def node_bytes(self, training: bool) -> int:

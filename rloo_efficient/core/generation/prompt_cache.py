@@ -205,26 +205,32 @@ def kv_sources(config) -> list[int]:
 
 
 def kv_token_bytes(config, element_size: int) -> int:
-    """The bytes of one token's keys and values as attention reads them (what a held prompt keeps, [`attention.held`]),
-    over the layers of a text `config` that store them, from the config: not a layer reading another's (Gemma 4's), a
-    recurrent one (its state is per sequence, not per token) nor one without attention (Nemotron-H's MLP layers); per
-    layer where it varies by layer (Gemma 4's global layers); multi-head latent attention's (DeepSeek-V3, Kimi-Linear)
-    expanded per query head, though its generation cache stores the latents."""
+    """The bytes of one token's keys and values as a cache stores them, over the layers of a text `config` that store
+    them, from the config: not a layer reading another's (Gemma 4's), a recurrent one (its state is per sequence, not
+    per token) nor one without attention (Nemotron-H's MLP layers); per layer where it varies by layer (Gemma 4's global
+    layers); multi-head latent attention's (DeepSeek-V3, Kimi-Linear) latents."""
+    return sum(held_token_values(config)) * element_size
+
+
+def held_token_values(config) -> tuple[int, int]:
+    """What a held prompt keeps of one token ([`attention.held.Capture`]) over the layers of a text `config` that store
+    keys and values (as [`kv_token_bytes`]), in values: `(keys and values as attention reads them, multi-head latent
+    attention's latents)`, the latter held in the dtype they come in ([`attention.held.Capture.latents`])."""
     configs = getattr(config, "per_layer_config", None) or [config] * config.num_hidden_layers
     layers = DynamicCache(config=config).layers
     stores = [isinstance(layer, DynamicLayer) for layer in layers]  # (a hybrid's attention layers only)
     if len(stores) != config.num_hidden_layers:  # (a config whose cache has no layer per layer): every layer charged
         stores = [True] * config.num_hidden_layers
-    width = 0
+    keys = latents = 0
     for index, source in enumerate(kv_sources(config)):
         if source == index and stores[index]:
             layer = configs[index]
-            if getattr(layer, "qk_head_dim", None) and getattr(layer, "v_head_dim", None):  # latent attention
-                width += layer.num_attention_heads * (layer.qk_head_dim + layer.v_head_dim)
+            if getattr(layer, "kv_lora_rank", None) and getattr(layer, "qk_rope_head_dim", None):  # latent attention
+                latents += layer.kv_lora_rank + layer.qk_rope_head_dim
                 continue
             heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
-            width += 2 * heads * (getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
-    return width * element_size
+            keys += 2 * heads * (getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads)
+    return keys, latents
 
 
 def prefix_cache_unsupported_reason(model: nn.Module) -> str | None:

@@ -14,15 +14,16 @@ import numpy as np
 SAVED_PER_LAYER = 17
 
 
-def held_token_bytes(kv_bytes: int, hidden_size: int, layers: int, element_size: int, training: bool,
+def held_token_bytes(kv_bytes: int, kv_values: int, hidden_size: int, layers: int, element_size: int, training: bool,
                      checkpointing: bool) -> int:  # fmt: skip
-    """What holding one prompt token costs ([`tree.holds.plan_holds`]' `token_bytes`): its keys and values in every
-    layer (`kv_bytes`); in training also a float32 bank of their gradient, and what its graph keeps ([`SAVED_PER_LAYER`]
-    hidden sizes per layer, one under gradient `checkpointing`), in `element_size`-byte values."""
+    """What holding one prompt token costs ([`tree.holds.plan_holds`]' `token_bytes`): its keys and values (or latents)
+    in every layer, `kv_values` values in `kv_bytes`; in training also a float32 bank of their gradient, and what its
+    graph keeps ([`SAVED_PER_LAYER`] hidden sizes per layer, one under gradient `checkpointing`), in `element_size`-byte
+    values."""
     if not training:
         return kv_bytes
     saved = hidden_size * (1 if checkpointing else SAVED_PER_LAYER) * layers
-    return kv_bytes + kv_bytes // element_size * 4 + saved * element_size
+    return kv_bytes + kv_values * 4 + saved * element_size
 
 
 def held_node_bytes(wide_values: int, narrow_values: int, element_size: int, training: bool) -> int:
