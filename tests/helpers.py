@@ -254,7 +254,8 @@ def assert_same_generation(stock, ours, arch: str, steps: int) -> None:
     assert torch.equal(ours.sequences, stock.sequences)
     assert len(ours.logits) == len(stock.logits) == steps
     # generate hands out float32 logits whatever the model's dtype: float32's tolerance; float32 models: theirs
-    tolerance = 1e-4 if arch in FLOAT32 else 1e-6
+    # (DeepSeek-V3's agree to 3e-7: its latents' rope part one token out of place moves them by 5e-5)
+    tolerance = 1e-5 if arch == "deepseek_v3" else 1e-4 if arch in FLOAT32 else 1e-6
     for step, (a, b) in enumerate(zip(stock.logits, ours.logits, strict=True)):
         torch.testing.assert_close(b, a, rtol=tolerance, atol=tolerance, msg=f"step {step}")
 

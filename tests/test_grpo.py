@@ -462,15 +462,17 @@ def run_with(trainer_class, path, args, dataset, tokenizer, **kwargs):
 
 # budget 1e-9 GiB: one byte, less than any turn's cache
 @pytest.mark.parametrize("system, budget, arch", [(0, None, "llama"), (100, None, "llama"), (100, 0, "llama"),
-                                                  (100, 1e-9, "llama"), (100, None, "mistral")])  # fmt: skip
+                                                  (100, 1e-9, "llama"), (100, None, "mistral"),
+                                                  (100, None, "deepseek_v3")])  # fmt: skip
 def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_head, system, budget, arch):
     """The first turn generates from the dataset's prompts (shared); a row that calls a tool continues from its own
     history (prompt, completion, the tool's answer). By default each such row continues its first turn's KV cache:
     only the tokens added since are prefilled (Mistral with a window of 16, shorter than the histories: its window
-    layers keep their whole histories in the tool loop). With no budget for that (`tool_cache_budget_gib=0`, or a
-    budget the caches exceed: one warning) and a system prompt before every task (100 tokens), the later turn's rows,
-    no two alike, still share it: that turn is prefilled as its prefix tree. The training forward packs each prompt
-    once, the tool's tokens part of its completion (masked out of the loss, as stock masks them)."""
+    layers keep their whole histories in the tool loop; DeepSeek-V3 continues its latents, float32 for its experts).
+    With no budget for that (`tool_cache_budget_gib=0`, or a budget the caches exceed: one warning) and a system
+    prompt before every task (100 tokens), the later turn's rows, no two alike, still share it: that turn is
+    prefilled as its prefix tree. The training forward packs each prompt once, the tool's tokens part of its
+    completion (masked out of the loss, as stock masks them)."""
     import rloo_efficient.trainers.generation as mixin  # the generation glue: its generate_with_shared_prefill
 
     scripted_tool_calls(monkeypatch)
@@ -487,8 +489,9 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
     # TRL continues a row only where its completion and the tool's answer fit in max_completion_length: the row must
     # have ended early; the later turns' calls are counted
     turns = recorded_turns(monkeypatch)
-    window = dict(arch="mistral", sliding_window=16) if arch == "mistral" else {}
-    cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=system, **window)
+    family = {"mistral": dict(arch="mistral", sliding_window=16),
+              "deepseek_v3": dict(arch="deepseek_v3", model_dtype="float32")}.get(arch, {})  # (experts: float32)
+    cfg = tiny_workload(model_cache, conversational=True, system_prompt_length=system, **family)
     path, dataset = build_model_dir(cfg), build_dataset(cfg)
     # Mistral's case under GRPO's own beta (0: the first forward through ours may be the checkpointed training one)
     settings = dict(max_steps=4, max_completion_length=96, beta=0.0 if arch == "mistral" else 0.1)
@@ -520,7 +523,8 @@ def test_tools_share_the_first_turn(model_cache, tmp_path, monkeypatch, exact_he
         assert all(reusing == rows for rows, reusing in continued)
     # A system prompt is a node shared by prompts of other lengths in the packed forwards: positions shift by a
     # constant, which float32 rotary tables round at ~1e-7 relative (README, Limits)
-    assert_same_run(stock, ours, **(dict(rtol=3e-6, atol=1e-9) if system else {}))
+    assert_same_run(stock, ours, **(dict(rtol=1e-4, atol=1e-5) if arch == "deepseek_v3" else
+                                    dict(rtol=3e-6, atol=1e-9) if system else {}))  # fmt: skip
 
 
 def test_a_tool_loop_of_several_turns_continues_each_turns_cache(model_cache, tmp_path, monkeypatch, exact_head):

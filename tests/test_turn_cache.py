@@ -20,9 +20,9 @@ from .helpers import (
 # (a new token reads only its window's held keys; sinks on GPT-OSS's)
 CONTINUED = ("llama", "qwen3", "phi3", "olmo2", "smollm3", "granite", "qwen3_moe", "seed_oss", "glm4_moe",
              "ernie4_5_moe", "minimax_m2", "qwen2_vl", "qwen2_5_vl", "mistral_sliding", "gemma3_sliding",
-             "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4")  # fmt: skip
-# Latents, recurrent states: each later turn prefilled as before (each row padded)
-NOT_CONTINUED = ("deepseek_v3", "qwen3_next")
+             "gpt_oss_sliding", "cohere2", "olmo3", "gemma3_vlm", "gemma4", "deepseek_v3")  # fmt: skip
+# Recurrent states: each later turn prefilled as before (each row padded)
+NOT_CONTINUED = ("qwen3_next",)
 
 
 @pytest.mark.parametrize("once", [None, True])

@@ -53,8 +53,8 @@ SHARING_DOC = r"""
             With `share_generation_prefill`, prefill each `generate` call's distinct prompts as their prefix tree,
             through the packed forward: a system prompt opening every prompt once per call, a tool turn's rows' shared
             system prompt and task once, no padding; the keys and values laid out as the padded batch's cache. For
-            text prompts and models whose cache holds keys and values (not recurrent states, not multi-head latent
-            attention's latents), not under ZeRO-3 or FSDP; elsewhere each distinct prompt is prefilled once, padded.
+            text prompts and models whose cache holds keys and values (or multi-head latent attention's latents; not
+            recurrent states), not under ZeRO-3 or FSDP; elsewhere each distinct prompt is prefilled once, padded.
         share_prompt_kv_cache (`bool` or `None`, *optional*, defaults to `None`):
             With `share_generation_prefill`, keep each prompt's keys and values once per group while decoding,
             instead of fanning them out to its `k` rows: attention is split into the shared prompt and each row's own
@@ -78,7 +78,7 @@ SHARING_DOC = r"""
             copied what its rows continue, and all of them when the tool loop ends. Where they would take more than
             the budget, they are not held, and the next turn prefills as its prefix tree (`share_prefill_tree`).
             `None`: a quarter of the accelerator's memory (of the host's on CPU); `0`: never held. For models whose
-            cache holds keys and values (not recurrent states, not multi-head latent attention's latents), text
+            cache holds keys and values (or multi-head latent attention's latents; not recurrent states), text
             prompts, not under ZeRO-3 or FSDP; in a tool loop a sliding-window layer keeps its whole history while
             decoding (masked to its window). Held keys and values were computed one decoding step at a time: they
             equal a fresh prefill's to floating-point rounding.

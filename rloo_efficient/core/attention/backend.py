@@ -191,16 +191,23 @@ def _expand(module):
 
 
 def _expand_kv_holding_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor):
-    """An installed latent-attention module's `expand_kv` ([`install_attention`]): in a source forward, hands
-    [`held.Capture.latents`] the latents first, held in place of the keys and values they expand to."""
+    """An installed latent-attention module's `expand_kv` ([`install_attention`]): hands its latents over first
+    ([`_record_latents`]), then expands them as the class does."""
     (_record_outside_graph if torch.compiler.is_compiling() else _record_latents)(module, kv_nope, k_rot)
     return type(module).expand_kv(module, kv_nope, k_rot)
 
 
 def _record_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
+    """Latent attention's latents, where a packed forward takes what its layers store: a source forward holds them in
+    place of the keys and values they expand to ([`held.Capture.latents`]); a tree prefill lays them out as the
+    layer's cache stores them ([`capturing_keys`]: keys the latents, values the rope part, as `cache.update` takes
+    them)."""
     capture = capturing()
     if capture is not None:
         capture.latents(module.layer_idx, kv_nope, k_rot)
+    keys = _capturing.get()
+    if keys is not None:
+        keys(module.layer_idx, kv_nope, k_rot)
 
 
 _record_outside_graph = torch._dynamo.disable(_record_latents)  # (a compiled layer: what the context holds now)
@@ -234,8 +241,8 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
     """The attention function registered as `ATTENTION_NAME` (transformers' attention interface signature)."""
     layout = kwargs.pop(LAYOUT_KWARG, None)
     capture = _capturing.get() if layout is not None else None
-    if capture is not None:  # as the module hands them over: what its cache would store
-        capture(module.layer_idx, key, value)
+    if capture is not None and "expand_kv" not in vars(module):  # as the module hands them over: what its cache
+        capture(module.layer_idx, key, value)  # would store (latent attention's latents: [`_record_latents`])
     cache = _decoding.get() if layout is None else None
     if layout is None and cache is None:
         return _base_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
@@ -255,7 +262,10 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
             if torch.is_grad_enabled():
                 raise ValueError("A continued prefill's attention over held keys has no backward: run it without "
                                  "grad.")  # fmt: skip
-            history = _compute_dtype(query, *_continuing.get()(module.layer_idx))[1:]
+            history, expand = _continuing.get()(module.layer_idx), _expand(module)
+            if expand is not None:  # latent attention: the cache holds latents, expanded here as the module does
+                history = expand(*history)
+            history = _compute_dtype(query, *history)[1:]
         capture = capturing()
         if capture is not None:  # a source forward: these keys are held for later micro-batches ([`tree.holds`])
             capture.attention(module.layer_idx, key, value)
@@ -362,7 +372,8 @@ def decoding_with(cache):
 @contextlib.contextmanager
 def capturing_keys(capture):
     """Within the block, each attention call of a packed forward hands `capture(layer_idx, key, value)` its layer's
-    keys and values as the module hands them over (what the layer's cache would store), each `(1, Hkv, N, D)`."""
+    keys and values as the module hands them over (what the layer's cache would store), each `(1, Hkv, N, D)`; a
+    latent attention layer its latents, as its cache stores them (`(1, 1, N, rank)` and `(1, 1, N, rope dims)`)."""
     token = _capturing.set(capture)
     try:
         yield

@@ -43,8 +43,6 @@ def tree_prefill_reason(model: nn.Module) -> str | None:
         reason = None
         if not kinds <= set(_TREE_LAYERS):
             reason = "its cache keeps recurrent states, which the tree's packed forward does not return"
-        elif any(hasattr(module, "expand_kv") for module in model.modules()):
-            reason = "multi-head latent attention caches latents, not the keys and values attention reads"
         model._rloo_tree_prefill_reason = reason or prefix_cache_unsupported_reason(model)
     return model._rloo_tree_prefill_reason
 

@@ -16,7 +16,8 @@ one pass: they agree to the floating-point rounding of those different matmul sh
 
 What a row's previous call forwarded past its end (the padding `generate` feeds a finished row) is never reused: a
 held row's tokens stop at its first end-of-sequence token. Only caches of keys and values continue (no recurrent
-state: it went on past the row's end; no latents; Gemma 4's layers reading another's read its). A sliding-window layer
+state: it went on past the row's end; multi-head latent attention's latents, which each continued token reads expanded
+by its layer; Gemma 4's layers reading another's read its). A sliding-window layer
 keeps its whole history in a tool loop ([`generation.turn_cache`]): the batch's last positions it would keep are padding for a
 row that finished early.
 """
