@@ -211,6 +211,9 @@ def _record_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
 
 
 _record_outside_graph = torch._dynamo.disable(_record_latents)  # (a compiled layer: what the context holds now)
+# A bound method is pickled as its object's attribute of the function's name: a pickled model (`torch.save(model)`)
+# loads with the class's `expand_kv` in its place (its held prompts then keep the expanded keys, as before)
+_expand_kv_holding_latents.__name__ = "expand_kv"
 
 
 def _one_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
