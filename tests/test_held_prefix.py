@@ -649,3 +649,36 @@ def test_a_no_grad_pass_whose_hoisted_plans_differ_holds_the_agreed_unhoisted_pl
         held = plan_held(pattern(plans[hoist]))
         assert held.source_chunk.tolist() == plans[hoist].source_chunk.tolist() and not trainer.warned
     assert plan_held(None) is None and trainer.warned  # neither agrees: nothing held, one warning
+
+
+def test_a_copied_or_pickled_model_records_its_own_latents(monkeypatch):
+    """Latent attention's recording `expand_kv` ([`attention.backend.install_attention`]) belongs to its module: a deep
+    copy of the model (a reference model made by copying) and a pickled one (`torch.save(model)`) hand over their own
+    modules' latents and expand them through their own `kv_b_proj`. Fails with the recording function bound to the
+    module as a method: a method is pickled by its function's name, and the loaded model raised AttributeError."""
+    import copy
+    import io
+
+    from rloo_efficient.core.attention import backend
+    from rloo_efficient.core.layers.install import install
+
+    from .helpers import VOCAB, build
+
+    model = build("deepseek_v3")
+    install(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    recorded = []
+    monkeypatch.setattr(backend, "_record_latents", lambda module, kv_nope, k_rot: recorded.append(module))
+    ids = torch.randint(12, VOCAB, (1, 5))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            recorded.clear()
+            assert torch.equal(other(input_ids=ids).logits, want)
+            modules = [module for module in other.modules() if hasattr(type(module), "expand_kv")]
+            assert recorded == modules
+            for module in modules:
+                module.kv_b_proj.weight.mul_(2)
+            assert not torch.allclose(other(input_ids=ids).logits, want)

@@ -27,7 +27,6 @@ import contextvars
 import copy
 import functools
 import sys
-import types
 from dataclasses import dataclass
 
 import torch
@@ -190,11 +189,17 @@ def _expand(module):
     return None if expand is None else functools.partial(expand, module)
 
 
-def _expand_kv_holding_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor):
+class _ExpandHoldingLatents:
     """An installed latent-attention module's `expand_kv` ([`install_attention`]): hands its latents over first
-    ([`_record_latents`]), then expands them as the class does."""
-    (_record_outside_graph if torch.compiler.is_compiling() else _record_latents)(module, kv_nope, k_rot)
-    return type(module).expand_kv(module, kv_nope, k_rot)
+    ([`_record_latents`]), then expands them as the class does. An object holding its module, so that a deep copy of
+    the model and a pickled one (`torch.save(model)`) hold theirs."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (_record_outside_graph if torch.compiler.is_compiling() else _record_latents)(self.module, kv_nope, k_rot)
+        return type(self.module).expand_kv(self.module, kv_nope, k_rot)
 
 
 def _record_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
@@ -211,9 +216,6 @@ def _record_latents(module, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> None:
 
 
 _record_outside_graph = torch._dynamo.disable(_record_latents)  # (a compiled layer: what the context holds now)
-# A bound method is pickled as its object's attribute of the function's name: a pickled model (`torch.save(model)`)
-# loads with the class's `expand_kv` in its place (its held prompts then keep the expanded keys, as before)
-_expand_kv_holding_latents.__name__ = "expand_kv"
 
 
 def _one_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -356,8 +358,7 @@ def install_attention(model: nn.Module) -> int:
             proxy._attn_implementation_internal = ATTENTION_NAME
             module._rloo_base_config, module.config = module.config, proxy
         if hasattr(type(module), "expand_kv") and "expand_kv" not in vars(module):  # latent attention: held as latents
-            # (a method bound to the module: a deep copy of the model binds its copy)
-            module.expand_kv = types.MethodType(_expand_kv_holding_latents, module)
+            module.expand_kv = _ExpandHoldingLatents(module)
         count += 1
     return count
 
