@@ -359,6 +359,45 @@ def test_matches_stock_trl_with_qlora(model_cache, tmp_path, case):
     assert_metrics_close(step_metrics(stock), step_metrics(ours), 1e-2, 1e-4, per_micro_batch(ours))
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_lora_under_bf16_mixed_precision_prefills_as_stocks_generation(model_cache, tmp_path, monkeypatch, arch):
+    """LoRA under accelerate's bf16 autocast on float32 weights (TRL's `bf16=True`): accelerate wraps the PEFT model's
+    forward in autocast, which `PeftModel.generate` never calls, so stock's generation runs without autocast. Ours'
+    prefills (the tree's, with a system prompt) run as it does: every forward of the generation phase without autocast,
+    stock's completions. Fails with the prefill called through the PEFT model's forward (under autocast: Llama's prompt
+    keys in bf16 precision; DeepSeek-V3's decoding raised a dtype error expanding bf16 latents in float32)."""
+    from peft import LoraConfig
+
+    autocast = {}  # per run: whether each forward of the generation phase ran under autocast
+
+    def recorded(name):
+        def generate(self, *args, **kwargs):
+            inner = self.accelerator.unwrap_model(self.model).get_base_model()
+            hook = inner.register_forward_pre_hook(
+                lambda module, args: autocast.setdefault(name, set()).add(torch.is_autocast_enabled("cpu")))
+            try:
+                return single_turn(self, *args, **kwargs)
+            finally:
+                hook.remove()
+        return generate
+
+    single_turn = trl.RLOOTrainer._generate_single_turn
+    cfg = tiny_workload(model_cache, arch=arch, model_dtype="float32", system_prompt_length=40)
+    path, dataset = build_model_dir(cfg), build_dataset(cfg)
+    lora = LoraConfig(**{**POLICY_LORA, "target_modules": ["q_b_proj", "kv_b_proj"]} if arch == "deepseek_v3" else
+                      POLICY_LORA)  # fmt: skip
+    overrides = dict(max_steps=1, bf16=True, use_cpu=True)
+    runs = {}
+    for name, trainer_class, config_class in (("stock", trl.RLOOTrainer, trl.RLOOConfig), ("ours", RLOOTrainer, None)):
+        monkeypatch.setattr(trl.RLOOTrainer, "_generate_single_turn", recorded(name))
+        args = training_args(tmp_path / name, **({"config_class": config_class} if config_class else {}), **overrides)
+        runs[name] = run(trainer_class, path, args, dataset, peft_config=lora)
+    stock, ours = runs["stock"], runs["ours"]
+    assert ours.shared_prefill_tokens > 0 and ours._switches.prefill
+    assert autocast == {"stock": {False}, "ours": {False}}
+    assert list(ours._logs["completion"]) == list(stock._logs["completion"])
+
+
 def test_matches_stock_trl_with_a_chat_template(model_cache, tmp_path):
     cfg = tiny_workload(model_cache, conversational=True)
     _compare(build_model_dir(cfg), build_dataset(cfg), tmp_path)

@@ -116,7 +116,7 @@ def test_ranks_in_step_hold_no_cache_between_turns(tmp_path):
 
 @pytest.mark.parametrize("arch", NOT_CONTINUED)
 def test_other_caches_prefill_each_later_turn(arch):
-    """Latents and recurrent states: later turns prefilled as before, nothing held."""
+    """Recurrent states: later turns prefilled as before, nothing held."""
     assert continue_reason(build(arch)) is not None
     turns = TurnCaches(budget=1 << 40)
     for turn, (stock, ours, tokens, added, histories) in enumerate(tool_loop(arch, turns)):

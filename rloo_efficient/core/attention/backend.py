@@ -165,8 +165,9 @@ def _decode_attention(module, query, key, value, cache, window, sinks, scale) ->
         raise ValueError(f"{ATTENTION_NAME!r} decodes one token per row at a time, got {query.shape[2]}.")
     layer = cache.layers[module.layer_idx]
     prefix_key, prefix_value = layer.prefix_keys, layer.prefix_values
-    if hasattr(module, "expand_kv"):  # multi-head latent attention: the prompt is cached as latents, expanded here
-        prefix_key, prefix_value = module.expand_kv(prefix_key, prefix_value)  # as the module expands its own
+    expand = _expand(module)
+    if expand is not None:  # multi-head latent attention: the prompt is cached as latents, expanded here
+        prefix_key, prefix_value = expand(prefix_key, prefix_value)  # as the module expands its own
     prefix_key, prefix_value = _compute_dtype(query, prefix_key, prefix_value)[1:]
     prefix_bias, own_bias = layer.prefix_bias, layer.own_bias
     if window is not None and key.shape[2] > window:  # a layer keeping its whole history (a tool loop's): the window

@@ -46,7 +46,13 @@ from . import static_buffers, static_decode
 from .prompt_cache import PrefixCache, ReadDtypeCache, cache_limit, keep_prompt_once, kv_sources
 from .static_checks import static_call_reason, warn_off
 from .static_decode import static_sample
-from .tree_prefill import plan_tree_prefill, takes_logits_to_keep, tree_prefill, tree_prefill_reason
+from .tree_prefill import (
+    generating_model,
+    plan_tree_prefill,
+    takes_logits_to_keep,
+    tree_prefill,
+    tree_prefill_reason,
+)
 from .turn_cache import (
     TurnCaches,
     continuable,
@@ -180,7 +186,7 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
             **{key: value for key, value in images.items() if key in ("image_grid_thw", *TOKEN_TYPE_FIELDS)}})  # fmt: skip
     else:
         positions = generation_position_ids(prefix_mask)
-    model(
+    generating_model(model)(  # as generate calls it: under mixed precision, in the precision stock's prefill runs
         input_ids=prefix_ids,
         # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
         attention_mask=prefix_mask if padded else None,

@@ -79,18 +79,26 @@ def plan_tree_prefill(prompt_ids: list[list[int]], first: list[int], width: int,
     return TreePlan(tree, tokens, slots, len(first), columns)
 
 
+def generating_model(model: nn.Module) -> nn.Module:
+    """The module whose forward `generate` calls for `model`: a PEFT model's base model (`PeftModel.generate` hands
+    generation to it, whose layers hold the adapters), else `model` itself. So a prefill runs as stock's generation:
+    under mixed precision accelerate wraps the forward of the model it prepared (a PEFT model's, whose `generate`
+    never calls it) in autocast, and a PEFT model's stock generation runs without."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Whether `model`'s forward (a PEFT model's base's) takes `logits_to_keep`."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return "logits_to_keep" in inspect.signature(generating_model(model).forward).parameters
 
 
 def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, layers: set[int], what: str) -> None:
     """
-    One packed forward of `tokens` `(N,)` over `layout` ([`tree.parts.TreeLayout`]), the model called at its top as
-    `generate` calls it (a mixed-precision wrapper on its `forward` applies), its head on one position only, each
-    attention layer handing its keys and values to `capture(layer_idx, key, value)` ([`capturing_keys`]). Raises
-    where a cache layer of `layers` handed none (its attention did not go through ours); `what` names the caller.
+    One packed forward of `tokens` `(N,)` over `layout` ([`tree.parts.TreeLayout`]), the model called as `generate`
+    calls it ([`generating_model`]: a mixed-precision wrapper on its `forward` applies where it does there), its head
+    on one position only, each attention layer handing its keys and values to `capture(layer_idx, key, value)`
+    ([`capturing_keys`]). Raises where a cache layer of `layers` handed none (its attention did not go through ours);
+    `what` names the caller.
     """
     install(model)
     seen = set()
@@ -104,8 +112,9 @@ def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, l
     if takes_logits_to_keep(model):
         head["logits_to_keep"] = torch.zeros(1, dtype=torch.long, device=tokens.device)
     with capturing_keys(record):
-        model(input_ids=tokens.view(1, -1), attention_mask=NO_MASK, position_ids=layout.positions.view(1, -1),
-              use_cache=False, **{LAYOUT_KWARG: layout}, **head)  # fmt: skip
+        generating_model(model)(input_ids=tokens.view(1, -1), attention_mask=NO_MASK,
+                                position_ids=layout.positions.view(1, -1), use_cache=False, **{LAYOUT_KWARG: layout},
+                                **head)  # fmt: skip
     missing = sorted(layers - seen)
     if missing:
         raise RuntimeError(f"The {what} saw no keys for the cache layers {missing}: their attention did not go "
@@ -116,8 +125,8 @@ def forward_capturing(model: nn.Module, tokens: torch.Tensor, layout, capture, l
 def tree_prefill(model: nn.Module, plan: TreePlan, cache: DynamicCache | None = None) -> DynamicCache:
     """
     The cache [`generation.generate.prefill_prompts`] returns for the distinct prompts of `plan`, from one packed
-    forward over their prefix tree. The model is called at its top, as `generate` calls it (a mixed-precision wrapper
-    on its `forward` applies: the keys are computed in the precision stock's are), its head on one position only.
+    forward over their prefix tree. The model is called as `generate` calls it ([`generating_model`]: the keys are
+    computed in the precision stock's are), its head on one position only.
     Each layer's keys and values are laid out as they arrive, so that no more than one layer's packed copy is alive.
     `cache`: the empty cache to fill (default: the model's own kind).
     """
