@@ -260,6 +260,7 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
     query, key, value = _compute_dtype(query, key, value)
     value_dim = value.shape[-1]
     if layout is not None:
+        expand = _expand(module)  # (latent attention: what expands held latents)
         sliding = window is not None  # a sliding layer (Gemma 4's image blocks attend both ways only there)
         if window is not None and window >= layout.span:  # every key any query may read is within the window
             window = None
@@ -268,14 +269,14 @@ def prefix_attention(module, query, key, value, attention_mask, scaling=None, dr
             if torch.is_grad_enabled():
                 raise ValueError("A continued prefill's attention over held keys has no backward: run it without "
                                  "grad.")  # fmt: skip
-            history, expand = _continuing.get()(module.layer_idx), _expand(module)
+            history = _continuing.get()(module.layer_idx)
             if expand is not None:  # latent attention: the cache holds latents, expanded here as the module does
                 history = expand(*history)
             history = _compute_dtype(query, *history)[1:]
         capture = capturing()
         if capture is not None:  # a source forward: these keys are held for later micro-batches ([`tree.holds`])
             capture.attention(module.layer_idx, key, value)
-        held = _compute_dtype(query, *layout.held.attention(module.layer_idx, _expand(module)))[1:] if (
+        held = _compute_dtype(query, *layout.held.attention(module.layer_idx, expand))[1:] if (
             layout.held_parts) else ()  # fmt: skip
         query, key, value, *rest = _one_head_dim(query, key, value, *history, *held)
         history, held = rest[: len(history)], rest[len(history) :]

@@ -45,7 +45,10 @@ class HoldCosts:
         self.policy, self.element_size, self.checkpointing = policy, element_size, checkpointing
 
     def _size(self) -> int:
-        return self.element_size or next(self.policy().parameters()).element_size()
+        return self.element_size or self._parameter_size()
+
+    def _parameter_size(self) -> int:
+        return next(self.policy().parameters()).element_size()
 
     def kv_source(self) -> list[int]:
         """Per attention layer, the layer whose keys it reads ([`generation.prompt_cache.kv_sources`])."""
@@ -64,7 +67,7 @@ class HoldCosts:
         config = self.policy().config.get_text_config(decoder=True)
         size = self._size()
         keys, latents = self._kv_values
-        held = keys * size + latents * next(self.policy().parameters()).element_size()
+        held = keys * size + latents * self._parameter_size()
         return held_token_bytes(held, keys + latents, config.hidden_size, config.num_hidden_layers, size, training,
                                 self.checkpointing)  # fmt: skip
 

@@ -179,14 +179,14 @@ def prefill_prompts(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     kwargs = dict(images or {})
     if takes_logits_to_keep(model):
         kwargs["logits_to_keep"] = 1  # the prefix's logits are never read
+    inner = generating_model(model)  # as generate calls it: in the precision stock's prefill runs (mixed precision)
     if images:
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         positions = inner._prepare_position_ids_for_generation(prefix_ids, {
             "input_ids": prefix_ids, "attention_mask": prefix_mask,
             **{key: value for key, value in images.items() if key in ("image_grid_thw", *TOKEN_TYPE_FIELDS)}})  # fmt: skip
     else:
         positions = generation_position_ids(prefix_mask)
-    generating_model(model)(  # as generate calls it: under mixed precision, in the precision stock's prefill runs
+    inner(
         input_ids=prefix_ids,
         # generate drops an all-ones mask (letting attention use its causal fast path); so do we, for the same numbers
         attention_mask=prefix_mask if padded else None,
@@ -350,7 +350,7 @@ def _static_decoding(model: nn.Module, device, config: GenerationConfig, synced:
         static = static_decode.captures(model, device)
     if not static:
         return {}
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = generating_model(model)
     own = getattr(type(inner), "generate", None) is not GenerationMixin.generate
     off = f"{type(inner).__name__} has its own generate" if own else static_call_reason(config, synced, kwargs)
     if off is not None:
@@ -403,7 +403,7 @@ def _rope_deltas(model: nn.Module, inverse: list[int] | None, rows: int, device)
     starts from our prefilled cache gets the same zeros, for its own rows (not a stale earlier call's). With images
     (`inverse` given), the prefill stored each distinct prompt's offset: each row gets its prompt's.
     """
-    inner = getattr(model, "get_base_model", lambda: model)()
+    inner = generating_model(model)
     for module in (inner, getattr(inner, "model", None)):
         if module is not None and hasattr(module, "rope_deltas"):
             if inverse is None:
